@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+#
+# The GPU suite: what the GitHub GPU job runs and what a developer runs by hand on a GPU machine.
+#
+#   bash scripts/run_gpu_suite.sh [--wheels DIR] [--results DIR] [--generate-golden]
+#                                 [--skip-unit] [--skip-sanitizer] [--skip-functional]
+#                                 [--skip-bench] [--quick-bench]
+#
+#   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
+#                      site directory first, for machines without network access
+#   --results DIR      where logs, JUnit XML, benchmark JSON/PNG and summary.md go (./results)
+#   --generate-golden  write the functional cases' golden values for this machine instead of
+#                      comparing with them
+#
+# Each step runs even when an earlier one failed; the exit code is non-zero if any failed. The
+# last thing printed is a summary table (also written to RESULTS/summary.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+
+wheels="" results="$repo/results" golden="" quick=""
+skip_unit="" skip_san="" skip_func="" skip_bench=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels) wheels="$2"; shift ;;
+    --results) results="$2"; shift ;;
+    --generate-golden) golden="--generate-golden" ;;
+    --skip-unit) skip_unit=1 ;;
+    --skip-sanitizer) skip_san=1 ;;
+    --skip-functional) skip_func=1 ;;
+    --skip-bench) skip_bench=1 ;;
+    --quick-bench) quick="--quick" ;;
+    -h|--help) sed -n '3,18p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$results"
+results=$(cd "$results" && pwd)
+
+if [ -n "$wheels" ]; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
+    || { echo "could not install the wheels in $wheels" >&2; exit 2; }
+  export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+
+python3 - <<'PY' 2>&1 | tee "$results/environment.txt"
+import platform, torch, triton
+from megatron.core import package_info
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print(f"python {platform.python_version()} | torch {torch.__version__} | triton {triton.__version__}"
+      f" | megatron-core {package_info.__version__} | {gpu}")
+PY
+
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "no CUDA device: the GPU suite needs one (CPU tests: see README)" >&2
+  exit 2
+fi
+
+declare -a names statuses secs
+failed=0
+step() {  # step NAME LOGFILE CMD...
+  local name=$1 log=$2; shift 2
+  local t0=$SECONDS rc
+  echo "=== $name: $*"
+  "$@" > >(tee "$results/$log") 2>&1
+  rc=$?
+  names+=("$name"); secs+=($((SECONDS - t0)))
+  if [ $rc -eq 0 ]; then statuses+=("pass"); else statuses+=("FAIL (rc=$rc)"); failed=1; fi
+}
+
+if [ -z "$skip_unit" ]; then
+  step "GPU unit tests" unit.log \
+    python3 -m pytest tests/unit_tests -m gpu -q -rs -p no:cacheprovider \
+      --junitxml="$results/unit.xml"
+fi
+
+if [ -z "$skip_san" ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool" "sanitizer_$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 tests/unit_tests/fusions/sanitize_mla_rope.py
+    done
+  else
+    names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
+  fi
+fi
+
+if [ -z "$skip_func" ]; then
+  while IFS= read -r cfg; do
+    case_dir=$(dirname "$cfg")
+    case_name=${case_dir#tests/functional_tests/test_cases/}
+    step "functional $case_name" "functional_${case_name//\//_}.log" \
+      python3 tests/functional_tests/python_test_utils/run_functional_case.py "$case_dir" \
+        --out "$results/functional/${case_name//\//_}" $golden
+  done < <(find tests/functional_tests/test_cases -name model_config.yaml | sort)
+fi
+
+if [ -z "$skip_bench" ]; then
+  step "benchmark rope" bench_rope.log python3 -m megatron_ext.bench rope --out "$results" $quick
+  step "benchmark inference" bench_inference.log \
+    python3 -m megatron_ext.bench inference --out "$results" $quick
+fi
+
+{
+  echo "## megatron_ext GPU suite"
+  echo
+  echo "\`$(cat "$results/environment.txt" | tail -n 1)\`"
+  echo
+  echo "| step | result | seconds |"
+  echo "| --- | --- | --- |"
+  for i in "${!names[@]}"; do echo "| ${names[$i]} | ${statuses[$i]} | ${secs[$i]} |"; done
+  for log in bench_rope.log bench_inference.log; do
+    if [ -f "$results/$log" ]; then
+      echo; echo '```'; sed -n '/^=== table/,$p' "$results/$log" | tail -n +2; echo '```'
+    fi
+  done
+} > "$results/summary.md"
+echo
+cat "$results/summary.md"
+exit $failed

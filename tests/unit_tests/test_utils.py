@@ -1,0 +1,57 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from packaging.version import Version
+
+from megatron_ext.utils import (
+    UnsupportedMegatronCoreVersionError,
+    check_megatron_core_version,
+    get_megatron_core_version,
+    is_megatron_core_min_version,
+)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.0", "0.19.2", "0.19.99"])
+def test_supported_versions_pass(version):
+    assert check_megatron_core_version(Version(version)) == Version(version)
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.16.1rc0", "0.20.0", "1.0.0"])
+def test_unsupported_versions_fail_with_a_clear_message(version):
+    with pytest.raises(UnsupportedMegatronCoreVersionError, match=f"found megatron-core {version}"):
+        check_megatron_core_version(Version(version))
+
+
+def test_installed_version_is_reported():
+    import megatron_ext
+    from megatron.core import package_info
+
+    assert megatron_ext.MEGATRON_CORE_VERSION == Version(package_info.__version__)
+    assert get_megatron_core_version() == Version(package_info.__version__)
+    assert is_megatron_core_min_version("0.16.1")
+    assert not is_megatron_core_min_version("99.0")
+
+
+def test_import_fails_early_on_an_unsupported_release(tmp_path):
+    # A stand-in megatron-core 0.15.0 shadows the installed one: importing megatron_ext must
+    # refuse it before anything else is defined.
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text("__version__ = '0.15.0'\n")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import megatron_ext
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "UnsupportedMegatronCoreVersionError" in proc.stderr
+    assert "found megatron-core 0.15.0" in proc.stderr
