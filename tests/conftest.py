@@ -25,3 +25,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mcore_parallel_state():
+    """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session.
+
+    For tests that build megatron-core modules. Tensor parallel size 1 never communicates, so gloo
+    serves CPU and CUDA tensors alike. Reuses a process group or parallel state set up elsewhere.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    if HAVE_CUDA:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    yield parallel_state

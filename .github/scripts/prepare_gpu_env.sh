@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+#
+# Prepares a self-hosted GPU runner for one job of .github/workflows/gpu-tests.yml.
+#
+# Runner contract: the runner image provides `python<X.Y>` for each Python version of the GPU
+# matrix, each with a CUDA build of torch and triton already installed (e.g. a CUDA PyTorch
+# container), and the NVIDIA driver. Nothing here installs torch: pip must never swap the image's
+# CUDA torch for another build.
+#
+# What it does:
+#   1. creates a virtual environment from python<X.Y> with --system-site-packages, so the image's
+#      torch and triton stay visible while everything installed here stays inside the job;
+#   2. checks that torch sees at least --min-gpus CUDA devices;
+#   3. puts the megatron-core wheel of --mcore into --wheels-dir/megatron-core-<version>/
+#      (downloaded from PyPI, unless a matching wheel is already there: offline runners can be
+#      pre-seeded) and installs it into the environment;
+#   4. on GitHub Actions, puts the environment first on PATH for the following steps and exports
+#      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`) and
+#      PYTHONPATH (the checkout, so megatron_ext imports from it).
+#
+# Usage:
+#   bash .github/scripts/prepare_gpu_env.sh --python 3.12 --mcore 0.16.1 [--min-gpus 1]
+#       [--venv DIR] [--wheels-dir DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+py_version=""
+mcore=""
+min_gpus=1
+tmp="${RUNNER_TEMP:-${TMPDIR:-/tmp}}"
+venv=""
+wheels_root="$tmp/megatron-core-wheels"
+
+while (($#)); do
+    case "$1" in
+        --python) py_version="$2"; shift 2 ;;
+        --mcore) mcore="$2"; shift 2 ;;
+        --min-gpus) min_gpus="$2"; shift 2 ;;
+        --venv) venv="$2"; shift 2 ;;
+        --wheels-dir) wheels_root="$2"; shift 2 ;;
+        -h | --help) sed -n '3,24p' "$0"; exit 0 ;;
+        *) echo "prepare_gpu_env.sh: unknown argument '$1'" >&2; exit 2 ;;
+    esac
+done
+if [[ -z "$py_version" || -z "$mcore" ]]; then
+    echo "prepare_gpu_env.sh: --python and --mcore are required" >&2
+    exit 2
+fi
+venv="${venv:-$tmp/megatron-ext-py$py_version-mcore$mcore}"
+wheels="$wheels_root/megatron-core-$mcore"
+
+base_python="python$py_version"
+if ! command -v "$base_python" >/dev/null 2>&1; then
+    echo "prepare_gpu_env.sh: $base_python is not on this runner (see the runner contract above)" >&2
+    exit 1
+fi
+
+echo "== virtual environment $venv (from $(command -v "$base_python"))"
+rm -rf "$venv"
+"$base_python" -m venv --system-site-packages "$venv"
+python="$venv/bin/python"
+# --system-site-packages only reaches the base interpreter's site-packages. Images often install
+# torch into a virtual environment of their own: make its site-packages visible too (after the
+# job environment's own, so what this job installs wins).
+"$base_python" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    >"$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/runner_image.pth"
+
+echo "== CUDA devices (need at least $min_gpus)"
+"$python" - "$min_gpus" <<'PY'
+import sys
+
+import torch
+import triton
+
+need = int(sys.argv[1])
+count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
+for index in range(count):
+    print(f"  cuda:{index} {torch.cuda.get_device_name(index)}")
+if count < need:
+    sys.exit(f"found {count} CUDA device(s), this job needs {need}")
+PY
+
+echo "== megatron-core $mcore wheel in $wheels"
+mkdir -p "$wheels"
+shopt -s nullglob
+found=("$wheels"/megatron_core-"$mcore"-*.whl)
+if ((${#found[@]} == 0)); then
+    "$python" -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" \
+        "megatron-core==$mcore"
+    found=("$wheels"/megatron_core-"$mcore"-*.whl)
+fi
+if ((${#found[@]} == 0)); then
+    echo "prepare_gpu_env.sh: no megatron-core $mcore wheel for Python $py_version" >&2
+    exit 1
+fi
+
+echo "== installing megatron-core $mcore; megatron_ext from the checkout (PYTHONPATH)"
+# --no-deps --no-index: torch, numpy and packaging come from the image (see the runner contract),
+# and nothing here needs the network once the wheel is there. megatron_ext is imported from the
+# checkout, as scripts/run_gpu_suite.sh does, so no build backend has to be fetched either.
+"$python" -m pip install --quiet --no-deps --no-index "${found[@]}"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$python" -c \
+    'import megatron.core, megatron_ext; print("megatron-core", megatron.core.__version__)'
+
+if [[ -n "${GITHUB_PATH:-}" ]]; then
+    echo "$venv/bin" >>"$GITHUB_PATH"
+fi
+if [[ -n "${GITHUB_ENV:-}" ]]; then
+    echo "MEGATRON_CORE_WHEELS=$wheels" >>"$GITHUB_ENV"
+    echo "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" >>"$GITHUB_ENV"
+fi

@@ -1,0 +1,773 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Run functional test cases and compare them with their golden values.
+
+A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`` holding a
+``model_config.yaml`` and, per environment and platform, ``golden_values_<env>_<platform>.json``
+(``env`` is the megatron-core minor release, e.g. ``mcore-0.16``; ``platform`` the GPU, e.g.
+``h200``).
+
+``model_config.yaml`` keys:
+
+* ``ENTRYPOINT``: a script, relative to the repository root, or ``MODULE``: a module for
+  ``python -m``. It must accept ``OUTPUT_ARG PATH`` and write there a JSON object with
+  ``"runs": [{"mode": str, "<metric>": [value per step, ...], ...}, ...]`` (optionally
+  ``"<metric> hex"`` lists and an ``"environment"`` object).
+* ``ARGS`` (or ``MODEL_ARGS``): flag -> value; ``true`` passes the bare flag, ``false``/``null``
+  omits it, a list passes several values.
+* ``OUTPUT_ARG`` (default ``--output-json``), ``ENV_VARS``, ``NPROC`` (processes, one GPU each,
+  launched with torchrun when > 1), ``TIMEOUT`` (seconds, default 600).
+* ``METRICS``: the per-step metrics to check (default ``["lm loss"]``).
+* ``COMPARE_MODES``: when true, every run in the output must equal the first bit for bit (e.g.
+  the flag off and on).
+* ``GOLDEN``: ``bitwise`` (default) or ``none``.
+
+Usage::
+
+    run_functional_case.py CASE_DIR [CASE_DIR ...] [--generate-golden] [--out DIR]
+
+A directory without ``model_config.yaml`` is searched for cases. Exit status: 0 when every case
+passed (or had its golden values written), 1 when any failed, 2 when none failed but some need
+more GPUs than this machine has (0 with ``--allow-missing-hardware``).
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CONFIG_NAME = "model_config.yaml"
+KNOWN_KEYS = {
+    "ENTRYPOINT",
+    "MODULE",
+    "ARGS",
+    "MODEL_ARGS",
+    "OUTPUT_ARG",
+    "ENV_VARS",
+    "NPROC",
+    "TIMEOUT",
+    "METRICS",
+    "COMPARE_MODES",
+    "GOLDEN",
+    "TEST_TYPE",
+    "DESCRIPTION",
+}
+
+PASSED, FAILED, GOLDEN_WRITTEN, NEEDS_HARDWARE = "PASSED", "FAILED", "GOLDEN WRITTEN", "NOT RUN"
+
+
+# ----------------------------------------------------------------------------------------------
+# model_config.yaml
+
+
+def _scalar(text: str) -> Any:
+    text = text.strip()
+    if not text or text in ("null", "~", "Null", "NULL"):
+        return None
+    if text[0] in "'\"" and text[-1] == text[0] and len(text) >= 2:
+        return text[1:-1]
+    if text in ("true", "True", "TRUE"):
+        return True
+    if text in ("false", "False", "FALSE"):
+        return False
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [_scalar(part) for part in _split_flow(inner)] if inner else []
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _split_flow(text: str) -> List[str]:
+    parts, depth, quote, current = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+    parts.append(current)
+    return parts
+
+
+def _strip_comment(line: str) -> str:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def parse_simple_yaml(text: str) -> Dict[str, Any]:
+    """Parse the YAML subset the case files use, for machines without PyYAML.
+
+    Supported: nested mappings by indentation, ``- item`` lists, flow lists ``[a, b]``, quoted and
+    plain scalars (int, float, true/false, null), comments. Write strings such as ``on``/``off``
+    quoted, as YAML 1.1 reads them as booleans.
+
+    Args:
+        text: the document.
+
+    Returns:
+        dict: the parsed mapping.
+
+    Raises:
+        ValueError: on a line it cannot interpret.
+    """
+    lines = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = _strip_comment(raw)
+        if line.strip():
+            lines.append((number, len(line) - len(line.lstrip(" ")), line.strip()))
+
+    def block(index: int, indent: int) -> Tuple[Any, int]:
+        if lines[index][2].startswith("- "):
+            items = []
+            while index < len(lines) and lines[index][1] == indent:
+                number, _, content = lines[index]
+                if not content.startswith("- "):
+                    raise ValueError(f"line {number}: expected a list item")
+                items.append(_scalar(content[2:]))
+                index += 1
+            return items, index
+        mapping: Dict[str, Any] = {}
+        while index < len(lines) and lines[index][1] == indent:
+            number, _, content = lines[index]
+            key, sep, rest = content.partition(":")
+            if not sep or (rest and not rest.startswith(" ")):
+                # A colon inside the key (none of ours) or no colon at all.
+                raise ValueError(f"line {number}: expected 'key: value', got {content!r}")
+            key = _scalar(key)
+            index += 1
+            if rest.strip():
+                mapping[key] = _scalar(rest)
+            elif index < len(lines) and lines[index][1] > indent:
+                mapping[key], index = block(index, lines[index][1])
+            elif index < len(lines) and lines[index][1] == indent and lines[index][2][:2] == "- ":
+                mapping[key], index = block(index, indent)
+            else:
+                mapping[key] = None
+        return mapping, index
+
+    if not lines:
+        return {}
+    result, index = block(0, lines[0][1])
+    if index != len(lines):
+        raise ValueError(f"line {lines[index][0]}: unexpected indentation")
+    if not isinstance(result, dict):
+        raise ValueError("the document must be a mapping")
+    return result
+
+
+def load_yaml(path: Path) -> Dict[str, Any]:
+    """Load a case file with PyYAML when available, else with :func:`parse_simple_yaml`."""
+    text = path.read_text()
+    try:
+        import yaml
+    except ImportError:
+        return parse_simple_yaml(text)
+    data = yaml.safe_load(text)
+    return data if data is not None else {}
+
+
+@dataclass
+class CaseConfig:
+    """A parsed and checked ``model_config.yaml``."""
+
+    path: Path
+    name: str
+    command_prefix: List[str]
+    args: List[str]
+    output_arg: str
+    env_vars: Dict[str, str]
+    nproc: int
+    timeout: float
+    metrics: List[str]
+    compare_modes: bool
+    golden: str
+    raw: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+def _args_to_list(args: Any, where: str) -> List[str]:
+    if args is None:
+        return []
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}: ARGS must be a mapping of flag -> value")
+    out: List[str] = []
+    for flag, value in args.items():
+        flag = str(flag)
+        if not flag.startswith("-"):
+            raise ValueError(f"{where}: ARGS key {flag!r} must be a flag (start with '-')")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out.append(flag)
+            out.extend(_fmt(v) for v in value)
+        else:
+            out.extend([flag, _fmt(value)])
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        raise ValueError(f"booleans are only allowed as whole flag values, got {value}")
+    return str(value)
+
+
+def load_case(case_dir: Path) -> CaseConfig:
+    """Read and validate a case directory's ``model_config.yaml``.
+
+    Args:
+        case_dir: the case directory.
+
+    Returns:
+        CaseConfig: the case.
+
+    Raises:
+        ValueError: naming every problem with the file.
+    """
+    path = case_dir / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"{case_dir}: no {CONFIG_NAME}")
+    raw = load_yaml(path)
+    where = str(path)
+    unknown = set(raw) - KNOWN_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+    if ("ENTRYPOINT" in raw) == ("MODULE" in raw):
+        raise ValueError(f"{where}: give exactly one of ENTRYPOINT (a script) or MODULE")
+    if "ENTRYPOINT" in raw:
+        script = REPO_ROOT / str(raw["ENTRYPOINT"])
+        if not script.is_file():
+            raise ValueError(f"{where}: ENTRYPOINT {raw['ENTRYPOINT']} does not exist")
+        prefix = [str(script)]
+    else:
+        prefix = ["-m", str(raw["MODULE"])]
+    if "ARGS" in raw and "MODEL_ARGS" in raw:
+        raise ValueError(f"{where}: give ARGS or MODEL_ARGS, not both")
+    args = _args_to_list(raw.get("ARGS", raw.get("MODEL_ARGS")), where)
+    env_vars = raw.get("ENV_VARS") or {}
+    if not isinstance(env_vars, dict):
+        raise ValueError(f"{where}: ENV_VARS must be a mapping")
+    nproc = raw.get("NPROC", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"{where}: NPROC must be a positive integer, got {nproc!r}")
+    metrics = raw.get("METRICS", ["lm loss"])
+    if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) for m in metrics):
+        raise ValueError(f"{where}: METRICS must be a non-empty list of names")
+    golden = raw.get("GOLDEN", "bitwise")
+    if golden not in ("bitwise", "none"):
+        raise ValueError(f"{where}: GOLDEN must be 'bitwise' or 'none', got {golden!r}")
+    timeout = raw.get("TIMEOUT", 600)
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"{where}: TIMEOUT must be a positive number of seconds")
+    return CaseConfig(
+        path=case_dir,
+        name=f"{case_dir.parent.name}/{case_dir.name}",
+        command_prefix=prefix,
+        args=args,
+        output_arg=str(raw.get("OUTPUT_ARG", "--output-json")),
+        env_vars={str(k): str(v) for k, v in env_vars.items()},
+        nproc=nproc,
+        timeout=float(timeout),
+        metrics=metrics,
+        compare_modes=bool(raw.get("COMPARE_MODES", False)),
+        golden=golden,
+        raw=raw,
+    )
+
+
+def find_cases(paths: Sequence[Path]) -> List[Path]:
+    """Case directories named by ``paths`` (a case directory, or a directory searched for them)."""
+    cases: List[Path] = []
+    for path in paths:
+        if (path / CONFIG_NAME).is_file():
+            cases.append(path)
+        elif path.is_dir():
+            cases.extend(sorted(p.parent for p in path.rglob(CONFIG_NAME)))
+        else:
+            raise ValueError(f"{path}: not a directory")
+    if not cases:
+        raise ValueError(f"no {CONFIG_NAME} under {', '.join(map(str, paths))}")
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------
+# Results and golden values
+
+
+def bits(value: Any) -> str:
+    """The exact identity of a metric value: float bit pattern as hex, integers as themselves."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return value.hex()
+    raise TypeError(f"metric values must be numbers, got {type(value).__name__}")
+
+
+def run_series(run: Dict[str, Any], metric: str) -> List[str]:
+    """A run's per-step values of ``metric`` as exact strings (its ``hex`` list when present)."""
+    if metric not in run:
+        raise KeyError(f"run {run.get('mode', '?')!r} has no metric {metric!r}")
+    exact = [bits(v) for v in run[metric]]
+    hexes = run.get(f"{metric} hex")
+    if hexes is not None and list(hexes) != exact:
+        raise ValueError(f"run {run.get('mode')!r}: {metric!r} values and hex strings disagree")
+    return exact
+
+
+def compare_runs(result: Dict[str, Any], metrics: Sequence[str]) -> List[str]:
+    """Bitwise comparison of every run with the first; returns the differences."""
+    runs = result["runs"]
+    problems = []
+    for index, run in enumerate(runs[1:], start=1):
+        for metric in metrics:
+            a, b = run_series(runs[0], metric), run_series(run, metric)
+            if len(a) != len(b):
+                problems.append(
+                    f"run {index} ({run.get('mode')}) has {len(b)} {metric!r} steps, "
+                    f"run 0 has {len(a)}"
+                )
+                continue
+            diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            if diff:
+                i = diff[0]
+                problems.append(
+                    f"run {index} ({run.get('mode')}) vs run 0 ({runs[0].get('mode')}): {metric!r} "
+                    f"differs at {len(diff)} of {len(a)} steps, first at step {i + 1}: "
+                    f"{runs[0][metric][i]!r} ({a[i]}) vs {run[metric][i]!r} ({b[i]})"
+                )
+    return problems
+
+
+def golden_from_result(result: Dict[str, Any], metrics: Sequence[str]) -> Dict[str, Any]:
+    """Golden values (upstream's layout, plus exact hex strings) from a run's first run."""
+    run = result["runs"][0]
+    golden: Dict[str, Any] = {}
+    for metric in metrics:
+        values = run[metric]
+        golden[metric] = {
+            "start_step": 1,
+            "end_step": len(values),
+            "step_interval": 1,
+            "values": {str(i): v for i, v in enumerate(values, start=1)},
+            "hex": {str(i): bits(v) for i, v in enumerate(values, start=1)},
+        }
+    if "step_time_ms" in run:
+        times = run["step_time_ms"]
+        golden["iteration-time"] = {
+            "start_step": 1,
+            "end_step": len(times),
+            "step_interval": 1,
+            "values": {str(i): round(t / 1000.0, 6) for i, t in enumerate(times, start=1)},
+            "compared": False,
+        }
+    golden["metadata"] = {
+        "environment": result.get("environment", {}),
+        "note": "values are per step; 'hex' holds the exact float bit patterns that are compared",
+    }
+    return golden
+
+
+def compare_golden(
+    result: Dict[str, Any], golden: Dict[str, Any], metrics: Sequence[str]
+) -> List[str]:
+    """Bitwise comparison of every run with the golden values; returns the differences."""
+    problems = []
+    for metric in metrics:
+        if metric not in golden:
+            problems.append(f"golden values have no {metric!r}")
+            continue
+        entry = golden[metric]
+        exact = entry.get("hex") or {k: bits(v) for k, v in entry["values"].items()}
+        steps = range(entry["start_step"], entry["end_step"] + 1, entry["step_interval"])
+        for index, run in enumerate(result["runs"]):
+            series = run_series(run, metric)
+            if len(series) < entry["end_step"]:
+                problems.append(
+                    f"run {index} ({run.get('mode')}): {len(series)} {metric!r} "
+                    f"steps, golden values go to step {entry['end_step']}"
+                )
+                continue
+            diff = [s for s in steps if series[s - 1] != exact[str(s)]]
+            if diff:
+                s = diff[0]
+                problems.append(
+                    f"run {index} ({run.get('mode')}): {metric!r} differs from golden at "
+                    f"{len(diff)} of {len(steps)} steps, first at step {s}: got "
+                    f"{run[metric][s - 1]!r} ({series[s - 1]}), golden "
+                    f"{entry['values'][str(s)]!r} ({exact[str(s)]})"
+                )
+    return problems
+
+
+def env_name(version: str) -> str:
+    """``mcore-<major>.<minor>`` for a megatron-core version string."""
+    parts = version.split(".")
+    if len(parts) < 2:
+        raise ValueError(f"cannot read a release from megatron-core version {version!r}")
+    return f"mcore-{parts[0]}.{parts[1]}"
+
+
+def platform_name(device: str) -> str:
+    """A short platform tag from a GPU name: 'NVIDIA H200' -> 'h200'."""
+    match = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", device.replace("NVIDIA", ""))
+    if match:
+        return match.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") or "unknown"
+
+
+def detect_env() -> Optional[str]:
+    """The environment tag of the megatron-core this interpreter imports, or None."""
+    try:
+        from importlib.metadata import version
+
+        return env_name(version("megatron-core"))
+    except Exception:  # pylint: disable=broad-except
+        pass
+    try:
+        from megatron.core import package_info
+
+        return env_name(package_info.__version__)
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
+def gpu_count() -> int:
+    """Visible CUDA devices (0 without a GPU or without nvidia-smi)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a case
+
+
+@dataclass
+class CaseOutcome:
+    """What happened to one case."""
+
+    name: str
+    status: str
+    messages: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+    timings: List[str] = field(default_factory=list)
+
+
+def build_command(
+    case: CaseConfig, output_json: Path, python: str, extra_args: Sequence[str]
+) -> List[str]:
+    """The command that runs ``case`` and writes its results to ``output_json``."""
+    tail = [*case.command_prefix, *case.args, *extra_args, case.output_arg, str(output_json)]
+    if case.nproc == 1:
+        return [python, *tail]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={case.nproc}",
+        *tail,
+    ]
+
+
+def _timing_lines(result: Dict[str, Any]) -> List[str]:
+    lines = []
+    by_mode: Dict[str, List[float]] = {}
+    for index, run in enumerate(result.get("runs", [])):
+        if "median_step_time_ms" not in run:
+            continue
+        by_mode.setdefault(run.get("mode", "?"), []).append(run["median_step_time_ms"])
+        line = f"run {index} [{run.get('mode')}] median step {run['median_step_time_ms']:.3f} ms"
+        profile = run.get("rope_profile")
+        if profile:
+            line += (
+                f", RoPE {profile['rope_us_per_step']:.1f} us/step "
+                f"({100 * (profile.get('rope_share_of_kernel_time') or 0):.2f}% of kernel "
+                f"time, {100 * profile.get('rope_share_of_step_time', 0):.2f}% of step)"
+            )
+        lines.append(line)
+    if "on" in by_mode and "off" in by_mode:
+        on, off = statistics.median(by_mode["on"]), statistics.median(by_mode["off"])
+        lines.append(f"step time on/off {on:.3f}/{off:.3f} ms ({100 * (on / off - 1):+.2f}%)")
+    return lines
+
+
+def run_case(
+    case: CaseConfig,
+    out_dir: Path,
+    *,
+    generate_golden: bool,
+    env: Optional[str],
+    platform: Optional[str],
+    python: str,
+    extra_args: Sequence[str],
+    available_gpus: int,
+) -> CaseOutcome:
+    """Run one case and check it; never raises for a failing case.
+
+    Args:
+        case: the case.
+        out_dir: where its log and results go.
+        generate_golden: write the golden file instead of requiring it.
+        env, platform: golden file tags; detected when None.
+        python: the interpreter that runs the entry point.
+        extra_args: arguments appended to the case's own.
+        available_gpus: GPUs on this machine.
+
+    Returns:
+        CaseOutcome: status and messages.
+    """
+    outcome = CaseOutcome(case.name, FAILED)
+    if case.nproc > available_gpus:
+        outcome.status = NEEDS_HARDWARE
+        outcome.messages.append(
+            f"needs a machine with {case.nproc} GPUs (this one has {available_gpus}); not run, "
+            "no golden values checked"
+        )
+        return outcome
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output_json = out_dir / "result.json"
+    if output_json.exists():
+        output_json.unlink()
+    log_path = out_dir / "log.txt"
+    command = build_command(case, output_json, python, extra_args)
+    env_vars = dict(os.environ)
+    env_vars.update(case.env_vars)
+    env_vars["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.run(
+                command,
+                cwd=REPO_ROOT,
+                env=env_vars,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=case.timeout,
+                check=False,
+            )
+            returncode: Optional[int] = proc.returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+    outcome.seconds = time.monotonic() - start
+    tail = "".join(log_path.read_text(errors="replace").splitlines(True)[-40:])
+    if returncode is None:
+        outcome.messages.append(f"timed out after {case.timeout:.0f} s; log: {log_path}")
+        outcome.messages.append("last lines:\n" + tail)
+        return outcome
+    if not output_json.is_file():
+        outcome.messages.append(
+            f"the entry point exited with status {returncode} and wrote no {output_json.name}; "
+            f"log: {log_path}\nlast lines:\n{tail}"
+        )
+        return outcome
+    try:
+        result = json.loads(output_json.read_text())
+        if not isinstance(result.get("runs"), list) or not result["runs"]:
+            raise ValueError("no 'runs' list")
+        for run in result["runs"]:
+            for metric in case.metrics:
+                run_series(run, metric)
+    except (ValueError, KeyError, TypeError) as exc:
+        outcome.messages.append(f"unusable {output_json}: {exc}")
+        return outcome
+    outcome.timings = _timing_lines(result)
+
+    problems = []
+    if returncode != 0:
+        problems.append(f"the entry point exited with status {returncode}; log: {log_path}")
+    if case.compare_modes:
+        if len(result["runs"]) < 2:
+            problems.append("COMPARE_MODES is set but the output has a single run")
+        problems.extend(compare_runs(result, case.metrics))
+
+    environment = result.get("environment", {})
+    env = env or (
+        env_name(environment["megatron_core"]) if environment.get("megatron_core") else detect_env()
+    )
+    platform = platform or (
+        platform_name(environment["device"]) if environment.get("device") else None
+    )
+    if case.golden == "bitwise":
+        if env is None or platform is None:
+            problems.append(
+                "cannot tell the environment/platform for the golden file name; "
+                "pass --env and --platform"
+            )
+        else:
+            golden_path = case.path / f"golden_values_{env}_{platform}.json"
+            if generate_golden:
+                if problems:
+                    problems.append(
+                        f"golden values NOT written to {golden_path}: the run "
+                        "failed the checks above"
+                    )
+                else:
+                    golden_path.write_text(
+                        json.dumps(golden_from_result(result, case.metrics), indent=4) + "\n"
+                    )
+                    outcome.messages.append(f"wrote {golden_path}")
+            elif not golden_path.is_file():
+                problems.append(
+                    f"no golden values for env {env!r} on platform {platform!r}: {golden_path} "
+                    "is missing. Generate them on a trusted machine with --generate-golden and "
+                    "commit the file."
+                )
+            else:
+                problems.extend(
+                    compare_golden(result, json.loads(golden_path.read_text()), case.metrics)
+                )
+    outcome.messages.extend(problems)
+    if problems:
+        outcome.status = FAILED
+    else:
+        outcome.status = GOLDEN_WRITTEN if generate_golden and case.golden == "bitwise" else PASSED
+    return outcome
+
+
+def summary_markdown(outcomes: Sequence[CaseOutcome]) -> str:
+    """A Markdown report of the cases (for CI job summaries).
+
+    Args:
+        outcomes: the cases' outcomes.
+
+    Returns:
+        str: a table of status and time, then each case's timings and messages.
+    """
+    lines = ["| case | result | seconds |", "| --- | --- | --- |"]
+    lines += [f"| {o.name} | {o.status} | {o.seconds:.1f} |" for o in outcomes]
+    for o in outcomes:
+        if o.timings or o.messages:
+            lines += ["", f"**{o.name}** ({o.status})", "", "```"]
+            lines += [*o.timings, *o.messages, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point; see the module docstring.
+
+    Args:
+        argv: arguments; ``sys.argv[1:]`` when None.
+
+    Returns:
+        int: the exit status.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="+", type=Path, help="case directories (or parents)")
+    parser.add_argument(
+        "--generate-golden",
+        action="store_true",
+        help="write golden_values_<env>_<platform>.json from this run",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO_ROOT / "results" / "functional_tests",
+        help="directory for logs and per-case results",
+    )
+    parser.add_argument("--env", default=None, help="golden env tag (default: detected)")
+    parser.add_argument("--platform", default=None, help="golden platform tag (default: GPU)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter for entry points")
+    parser.add_argument(
+        "--extra-args",
+        default="",
+        help="arguments appended to every case's own (shell-quoted string)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs this machine offers (default: detected with nvidia-smi)",
+    )
+    parser.add_argument(
+        "--allow-missing-hardware",
+        action="store_true",
+        help="exit 0 when the only unrun cases need more GPUs",
+    )
+    args = parser.parse_args(argv)
+
+    try:
+        cases = [load_case(path.resolve()) for path in find_cases(args.cases)]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    available = gpu_count() if args.gpus is None else args.gpus
+    extra = shlex.split(args.extra_args)
+    outcomes = []
+    total_start = time.monotonic()
+    for case in cases:
+        print(f"=== {case.name} (NPROC {case.nproc})", flush=True)
+        outcome = run_case(
+            case,
+            args.out / case.path.parent.name / case.path.name,
+            generate_golden=args.generate_golden,
+            env=args.env,
+            platform=args.platform,
+            python=args.python,
+            extra_args=extra,
+            available_gpus=available,
+        )
+        outcomes.append(outcome)
+        print(f"--- {outcome.status}: {case.name} ({outcome.seconds:.1f} s)")
+        for line in outcome.timings:
+            print(f"    {line}")
+        for message in outcome.messages:
+            print("    " + message.replace("\n", "\n    "))
+    print(f"=== summary ({time.monotonic() - total_start:.1f} s)")
+    for outcome in outcomes:
+        print(f"  {outcome.status:<15} {outcome.name} ({outcome.seconds:.1f} s)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.md").write_text(summary_markdown(outcomes))
+    if any(o.status == FAILED for o in outcomes):
+        return 1
+    if any(o.status == NEEDS_HARDWARE for o in outcomes) and not args.allow_missing_hardware:
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Functional case: dynamic inference with static active slices off and on.
+
+A small GPT (megatron-core's local layer spec, no Transformer Engine) generates greedily for a few
+hundred requests of mixed prompt and output lengths through megatron-core's real
+``DynamicInferenceEngine``, once with megatron_ext's static active slices off and once on (via
+``megatron_ext.inference.apply_inference_extension``; the engine set-up is otherwise identical
+and builds megatron-core's class names). The KV buffer is small, so requests pause, resume and
+get evicted. Both runs must produce bit-identical tokens and log-probs.
+
+megatron-core's dynamic-batching attention needs flash-attn, which this environment may not
+have. The model therefore uses ``TorchPagedSelfAttention`` (megatron_ext.inference.
+torch_paged_attention): megatron-core's ``SelfAttention`` with ``flash_decode_and_prefill``
+overridden by a plain-torch paged-KV attention (fixed shapes, graph-capturable). Both runs use
+it, so the comparison isolates the extension.
+
+Standalone::
+
+    python tests/functional_tests/test_cases/gpt/inference_static_active_slices/run_case.py \\
+        --out DIR                  # writes DIR/metrics.json; exit status 1 on any mismatch
+
+Through the functional-test runner (model_config.yaml in this directory), which passes
+``--output-json PATH``. ``--device cpu`` runs a small smoke version without a GPU.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Tuple
+
+# Deterministic cuBLAS workspaces; must be set before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+REPO_ROOT = Path(__file__).resolve().parents[5]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Command line; defaults are the case's configuration."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="directory for metrics.json")
+    p.add_argument("--output-json", type=Path, default=None, help="result file (runner format)")
+    p.add_argument("--modes", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="a few requests (smoke run)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num-requests", type=int, default=320)
+    p.add_argument("--prompt-length", type=int, nargs=2, default=[4, 200], metavar=("MIN", "MAX"))
+    p.add_argument("--generate-length", type=int, nargs=2, default=[1, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=4)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--max-sequence-length", type=int, default=512)
+    p.add_argument("--max-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--block-size-tokens", type=int, default=16)
+    p.add_argument("--kv-blocks", type=int, default=240, help="KV blocks (small: forces pausing)")
+    p.add_argument("--paused-kv-blocks", type=int, default=48)
+    args = p.parse_args(argv)
+    if args.out is None and args.output_json is None:
+        p.error("give --out DIR or --output-json PATH")
+    if args.quick:
+        args.num_requests = min(args.num_requests, 24)
+        args.generate_length = [1, 16]
+    return args
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> List[Tuple[List[int], Any]]:
+    """Mixed prompt and output lengths, greedy, with log-probs; end of document = vocab - 1."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.num_requests):
+        prompt = [rng.randrange(vocab_size - 1) for _ in range(rng.randint(*args.prompt_length))]
+        params = SamplingParams(
+            num_tokens_to_generate=rng.randint(*args.generate_length),
+            termination_id=vocab_size - 1,
+            top_k=1,
+            return_log_probs=True,
+            skip_prompt_log_probs=True,
+        )
+        requests.append((prompt, params))
+    return requests
+
+
+def build_model(args: argparse.Namespace, dtype: torch.dtype):
+    """A small GPT whose attention runs megatron_ext's plain-torch paged-KV attention."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ext.inference.torch_paged_attention import TorchPagedSelfAttention
+
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        apply_rope_fusion=False,
+        use_cpu_initialization=True,
+        inference_sampling_seed=args.seed,
+    )
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.module = TorchPagedSelfAttention
+    torch.manual_seed(args.seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_sequence_length,
+        position_embedding_type="rope",
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else "cpu"
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, config
+
+
+def build_engine(model, config, args: argparse.Namespace, dtype: torch.dtype):
+    """Context, controller and engine built with megatron-core's class names."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+    from megatron_ext.inference.synthetic import SyntheticTokenizer
+    from megatron_ext.inference.synthetic import build_engine as make_engine
+
+    heads_kv = args.num_query_groups
+    head_dim = args.hidden_size // args.num_attention_heads
+    block_bytes = dtype.itemsize * 2 * args.num_layers * args.block_size_tokens * heads_kv
+    block_bytes *= head_dim
+    sizes = dict(
+        max_sequence_length=args.max_sequence_length,
+        buffer_size_gb=(args.kv_blocks + 0.5) * block_bytes / 1024**3,
+        paused_buffer_size_gb=(args.paused_kv_blocks + 0.5) * block_bytes / 1024**3,
+        max_requests=args.max_requests,
+        max_tokens=args.max_tokens,
+        block_size_tokens=args.block_size_tokens,
+        materialize_only_last_token_logits=True,
+    )
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        from megatron.core.inference.config import InferenceConfig
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+            GPTInferenceWrapper,
+        )
+
+        context = DynamicInferenceContext(
+            config, InferenceConfig(enable_chunked_prefill=True, **sizes)
+        )
+        wrapper = GPTInferenceWrapper(model, context)
+    else:
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+            GPTInferenceWrapper,
+        )
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        context = DynamicInferenceContext(
+            params_dtype=dtype,
+            num_layers=args.num_layers,
+            kv_channels=head_dim,
+            num_attention_heads=heads_kv,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            **sizes,
+        )
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=args.hidden_size,
+            params_dtype=dtype,
+            inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=args.vocab_size,
+            inference_max_requests=args.max_requests,
+            inference_max_seq_length=args.max_sequence_length,
+        )
+        wrapper = GPTInferenceWrapper(model, wrapper_config, context)
+    controller = TextGenerationController(wrapper, SyntheticTokenizer(args.vocab_size))
+    engine = make_engine(SimpleNamespace(controller=controller, context=context), seed=args.seed)
+    return engine, context, controller
+
+
+def run_mode(mode: str, model, config, args: argparse.Namespace, dtype: torch.dtype, requests):
+    """Generate every request with the extension ``mode`` ("off"/"on")."""
+    import megatron_ext.inference as ext_inference
+    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+    from megatron_ext.inference.synthetic import run_engine
+    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+        StaticSlicesTextGenerationController,
+    )
+    from megatron_ext.inference.torch_paged_attention import (
+        allow_dynamic_inference_without_flash_attn,
+    )
+
+    ext_inference.apply_inference_extension(mode == "on")
+    try:
+        engine, context, controller = build_engine(model, config, args, dtype)
+    finally:
+        ext_inference.apply_inference_extension(False)
+    extended = isinstance(context, StaticSlicesInferenceContext) and isinstance(
+        controller, StaticSlicesTextGenerationController
+    )
+    if extended != (mode == "on"):
+        raise RuntimeError(
+            f"mode {mode!r} built {type(context).__name__} and " f"{type(controller).__name__}"
+        )
+    step_times: List[float] = []
+    original_step = engine.step_modern
+
+    def timed_step(*a, **k):
+        start = time.perf_counter()
+        result = original_step(*a, **k)
+        step_times.append((time.perf_counter() - start) * 1e3)
+        return result
+
+    engine.step_modern = timed_step
+    start = time.perf_counter()
+    with allow_dynamic_inference_without_flash_attn():
+        outputs, stats = run_engine(engine, requests)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    run: Dict[str, Any] = {"mode": mode}
+    run["generated tokens"] = [t for i in sorted(outputs) for t in outputs[i]["generated_tokens"]]
+    run["generated log probs"] = [
+        float(lp) for i in sorted(outputs) for lp in outputs[i]["generated_log_probs"]
+    ]
+    run["generated lengths"] = [len(outputs[i]["generated_tokens"]) for i in sorted(outputs)]
+    run.update(
+        finished_requests=len(outputs),
+        engine_steps=stats["steps"],
+        max_paused=stats["max_paused"],
+        evicted=stats["evicted"],
+        seconds=elapsed,
+        median_step_time_ms=statistics.median(step_times) if step_times else 0.0,
+        context_class=type(context).__name__,
+        controller_class=type(controller).__name__,
+    )
+    if extended:
+        run["sampling_cuda_graphs"] = len(controller._graphs)
+    return run
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the case; 0 when every mode generated the same output, else 1."""
+    args = parse_args(argv)
+    from megatron_ext.inference.synthetic import cpu_torch_compat, ensure_model_parallel
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("run_case: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 1
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    with cpu_torch_compat():
+        if args.device == "cpu":
+            # The context's fused KV append is a Triton GPU kernel; megatron-core falls back to
+            # indexing when it is absent.
+            from megatron.core.inference.contexts import dynamic_context as mcore_context
+
+            mcore_context.triton_append_key_value_cache = None
+        ensure_model_parallel()
+        from megatron.core import package_info
+
+        model, config = build_model(args, dtype)
+        requests = make_requests(args, args.vocab_size)
+        runs = [run_mode(mode, model, config, args, dtype, requests) for mode in args.modes]
+
+    problems: List[str] = []
+    for run in runs[1:]:
+        for key in ("generated tokens", "generated log probs", "generated lengths"):
+            if run[key] != runs[0][key]:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(run[key], runs[0][key])) if a != b),
+                    min(len(run[key]), len(runs[0][key])),
+                )
+                problems.append(
+                    f"{key!r} differ between {runs[0]['mode']!r} and "
+                    f"{run['mode']!r}, first at index {first}"
+                )
+    for run in runs:
+        if run["finished_requests"] != len(requests):
+            problems.append(f"{run['mode']}: {run['finished_requests']}/{len(requests)} finished")
+    if not args.quick and not any(run["max_paused"] > 0 for run in runs):
+        problems.append("no request was ever paused: the KV buffer is too large for this case")
+
+    result = {
+        "runs": runs,
+        "environment": {
+            "megatron_core": package_info.__version__,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        },
+        "requests": len(requests),
+        "identical": not problems,
+        "problems": problems,
+    }
+    for path in filter(None, [args.output_json, args.out and args.out / "metrics.json"]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    for run in runs:
+        print(
+            f"[{run['mode']}] {run['context_class']}/{run['controller_class']}: "
+            f"{run['finished_requests']} requests, {len(run['generated tokens'])} tokens, "
+            f"{run['engine_steps']} steps, max paused {run['max_paused']}, evicted "
+            f"{run['evicted']}, {run['seconds']:.1f} s, median step "
+            f"{run['median_step_time_ms']:.2f} ms"
+            + (
+                f", {run['sampling_cuda_graphs']} sampling graphs"
+                if "sampling_cuda_graphs" in run
+                else ""
+            )
+        )
+    for problem in problems:
+        print("MISMATCH: " + problem)
+    print("PASSED: identical tokens and log-probs" if not problems else "FAILED")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

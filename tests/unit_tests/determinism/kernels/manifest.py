@@ -1,0 +1,111 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Registry of kernels with a bit-exact determinism test (test_determinism.py runs them all).
+
+Each entry maps a kernel name to a :class:`KernelCase`: a callable that builds fresh inputs from a
+fixed seed and runs the kernel once at a given launch config, returning its outputs. The test
+asserts identical bits across repeated runs and, where ``configs`` lists several, across configs.
+Register every new or changed kernel here.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as mla_rope
+
+Outputs = Tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """How to run one kernel for the determinism test.
+
+    Args:
+        run: ``run(device, dtype, config)`` builds inputs from a fixed seed and returns the
+            outputs; ``config`` None means the kernel's own choice (autotuning on a GPU).
+        configs: launch configs whose outputs must all be bit-identical.
+        gpu_dtypes: dtypes tested on a GPU.
+        cpu_dtypes: dtypes tested in the Triton interpreter (it cannot do bf16 arithmetic).
+    """
+
+    run: Callable[[torch.device, torch.dtype, Optional[object]], Outputs]
+    configs: Sequence[object] = field(default_factory=tuple)
+    gpu_dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float16, torch.float32)
+    cpu_dtypes: Sequence[torch.dtype] = (torch.float32,)
+
+
+def _inputs(device, dtype, lead, heads, dims, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*lead, heads, d, generator=g).to(dtype).to(device) for d in dims]
+
+
+def _tables(device, dtype, rows, emb_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    cos = torch.rand(rows, 1, 1, emb_dim, generator=g) * 2 - 1
+    sin = torch.rand(rows, 1, 1, emb_dim, generator=g) * 2 - 1
+    return cos.to(dtype).to(device), sin.to(dtype).to(device)
+
+
+def _pinned(config):
+    if config is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return mla_rope.pinned_kernel_config(config.block_h, config.num_warps)
+
+
+def _small(device) -> bool:
+    return device.type != "cuda"
+
+
+def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool):
+    def run(device, dtype, config) -> Outputs:
+        heads = 5 if _small(device) else 129  # not a multiple of any head block but 1
+        qk, emb = (8, 16) if _small(device) else (128, 64)
+        lead = (7,) if thd else (4, 2)
+        (t,) = _inputs(device, dtype, lead, heads, [qk + emb], seed=1)
+        cos, sin = _tables(device, dtype, 8, emb, seed=2)
+        cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=device) if thd else None
+        fn = mla_rope.mla_rope_q_bwd_ if backward else mla_rope.mla_rope_q_fwd_
+        with _pinned(config):
+            fn(t, cos, sin, qk, emb, cu, inverse=inverse, remove_interleaving=keep)
+        return (t,)
+
+    return run
+
+
+def _kv_case(backward: bool):
+    def run(device, dtype, config) -> Outputs:
+        heads = 5 if _small(device) else 129
+        k_dim, v_dim, emb = (8, 4, 16) if _small(device) else (128, 128, 64)
+        lead = (4, 2)
+        kv, emb_t = _inputs(device, dtype, lead, heads, [k_dim + v_dim, emb], seed=3)
+        emb_t = emb_t[:, :, :1]
+        cos, sin = _tables(device, dtype, 4, emb, seed=4)
+        with _pinned(config):
+            if not backward:
+                return mla_rope.mla_rope_kv_fwd(kv, emb_t, cos, sin, emb, k_dim, v_dim)
+            dkey, dvalue = _inputs(device, dtype, lead, heads, [k_dim + emb, v_dim], seed=5)
+            return mla_rope.mla_rope_kv_bwd(dkey, dvalue, cos, sin, emb, k_dim, v_dim)
+
+    return run
+
+
+# Spread over the autotuner's range (its choice is one of these shapes); the same configs as the
+# fusion tests, so one GPU test run compiles each only once.
+_CONFIGS = (
+    mla_rope.KernelConfig(1, 1),
+    mla_rope.KernelConfig(16, 4),
+    mla_rope.KernelConfig(128, 8),
+)
+
+KERNELS: Dict[str, KernelCase] = {
+    "mla_rope_q_fwd_sbhd": KernelCase(_q_case(False, False, False, False), _CONFIGS),
+    "mla_rope_q_fwd_thd_inverse_keep": KernelCase(_q_case(False, True, True, True), _CONFIGS),
+    "mla_rope_q_bwd_sbhd": KernelCase(_q_case(True, False, False, False), _CONFIGS),
+    "mla_rope_q_bwd_thd_inverse_keep": KernelCase(_q_case(True, True, True, True), _CONFIGS),
+    "mla_rope_kv_fwd": KernelCase(_kv_case(False), _CONFIGS),
+    "mla_rope_kv_bwd": KernelCase(_kv_case(True), _CONFIGS),
+}

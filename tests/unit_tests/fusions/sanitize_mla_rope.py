@@ -1,0 +1,125 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Run each MLA RoPE kernel once on small shapes, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python tests/unit_tests/fusions/sanitize_mla_rope.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 \\
+        python tests/unit_tests/fusions/sanitize_mla_rope.py --quick
+
+Covers the query forward and backward (sbhd, thd with CUDA-graph padding rows, thd with
+context parallelism, position ids; inverse and remove_interleaving) and the key/value forward and
+backward, in bf16 and fp32, with head counts that are not multiples of the head block (5 and 129)
+at pinned configs. PyTorch's caching allocator is disabled so that every tensor is its own
+allocation and an out-of-bounds access is one memcheck can see. Exits non-zero if any output
+differs from the exact model of the kernels' arithmetic (tests/unit_tests/fusions/mla_rope_testlib).
+"""
+
+import os
+import sys
+
+# Before torch initialises CUDA: one cudaMalloc per tensor, no slack shared with neighbours.
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402
+from mla_rope_testlib import (  # noqa: E402
+    bits,
+    kv_backward_reference,
+    kv_forward_reference,
+    make_case,
+    make_tables,
+    q_backward_reference,
+    q_forward_reference,
+    randn,
+)
+
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope  # noqa: E402
+
+CONFIGS = [rope.KernelConfig(4, 1), rope.KernelConfig(128, 4)]
+
+
+def _check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    ok = torch.equal(bits(actual), bits(expected))
+    print(f"{'ok ' if ok else 'BAD'} {name}")
+    return ok
+
+
+def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfig) -> bool:
+    g = torch.Generator().manual_seed(heads)
+    case = make_case(layout, heads, "cuda", qk_head_dim=32, emb_dim=64, generator=g)
+    t = randn(case.lead + (heads, 96), dtype, "cuda", g)
+    cos, sin = make_tables(case.table_rows, 64, dtype, "cuda", generator=g)
+    ok = True
+    for inverse, keep in ((False, False), (True, True)):
+        for backward in (False, True):
+            fn = rope.mla_rope_q_bwd_ if backward else rope.mla_rope_q_fwd_
+            ref = q_backward_reference if backward else q_forward_reference
+            x = t.clone()
+            with rope.pinned_kernel_config(config.block_h, config.num_warps):
+                fn(
+                    x,
+                    cos,
+                    sin,
+                    case.qk_head_dim,
+                    case.emb_dim,
+                    case.cu_seqlens,
+                    case.cp_rank,
+                    case.cp_size,
+                    inverse=inverse,
+                    remove_interleaving=keep,
+                    position_ids=case.position_ids,
+                )
+            expected = ref(case, t, cos, sin, inverse, keep, exact_model=True)
+            name = (
+                f"q {'bwd' if backward else 'fwd'} {layout} heads={heads} {dtype} {config} "
+                f"inverse={inverse} keep={keep}"
+            )
+            ok &= _check(name, x.view(case.rows, heads, -1), expected)
+    return ok
+
+
+def _key_value(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfig) -> bool:
+    g = torch.Generator().manual_seed(heads + 1)
+    case = make_case(layout, heads, "cuda", qk_head_dim=32, emb_dim=64, generator=g)
+    k_dim, v_dim = 32, 24
+    kv = randn(case.lead + (heads, k_dim + v_dim), dtype, "cuda", g)
+    emb = randn(case.lead + (1, 64), dtype, "cuda", g)
+    cos, sin = make_tables(case.table_rows, 64, dtype, "cuda", generator=g)
+    common = (64, k_dim, v_dim, case.cu_seqlens, case.cp_rank, case.cp_size)
+    with rope.pinned_kernel_config(config.block_h, config.num_warps):
+        key, value = rope.mla_rope_kv_fwd(kv, emb, cos, sin, *common)
+        d_kv, d_emb = rope.mla_rope_kv_bwd(key, value, cos, sin, *common)
+    mk, mv = kv_forward_reference(case, kv, emb, cos, sin, k_dim, exact_model=True)
+    m_dkv, m_demb = kv_backward_reference(case, key, value, cos, sin, k_dim, exact_model=True)
+    name = f"{layout} heads={heads} {dtype} {config}"
+    ok = _check(f"kv fwd key {name}", key.view(case.rows, heads, -1), mk)
+    ok &= _check(f"kv fwd value {name}", value.view(case.rows, heads, -1), mv)
+    ok &= _check(f"kv bwd d_kv {name}", d_kv.view(case.rows, heads, -1), m_dkv)
+    ok &= _check(f"kv bwd d_emb {name}", d_emb.view(case.rows, -1), m_demb)
+    return ok
+
+
+def main(argv=None) -> int:
+    """Run every kernel; return 0 if all outputs matched, 1 otherwise (2 without a GPU).
+
+    ``--quick`` runs bf16 at one config only (for the slower racecheck tool).
+    """
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        print("sanitize_mla_rope.py needs a CUDA GPU")
+        return 2
+    ok = True
+    for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
+        for config in CONFIGS[1:] if quick else CONFIGS:
+            for heads in (5, 129):
+                for layout in ("sbhd", "thd_pad", "thd_cp2", "thd_pos"):
+                    ok &= _query(layout, heads, dtype, config)
+                ok &= _key_value("sbhd", heads, dtype, config)
+                ok &= _key_value("thd_pad", heads, dtype, config)
+    torch.cuda.synchronize()
+    print("all outputs match" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of StaticSlicesInferenceContext: the static active slices against plain slicing.
+
+The context is driven directly (add_request / initialize_attention_state / update_requests, the
+calls megatron-core's engine makes), with a small KV buffer so that requests pause, resume and
+get evicted. After every initialize_attention_state each static slice is compared with plain
+slicing of megatron-core's full tensors, and the padding rows with the neutral values.
+
+Runs on CPU (megatron-core's context allocates on ``torch.cuda.current_device()``, redirected to
+the CPU by ``cpu_torch_compat``); the ``gpu`` variants repeat the sequences on a CUDA device.
+"""
+
+import random
+from collections import deque
+from typing import Deque, Dict, List, Optional
+
+import pytest
+import torch
+from megatron.core.inference.inference_request import DynamicInferenceRequest
+from megatron.core.inference.sampling_params import SamplingParams
+
+from megatron_ext.inference.contexts.dynamic_context import (
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    SamplingRequirements,
+    StaticSlicesInferenceContext,
+)
+from megatron_ext.inference.synthetic import build_synthetic_stack, cpu_torch_compat
+
+# The neutral padding values the issue specifies, spelled out here rather than read from the
+# module so that a change to them fails these tests: a padded row samples from an untouched
+# distribution, can never match a termination id (token ids are >= 0), never reaches its output
+# length, asks for no log-probs, and gathers logits row 0.
+NEUTRAL_METADATA = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 0.0,
+    "termination_id": -1,
+    "return_log_probs": False,
+    "skip_prompt_log_probs": False,
+    "top_n_logprobs": 0,
+}
+NEUTRAL_REQUEST = {
+    "request_ids": -1,
+    "query_lengths": 0,
+    "kv_length_offsets": 0,
+    "output_lengths": 2**31 - 1,
+}
+
+_REQUEST_FIELDS = {
+    "request_ids": ("active_request_ids", "request_ids"),
+    "query_lengths": ("active_request_query_lengths", "request_query_lengths"),
+    "kv_length_offsets": ("active_request_kv_length_offsets", "request_kv_length_offsets"),
+    "output_lengths": ("active_request_output_lengths", "request_output_lengths"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_compat():
+    with cpu_torch_compat():
+        yield
+
+
+def make_context(**overrides) -> StaticSlicesInferenceContext:
+    """A small extension context; overrides go to build_synthetic_stack."""
+    kwargs = dict(
+        extension=True,
+        max_requests=16,
+        max_tokens=64,
+        max_sequence_length=160,
+        block_size_tokens=8,
+        num_blocks=40,
+        num_paused_blocks=8,
+        vocab_size=64,
+    )
+    kwargs.update(overrides)
+    return build_synthetic_stack(**kwargs).context
+
+
+def make_request(request_id: int, prompt_len: int, rng: random.Random, **sampling):
+    params = dict(num_tokens_to_generate=rng.randint(1, 40), termination_id=-1)
+    params.update(sampling)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    prompt = torch.tensor([rng.randrange(60) for _ in range(prompt_len)], device=device)
+    return DynamicInferenceRequest(
+        request_id=request_id, prompt_tokens=prompt, sampling_params=SamplingParams(**params)
+    )
+
+
+def _as_list(tensor: torch.Tensor) -> List:
+    return tensor.detach().cpu().tolist()
+
+
+def check_active_slices(ctx: StaticSlicesInferenceContext) -> Dict[str, int]:
+    """Compare every static slice with plain slicing and every padding row with its neutral
+    value; also check the device mirror. Returns the counts it saw."""
+    paused, total = ctx.paused_request_count, ctx.total_request_count
+    active = total - paused
+    padded = min(ctx.padded_active_request_count, ctx.max_requests)
+    assert padded >= active
+    device = ctx.device_active_slices
+
+    for name, (attr, source) in _REQUEST_FIELDS.items():
+        static = getattr(ctx, attr)
+        assert _as_list(static[:active]) == _as_list(getattr(ctx, source)[paused:total]), name
+        assert _as_list(static[active:padded]) == [NEUTRAL_REQUEST[name]] * (padded - active), name
+        assert _as_list(getattr(device, name)[:padded]) == _as_list(static[:padded]), name
+
+    for label, static in ctx.active_request_metadata.items():
+        expected = ctx.request_metadata[label][paused:total]
+        assert _as_list(static[:active]) == _as_list(expected), label
+        neutral = NEUTRAL_METADATA[label]
+        assert _as_list(static[active:padded]) == [neutral] * (padded - active), label
+        assert _as_list(device.metadata[label][:padded]) == _as_list(static[:padded]), label
+
+    lengths = ctx.request_query_lengths[paused:total].to(torch.int64)
+    expected_last = _as_list(torch.cumsum(lengths, 0) - 1)
+    assert _as_list(ctx.active_request_last_token_idxs[:active]) == expected_last
+    assert _as_list(ctx.active_request_last_token_idxs[active:padded]) == [0] * (padded - active)
+    assert _as_list(device.last_token_idxs[:padded]) == _as_list(
+        ctx.active_request_last_token_idxs[:padded]
+    )
+    return {"active": active, "paused": paused, "padded": padded}
+
+
+class RandomDriver:
+    """Drives a context the way megatron-core's engine does, with random arrivals and finishes.
+
+    Scheduling mirrors the engine's chunked-prefill scheduler: the head of the queue is added
+    whole if its remaining prompt fits in the token budget, else (chunked prefill) as a chunk
+    that fills the budget; new requests are admitted only while none is paused. Evicted
+    requests go back to the head of the queue with their generated tokens appended to the
+    prompt.
+    """
+
+    def __init__(self, ctx, seed: int, chunked_prefill: bool = True, sampling=None):
+        self.ctx = ctx
+        self.rng = random.Random(seed)
+        self.waiting: Deque[DynamicInferenceRequest] = deque()
+        self.next_id = 0
+        self.chunked_prefill = chunked_prefill
+        # Non-neutral values in every label, so that a wrong copy cannot pass for padding.
+        self.sampling = sampling or {
+            "temperature": [0.5, 1.0, 1.3],
+            "top_k": [0, 1, 5],
+            "top_p": [0.0, 0.9],
+            "termination_id": [-1, 3, 59],
+            "return_log_probs": [False, True],
+            "top_n_logprobs": [0, 2],
+        }
+        self.seen = {"prefill_only": 0, "decode_only": 0, "mixed": 0, "chunked": 0}
+        self.seen.update({"paused": 0, "padded_full": 0, "evicted": 0, "resumed": 0})
+
+    def arrive(self, count: int) -> None:
+        for _ in range(count):
+            prompt_len = self.rng.choice([1, 2, 5, 9, 17, 40, 90])
+            sampling = {key: self.rng.choice(values) for key, values in self.sampling.items()}
+            self.waiting.append(make_request(self.next_id, prompt_len, self.rng, **sampling))
+            self.next_id += 1
+
+    def schedule(self) -> None:
+        ctx = self.ctx
+        while self.waiting:
+            req = self.waiting[0]
+            continuing = ctx.chunked_prefill_request_id >= 0
+            can_add, _, kv_available = ctx.check_availability(req)
+            if not ((continuing or can_add) and kv_available):
+                return
+            remaining = len(req.remaining_prompt_tokens)
+            if ctx.active_token_count + remaining <= ctx.max_tokens:
+                ctx.chunked_prefill_request_id = -1
+                ctx.add_request(req)
+                req.remaining_prompt_tokens = req.remaining_prompt_tokens.new_empty(0)
+                self.waiting.popleft()
+            elif self.chunked_prefill and ctx.active_token_count < ctx.max_tokens:
+                chunk = ctx.max_tokens - ctx.active_token_count
+                ctx.add_request(req, chunk)
+                ctx.chunked_prefill_request_id = req.request_id
+                req.remaining_prompt_tokens = req.remaining_prompt_tokens[chunk:]
+                req.finished_chunk_token_count += chunk
+                self.seen["chunked"] += 1
+                return
+            else:
+                return
+
+    def step(self, finish_prob: float = 0.05) -> Optional[Dict[str, int]]:
+        ctx = self.ctx
+        if self.rng.random() < 0.3:
+            self.arrive(self.rng.randint(1, 4))
+        self.schedule()
+        if ctx.active_token_count == 0 and ctx.total_request_count == ctx.paused_request_count:
+            return None
+        prefill = ctx.num_prefill_requests
+        ctx.initialize_attention_state()
+        counts = check_active_slices(ctx)
+        active = counts["active"]
+        if prefill == active:
+            self.seen["prefill_only"] += 1
+        elif prefill == 0:
+            self.seen["decode_only"] += 1
+        else:
+            self.seen["mixed"] += 1
+        self.seen["paused"] += counts["paused"] > 0
+        self.seen["padded_full"] += counts["padded"] == ctx.max_requests
+
+        # Random finishes on top of megatron-core's own length rule.
+        mask = torch.tensor(
+            [int(self.rng.random() > finish_prob) for _ in range(active)], dtype=torch.uint8
+        )
+        seq = ctx.request_kv_length_offsets + ctx.request_query_lengths + 1
+        natural = (seq < ctx.request_output_lengths)[ctx.paused_request_count :][:active]
+        mask = (mask.to(natural.device) & natural.to(torch.uint8)).to(natural.device)
+        tokens = torch.randint(0, 60, (active,), device=natural.device)
+        paused_before = ctx.paused_request_count
+        result = ctx.update_requests(mask, tokens) or {}
+        evicted = result.get("evict_request_ids")
+        if evicted is not None and evicted.numel():
+            self.seen["evicted"] += evicted.numel()
+            chunked = self.waiting.popleft() if ctx.chunked_prefill_request_id >= 0 else None
+            for request_id in reversed(_as_list(evicted)):
+                # Re-queue with a fresh prompt of similar length, as the engine checkpoints it.
+                self.waiting.appendleft(make_request(request_id, 8, self.rng))
+            if chunked is not None:
+                # As the engine does: the chunked-prefill request stays at the head.
+                self.waiting.appendleft(chunked)
+        if ctx.paused_request_count < paused_before:
+            self.seen["resumed"] += 1
+        ctx.release_request_sampling_state([])
+        return counts
+
+
+def run_random(ctx, steps: int, seed: int, **driver_kwargs) -> Dict[str, int]:
+    driver = RandomDriver(ctx, seed, **driver_kwargs)
+    driver.arrive(6)
+    for _ in range(steps):
+        driver.step()
+    return driver.seen
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_randomized_sequences_match_plain_slicing():
+    """Thousands of steps of arrivals, pauses, resumes, evictions and finishes."""
+    ctx = make_context()
+    seen = run_random(ctx, steps=1500, seed=1)
+    # The sequence must actually exercise every regime it is meant to check.
+    for key in ("prefill_only", "decode_only", "mixed", "chunked", "paused", "resumed"):
+        assert seen[key] > 0, seen
+    assert seen["padded_full"] > 0, seen
+    assert seen["evicted"] > 0, seen
+
+
+def test_randomized_sequences_without_paused_reserve_and_full_logits():
+    """No paused-block reserve (pauses resolve by resuming only) and per-token logits."""
+    ctx = make_context(
+        num_paused_blocks=0, max_tokens=128, materialize_only_last_token_logits=False, seed=3
+    )
+    seen = run_random(ctx, steps=800, seed=2, chunked_prefill=False)
+    assert seen["decode_only"] > 0 and seen["mixed"] + seen["prefill_only"] > 0, seen
+
+
+def test_no_active_request():
+    ctx = make_context()
+    ctx.initialize_attention_state()
+    assert ctx.padded_active_request_count == 0
+    check_active_slices(ctx)
+    ctx.build_active_slices(0)
+    # Nothing was ever built: every row still holds its neutral value.
+    assert _as_list(ctx.active_request_ids) == [-1] * ctx.max_requests
+    assert _as_list(ctx.active_request_metadata["temperature"]) == [1.0] * ctx.max_requests
+
+
+def test_all_paused_reads_nothing():
+    ctx = make_context()
+    rng = random.Random(0)
+    for i in range(3):
+        ctx.add_request(make_request(i, 4, rng))
+    ctx.initialize_attention_state()
+    ctx.active_request_ids.fill_(7)
+    # Every request paused: no active rows, and nothing may be copied.
+    ctx.paused_request_count = ctx.total_request_count
+    ctx.build_active_slices(0)
+    assert _as_list(ctx.active_request_ids) == [7] * ctx.max_requests
+    with pytest.raises(ValueError):
+        ctx.build_active_slices(ctx.max_requests - ctx.paused_request_count + 1)
+
+
+def test_padded_count_equal_to_max_requests_with_paused_rows_is_clamped_and_padded():
+    ctx = make_context()
+    rng = random.Random(0)
+    for i in range(6):
+        ctx.add_request(make_request(i, 3, rng))
+    ctx.initialize_attention_state()
+    ctx.update_requests(
+        torch.ones(6, dtype=torch.uint8, device=ctx.request_ids.device),
+        torch.zeros(6, dtype=torch.int64, device=ctx.request_ids.device),
+    )
+    # Pretend two requests are paused: the build clamps to max_requests - paused, the padding
+    # still covers every row up to max_requests.
+    ctx.paused_request_count = 2
+    ctx.initialize_attention_state()
+    assert ctx.padded_active_request_count == ctx.max_requests
+    counts = check_active_slices(ctx)
+    assert counts == {"active": 4, "paused": 2, "padded": ctx.max_requests}
+
+
+def test_prefill_only_decode_only_and_mixed_steps():
+    ctx = make_context()
+    rng = random.Random(5)
+    device = ctx.request_ids.device
+    for i in range(3):
+        ctx.add_request(make_request(i, 5 + i, rng, num_tokens_to_generate=30))
+    ctx.initialize_attention_state()  # prefill only
+    assert check_active_slices(ctx)["active"] == 3
+    assert _as_list(ctx.active_request_last_token_idxs[:3]) == [4, 10, 17]
+    ctx.update_requests(
+        torch.ones(3, dtype=torch.uint8, device=device), torch.arange(3, device=device)
+    )
+    ctx.initialize_attention_state()  # decode only
+    assert ctx.is_decode_only()
+    check_active_slices(ctx)
+    assert _as_list(ctx.active_request_last_token_idxs[:3]) == [0, 1, 2]
+    ctx.update_requests(
+        torch.ones(3, dtype=torch.uint8, device=device), torch.arange(3, device=device)
+    )
+    ctx.add_request(make_request(3, 7, rng))
+    ctx.initialize_attention_state()  # mixed
+    assert not ctx.is_decode_only()
+    check_active_slices(ctx)
+    assert _as_list(ctx.active_request_last_token_idxs[:4]) == [0, 1, 2, 9]
+
+
+def test_chunked_prefill_request_slices():
+    ctx = make_context(max_tokens=32)
+    rng = random.Random(7)
+    req = make_request(0, 50, rng)
+    ctx.add_request(req, 32)
+    ctx.chunked_prefill_request_id = 0
+    ctx.initialize_attention_state()
+    check_active_slices(ctx)
+    assert _as_list(ctx.active_request_query_lengths[:1]) == [32]
+    assert _as_list(ctx.active_request_last_token_idxs[:1]) == [31]
+
+
+def test_last_token_logits_matches_megatron_core():
+    ctx = make_context(materialize_only_last_token_logits=False)
+    rng = random.Random(9)
+    for i in range(5):
+        ctx.add_request(make_request(i, rng.randint(1, 9), rng))
+    ctx.initialize_attention_state()
+    device = ctx.request_ids.device
+    logits = torch.randn(1, ctx.padded_active_token_count, 11, device=device)
+    ours = ctx.last_token_logits(logits)
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        assert ctx.num_last_token_logits == ours.shape[0]
+    else:
+        stock = super(StaticSlicesInferenceContext, ctx).last_token_logits(logits)
+        assert torch.equal(ours, stock)
+        assert ctx.num_last_token_logits == 5
+    with pytest.raises(ValueError):
+        ctx.last_token_logits(logits[:, :-1])
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_build_active_slices_rejects_out_of_range(bad):
+    ctx = make_context()
+    with pytest.raises(ValueError):
+        ctx.build_active_slices(bad)
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "2", None])
+def test_build_active_slices_rejects_non_int(bad):
+    ctx = make_context()
+    with pytest.raises(TypeError):
+        ctx.build_active_slices(bad)
+
+
+def test_sampling_requirements_track_requests():
+    ctx = make_context()
+    rng = random.Random(0)
+    assert ctx.sampling_requirements() == SamplingRequirements()
+    ctx.add_request(make_request(0, 3, rng, top_k=1))
+    assert ctx.sampling_requirements() == SamplingRequirements()
+    ctx.add_request(make_request(1, 3, rng, top_k=5))
+    ctx.add_request(
+        make_request(
+            2, 3, rng, top_k=0, top_p=0.9, return_log_probs=True, skip_prompt_log_probs=True
+        )
+    )
+    assert ctx.sampling_requirements() == SamplingRequirements(
+        sample=True, top_k_cap=8, top_p=True, log_probs=True
+    )
+    ctx.release_request_sampling_state([2])
+    assert ctx.sampling_requirements() == SamplingRequirements(sample=True, top_k_cap=8)
+    # The chunked-prefill request stays in the context, so it is not released.
+    ctx.chunked_prefill_request_id = 1
+    ctx.release_request_sampling_state([1])
+    assert ctx.sampling_requirements().top_k_cap == 8
+    ctx.reset()
+    assert ctx.sampling_requirements() == SamplingRequirements()
+
+
+def test_reset_restores_neutral_slices():
+    ctx = make_context()
+    run_random(ctx, steps=30, seed=4)
+    ctx.reset()
+    assert _as_list(ctx.active_request_ids) == [-1] * ctx.max_requests
+    assert _as_list(ctx.active_request_metadata["top_k"]) == [0] * ctx.max_requests
+    assert _as_list(ctx.active_request_output_lengths) == [2**31 - 1] * ctx.max_requests
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.19 keeps bookkeeping "
+    "tensors across suspend/resume; only 0.16 reallocates them",
+)
+def test_suspend_and_resume_reallocate_static_slices():
+    ctx = make_context()
+    generation = ctx.static_slices_generation
+    ctx.deallocate_all_tensors()
+    with pytest.raises(RuntimeError):
+        _ = ctx.device_active_slices
+    ctx.allocate_all_tensors(is_init=False)
+    ctx.reset()
+    assert ctx.static_slices_generation == generation + 1
+    run_random(ctx, steps=50, seed=6)
+
+
+@pytest.mark.gpu
+def test_randomized_sequences_on_gpu():
+    """The same sequences with the context on the GPU."""
+    ctx = make_context()
+    assert ctx.device_active_slices.request_ids.is_cuda
+    seen = run_random(ctx, steps=1500, seed=1)
+    assert seen["paused"] > 0 and seen["evicted"] > 0, seen
+
+
+@pytest.mark.gpu
+def test_build_and_pad_do_not_synchronize_on_gpu():
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        pytest.skip("on megatron-core 0.19 the slices are built in host memory by design")
+    ctx = make_context()
+    run_random(ctx, steps=20, seed=8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ctx.build_active_slices(
+            min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
+        )
+        ctx.pad_active_slices()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,133 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of the programmatic switch in megatron_ext.inference."""
+
+import pytest
+import torch
+from megatron.core.inference.contexts import DynamicInferenceContext as ReexportedContext
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+
+import megatron_ext.inference as ext
+from megatron_ext.inference.contexts.dynamic_context import (
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    StaticSlicesInferenceContext,
+)
+from megatron_ext.inference.synthetic import (
+    SyntheticInferenceWrapper,
+    SyntheticTokenizer,
+    build_synthetic_stack,
+    cpu_torch_compat,
+)
+from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    StaticSlicesTextGenerationController,
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_switch():
+    with cpu_torch_compat():
+        yield
+    ext.disable_static_active_slices()
+
+
+def _build_with_megatron_core_names():
+    """Build a context and controller with megatron-core's own class names, as a user's engine
+    set-up does."""
+    template = build_synthetic_stack(extension=False, max_requests=8, max_tokens=64)
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        context = DynamicInferenceContext(template.model_config, template.context.config)
+    else:
+        context = DynamicInferenceContext(
+            params_dtype=torch.float32,
+            num_layers=1,
+            kv_channels=8,
+            num_attention_heads=1,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            **template.kwargs,
+        )
+    wrapper = SyntheticInferenceWrapper(context, template.model_config, template.logits_fn)
+    controller = TextGenerationController(wrapper, SyntheticTokenizer(256))
+    return context, controller
+
+
+def test_enable_redirects_megatron_core_constructors():
+    ext.enable_static_active_slices()
+    assert ext.is_static_active_slices_enabled()
+    context, controller = _build_with_megatron_core_names()
+    assert type(context) is StaticSlicesInferenceContext
+    assert type(controller) is StaticSlicesTextGenerationController
+    assert ReexportedContext is DynamicInferenceContext
+    assert ext.get_inference_context_class() is StaticSlicesInferenceContext
+    assert ext.get_text_generation_controller_class() is StaticSlicesTextGenerationController
+    # The objects work: a step initialises the static slices.
+    context.initialize_attention_state()
+    assert context.device_active_slices.request_ids.numel() == context.max_requests
+
+
+def test_disable_restores_megatron_core_classes():
+    ext.apply_inference_extension(True)
+    ext.apply_inference_extension(False)
+    assert not ext.is_static_active_slices_enabled()
+    context, controller = _build_with_megatron_core_names()
+    assert type(context) is DynamicInferenceContext
+    assert type(controller) is TextGenerationController
+    assert ext.get_inference_context_class() is DynamicInferenceContext
+    assert ext.get_text_generation_controller_class() is TextGenerationController
+
+
+def test_enable_is_idempotent_and_undo_matches_the_argument_hook():
+    ext.enable_static_active_slices()
+    ext.enable_static_active_slices()
+    ext.apply_inference_extension(args=object(), config=None)  # as the argument layer calls it
+    assert ext.is_static_active_slices_enabled()
+    ext.undo_inference_extension()
+    ext.undo_inference_extension()
+    assert not ext.is_static_active_slices_enabled()
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.19 has no " "SimpleTextGenerationController alias",
+)
+def test_simple_text_generation_controller_alias_is_redirected():
+    from megatron.core.inference.text_generation_controllers.simple_text_generation_controller import (  # noqa: E501
+        SimpleTextGenerationController,
+    )
+
+    ext.enable_static_active_slices()
+    template = build_synthetic_stack(extension=True, max_requests=8, max_tokens=64)
+    wrapper = template.controller.inference_wrapped_model
+    controller = SimpleTextGenerationController(wrapper, SyntheticTokenizer(256))
+    assert type(controller) is StaticSlicesTextGenerationController
+
+
+def test_other_subclasses_are_not_redirected():
+    class UserContext(DynamicInferenceContext):
+        pass
+
+    ext.enable_static_active_slices()
+    template = build_synthetic_stack(extension=False, max_requests=8, max_tokens=64)
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        context = UserContext(template.model_config, template.context.config)
+    else:
+        context = UserContext(
+            params_dtype=torch.float32,
+            num_layers=1,
+            kv_channels=8,
+            num_attention_heads=1,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            **template.kwargs,
+        )
+    assert type(context) is UserContext
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_apply_rejects_non_bool(bad):
+    with pytest.raises(TypeError):
+        ext.apply_inference_extension(bad)
+    assert not ext.is_static_active_slices_enabled()

@@ -1,0 +1,456 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of StaticSlicesTextGenerationController and its graph-safe sampling region.
+
+A deterministic synthetic model (megatron_ext.inference.synthetic) stands in for the network, so
+megatron-core's real DynamicInferenceEngine can run end to end on CPU: the extension must
+generate exactly the tokens and log-probs of megatron-core's own controller. The region's
+sampling rules are checked directly. The ``gpu`` tests capture the region in CUDA graphs and
+check every replay bit for bit against eager execution, and that the region never synchronises.
+"""
+
+import logging
+import random
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.inference.inference_request import DynamicInferenceRequest
+from megatron.core.inference.sampling_params import SamplingParams
+
+from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.inference.synthetic import (
+    build_engine,
+    build_synthetic_stack,
+    cpu_torch_compat,
+    run_engine,
+)
+from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    SamplingPlan,
+    StaticSlicesTextGenerationController,
+)
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _cpu_compat():
+    with cpu_torch_compat():
+        yield
+
+
+def _device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else (torch.device("cpu"))
+    )
+
+
+def make_stack(extension: bool = True, **overrides):
+    kwargs = dict(
+        extension=extension,
+        max_requests=32,
+        max_tokens=128,
+        max_sequence_length=192,
+        block_size_tokens=8,
+        num_blocks=48,
+        num_paused_blocks=8,
+        vocab_size=VOCAB,
+    )
+    kwargs.update(overrides)
+    return build_synthetic_stack(**kwargs)
+
+
+def random_requests(
+    count: int, seed: int, materialize: bool = True, **sampling
+) -> List[Tuple[List[int], SamplingParams]]:
+    """Requests of mixed lengths; about half return log-probs."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.choice([1, 3, 8, 20, 45, 110]))]
+        params = dict(
+            num_tokens_to_generate=rng.randint(1, 48),
+            termination_id=rng.randrange(VOCAB),
+            top_k=1,
+        )
+        if rng.random() < 0.5:
+            params.update(return_log_probs=True, skip_prompt_log_probs=materialize)
+        params.update(sampling)
+        requests.append((prompt, SamplingParams(**params)))
+    return requests
+
+
+def engine_outputs(extension: bool, requests, **overrides):
+    stack = make_stack(extension=extension, **overrides)
+    return run_engine(build_engine(stack), requests)
+
+
+def add_requests(stack, params: List[Dict], seed: int = 0, prompt_len: int = 4) -> None:
+    rng = random.Random(seed)
+    for request_id, sampling in enumerate(params):
+        sampling = dict(dict(num_tokens_to_generate=20, termination_id=-1, top_k=1), **sampling)
+        prompt = torch.tensor(
+            [rng.randrange(VOCAB - 1) for _ in range(prompt_len)], device=_device()
+        )
+        stack.context.add_request(
+            DynamicInferenceRequest(
+                request_id=request_id,
+                prompt_tokens=prompt,
+                sampling_params=SamplingParams(**sampling),
+            )
+        )
+
+
+def prepare_region(stack, logits: torch.Tensor) -> int:
+    """Initialise the step and place ``logits`` (one row per active request) in the buffer."""
+    context, controller = stack.context, stack.controller
+    context.initialize_attention_state()
+    rows = controller._region_rows()
+    controller.logits_buffer[: logits.shape[0]].copy_(logits)
+    return rows
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize("materialize", [True, False], ids=["last_token_logits", "all_logits"])
+def test_engine_greedy_identical_to_megatron_core(materialize):
+    """Real engine, synthetic model: the extension changes nothing in the output, through
+    prefill, chunked prefill, pauses, resumes and evictions."""
+    requests = random_requests(60, seed=11, materialize=materialize)
+    kwargs = dict(materialize_only_last_token_logits=materialize)
+    stock, stock_stats = engine_outputs(False, requests, **kwargs)
+    ours, our_stats = engine_outputs(True, requests, **kwargs)
+    assert stock_stats == our_stats
+    assert our_stats["max_paused"] > 0 and our_stats["evicted"] > 0, our_stats
+    assert sorted(ours) == list(range(len(requests)))
+    for request_id in range(len(requests)):
+        assert ours[request_id] == stock[request_id], request_id
+    assert any(out["generated_log_probs"] for out in ours.values())
+    if not materialize:
+        assert any(out["prompt_log_probs"] for out in ours.values())
+
+
+def test_engine_stop_words_and_top_n_log_probs_identical_to_megatron_core():
+    """The host-side paths: stop-word finishes and top-n log-probs (megatron-core's own code
+    behind the region)."""
+    rng = random.Random(17)
+    requests = []
+    for prompt, params in random_requests(30, seed=13):
+        params.stop_words = [str(rng.randrange(VOCAB - 1))]
+        if rng.random() < 0.5:
+            params.return_log_probs, params.skip_prompt_log_probs = True, True
+            params.top_n_logprobs = 2
+        requests.append((prompt, params))
+    stock, _ = engine_outputs(False, requests)
+    ours, _ = engine_outputs(True, requests)
+    assert ours == stock
+    assert any(out["generated_top_n_logprobs"] for out in ours.values())
+    # Finished early but not on the termination id: a stop word ended it.
+    stopped = [
+        i
+        for i, (_, p) in enumerate(requests)
+        if len(ours[i]["generated_tokens"]) < p.num_tokens_to_generate
+        and ours[i]["generated_tokens"][-1:] != [p.termination_id]
+    ]
+    assert stopped, "no request finished on its stop word"
+
+
+def test_engine_runs_every_sampling_mode():
+    """Greedy, top-k, top-p and temperature requests together, through the engine."""
+    requests = random_requests(24, seed=5)
+    rng = random.Random(3)
+    mixed = []
+    for prompt, params in requests:
+        choice = rng.randrange(4)
+        params.top_k = [1, 5, 0, 0][choice]
+        params.top_p = [0.0, 0.0, 0.8, 0.0][choice]
+        params.temperature = [1.0, 0.7, 1.0, 1.5][choice]
+        mixed.append((prompt, params))
+    outputs, _ = engine_outputs(True, mixed)
+    assert sorted(outputs) == list(range(len(mixed)))
+    for request_id, (_, params) in enumerate(mixed):
+        generated = outputs[request_id]["generated_tokens"]
+        assert 1 <= len(generated) <= params.num_tokens_to_generate
+        assert all(0 <= tok < VOCAB for tok in generated)
+
+
+# ------------------------------------------------------------------------------ region rules
+
+
+def test_region_greedy_log_probs_and_termination_rule():
+    stack = make_stack(max_requests=16)
+    termination = [5, 7, -1, 3]
+    add_requests(
+        stack,
+        [
+            dict(termination_id=t, return_log_probs=True, skip_prompt_log_probs=True)
+            for t in termination
+        ],
+    )
+    context, controller = stack.context, stack.controller
+    # Request 3 finishes by length: prompt 4 + 1 generated token reaches its output length 5.
+    context.request_output_lengths[3] = 5
+    logits = torch.randn(4, VOCAB, device=_device())
+    logits[0, 5] = 50.0  # request 0 samples its termination id
+    rows = prepare_region(stack, logits)
+    plan = controller.sampling_plan()
+    assert plan == SamplingPlan(log_probs=True)
+    controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)
+    host = controller.fetch_step_outputs()
+
+    expected_tokens = logits.argmax(-1)
+    assert host["tokens"][:4].tolist() == expected_tokens.tolist()
+    expected_lp = F.log_softmax(logits.float(), -1).gather(1, expected_tokens[:, None])[:, 0]
+    assert torch.equal(host["log_probs"][:4], expected_lp.cpu())
+    assert host["active_mask"][:4].tolist() == [0, int(expected_tokens[1] != 7), 1, 0]
+    assert host["request_ids"][:4].tolist() == [0, 1, 2, 3]
+    # Padding rows: no request, never finished, no log-probs.
+    assert host["request_ids"][4:rows].tolist() == [-1] * (rows - 4)
+    assert host["active_mask"][4:rows].tolist() == [1] * (rows - 4)
+    assert not host["return_log_probs"][4:rows].any()
+    assert int(host["plan_violation"][0]) == 0
+
+
+def test_padding_rows_do_not_change_real_rows():
+    """Processing more (neutral) rows changes nothing in the real ones."""
+    stack = make_stack(max_requests=32)
+    add_requests(stack, [dict(top_k=1)] * 5)
+    context, controller = stack.context, stack.controller
+    logits = torch.randn(5, VOCAB, device=_device())
+    rows = prepare_region(stack, logits)
+    plan = controller.sampling_plan()
+    controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)
+    narrow = {k: v[:5].clone() for k, v in controller.fetch_step_outputs().items() if v.numel() > 1}
+    context.extend_active_padding(context.max_requests)
+    controller.run_graph_safe_step(context.max_requests, plan, use_cuda_graph=False)
+    wide = controller.fetch_step_outputs()
+    for key, value in narrow.items():
+        assert torch.equal(value, wide[key][:5]), key
+    assert wide["request_ids"][rows:].tolist() == [-1] * (context.max_requests - rows)
+
+
+def _sampling_rows(stack, params: List[Dict], logits: torch.Tensor, seed: int) -> torch.Tensor:
+    controller = stack.controller
+    rows = prepare_region(stack, logits)
+    controller.sampling_rng.manual_seed(seed)
+    controller.run_graph_safe_step(rows, controller.sampling_plan(), use_cuda_graph=False)
+    return controller.fetch_step_outputs()["tokens"][: len(params)].clone()
+
+
+def test_sampling_respects_top_k_top_p_and_greedy_rows():
+    params = [
+        dict(top_k=1),
+        dict(top_k=3),
+        dict(top_k=0, top_p=0.5),
+        dict(top_k=0, top_p=0.0),
+        dict(top_k=7, temperature=0.5),
+    ]
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(params), VOCAB, generator=gen).to(_device()) * 3
+    prepare_region(stack, logits)
+    assert stack.controller.sampling_plan() == SamplingPlan(sample=True, top_k_cap=8, top_p=True)
+    probs = logits.float().softmax(-1).cpu()
+    order = probs.argsort(-1, descending=True)
+    nucleus = int((probs[2][order[2]].cumsum(0) <= 0.5).sum()) + 1
+    seen = {i: set() for i in range(len(params))}
+    for seed in range(60):
+        tokens = _sampling_rows(stack, params, logits, seed).tolist()
+        for row, token in enumerate(tokens):
+            seen[row].add(token)
+    assert seen[0] == {int(order[0][0])}
+    assert seen[1] <= set(order[1][:3].tolist()) and len(seen[1]) > 1
+    assert seen[2] <= set(order[2][:nucleus].tolist())
+    assert seen[4] <= set(order[4][:7].tolist())
+    assert len(seen[3]) > len(seen[2])  # unfiltered sampling spreads wider than the nucleus
+
+
+def test_sampling_follows_the_softmax_distribution():
+    """Pure temperature sampling: empirical frequencies match softmax(logits / T)."""
+    stack = make_stack(max_requests=128, max_tokens=512, num_blocks=160)
+    params = [dict(top_k=0, temperature=2.0)] * 128
+    add_requests(stack, params, prompt_len=1)
+    logits = torch.zeros(128, VOCAB, device=_device())
+    logits[:, :4] = torch.tensor([0.0, 1.0, 2.0, 3.0], device=_device())
+    logits[:, 4:] = -1e4
+    counts = torch.zeros(4)
+    for seed in range(40):
+        tokens = _sampling_rows(stack, params, logits, seed)
+        counts += torch.bincount(tokens.cpu(), minlength=VOCAB)[:4].float()
+    expected = torch.tensor([0.0, 1.0, 2.0, 3.0]).div(2.0).softmax(0)
+    freq = counts / counts.sum()
+    assert counts.sum() == 128 * 40
+    assert torch.allclose(freq, expected, atol=0.03), (freq, expected)
+
+
+def test_seeded_sampling_is_reproducible():
+    params = [dict(top_k=0, top_p=0.9)] * 6
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    logits = torch.randn(6, VOCAB, device=_device())
+    first = _sampling_rows(stack, params, logits, seed=1)
+    again = _sampling_rows(stack, params, logits, seed=1)
+    other = [_sampling_rows(stack, params, logits, seed=s) for s in range(2, 8)]
+    assert torch.equal(first, again)
+    assert any(not torch.equal(first, o) for o in other)
+
+
+def test_plan_violation_is_detected_and_recomputed(caplog):
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [dict(top_k=1)] * 3)
+    context, controller = stack.context, stack.controller
+    logits = torch.randn(3, VOCAB, device=_device())
+    prepare_region(stack, logits)
+    assert controller.sampling_plan() == SamplingPlan()
+    # A row whose parameters the host-side plan does not know about (as if added behind the
+    # context's back): top-k sampling where the plan says greedy, and log-probs.
+    context.device_active_slices.metadata["top_k"][1] = 2
+    context.device_active_slices.metadata["return_log_probs"][2] = True
+    with caplog.at_level(logging.WARNING):
+        host = controller.run_sampling_step()
+    assert "missed an active request" in caplog.text
+    assert int(host["plan_violation"][0]) == 0  # recomputed with everything enabled
+    top2 = logits[1].topk(2).indices.tolist()
+    assert int(host["tokens"][1]) in top2
+    assert int(host["tokens"][0]) == int(logits[0].argmax())
+    expected_lp = F.log_softmax(logits[2].float(), -1)[int(host["tokens"][2])]
+    assert float(host["log_probs"][2]) == float(expected_lp)
+
+
+# ------------------------------------------------------------------------------ wiring
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.19 has no per-step " "metadata copy to remove",
+)
+def test_no_per_step_metadata_copy_and_stock_readers_stay_current():
+    stack = make_stack()
+    controller, context = stack.controller, stack.context
+    for label, tensor in controller._request_metadata.items():
+        # Same tensor as the context's: megatron-core's per-step copy becomes a no-op.
+        assert tensor is context.request_metadata[label], label
+    add_requests(
+        stack, [dict(top_k=1), dict(top_k=1, return_log_probs=True, skip_prompt_log_probs=True)]
+    )
+    context.initialize_attention_state()
+    assert controller._dynamic_step_log_probs_bookkeeping() == (True, False)
+
+
+def test_rejects_bad_arguments():
+    stack = make_stack(max_requests=8)
+    controller = stack.controller
+    plan = SamplingPlan()
+    with pytest.raises(ValueError):
+        controller.run_graph_safe_step(0, plan, use_cuda_graph=False)
+    with pytest.raises(ValueError):
+        controller.run_graph_safe_step(9, plan, use_cuda_graph=False)
+    with pytest.raises(TypeError):
+        controller.run_graph_safe_step("4", plan, use_cuda_graph=False)
+    with pytest.raises(TypeError):
+        controller.run_graph_safe_step(4, None, use_cuda_graph=False)
+    with pytest.raises(ValueError):
+        controller.stage_logits(torch.zeros(2, 3))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError):
+            controller.run_graph_safe_step(4, plan, use_cuda_graph=True)
+
+
+def test_requires_the_extension_context():
+    stock = make_stack(extension=False)
+    with pytest.raises(TypeError):
+        StaticSlicesTextGenerationController(
+            stock.controller.inference_wrapped_model, stock.controller.tokenizer
+        )
+    with pytest.raises(TypeError):
+        make_stack(controller_kwargs=dict(cuda_graph_sampling="yes"))
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+def _plans() -> Dict[str, Dict]:
+    return {
+        "greedy": dict(top_k=1, return_log_probs=False),
+        "top_k": dict(top_k=4, temperature=0.8, return_log_probs=False),
+        "top_p_log_probs": dict(
+            top_k=0, top_p=0.9, return_log_probs=True, skip_prompt_log_probs=True
+        ),
+    }
+
+
+def _install_replay_checker(controller, record: Dict) -> None:
+    """Wrap run_graph_safe_step: run eagerly, rewind the generator, replay the graph, and
+    require bit-identical outputs."""
+    original = controller.run_graph_safe_step
+
+    def checked(rows, plan, use_cuda_graph=None):
+        state = controller.sampling_rng.get_state()
+        original(rows, plan, use_cuda_graph=False)
+        eager = {k: v[:rows].clone() for k, v in controller.step_outputs.items() if v.numel() > 1}
+        controller.sampling_rng.set_state(state)
+        original(rows, plan, use_cuda_graph=True)
+        for key, value in eager.items():
+            if key == "log_probs" and not plan.log_probs:
+                continue
+            assert torch.equal(value, controller.step_outputs[key][:rows]), key
+        record["replays"] += 1
+        record["active_counts"].add(
+            controller.inference_wrapped_model.inference_context.get_active_request_count()
+        )
+
+    controller.run_graph_safe_step = checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(_plans()))
+def test_graph_captured_once_replays_bitwise_equal_to_eager(mode):
+    """One graph per plan (fixed row count), replayed across steps whose batch changes."""
+    requests = random_requests(40, seed=21, **_plans()[mode])
+    stack = make_stack(controller_kwargs=dict(sampling_rows=32))
+    controller = stack.controller
+    record = {"replays": 0, "active_counts": set()}
+    _install_replay_checker(controller, record)
+    _, stats = run_engine(build_engine(stack), requests)
+    assert stats["max_paused"] > 0, stats
+    # Every step with active requests samples once (a step may only schedule paused requests).
+    assert stats["steps"] - 5 <= record["replays"] <= stats["steps"]
+    assert len(record["active_counts"]) > 5, record
+    assert len(controller._graphs) == 1, list(controller._graphs)
+
+
+@pytest.mark.gpu
+def test_engine_graphed_equals_eager_and_megatron_core():
+    greedy = random_requests(60, seed=31)
+    stock, _ = engine_outputs(False, greedy)
+    graphed, _ = engine_outputs(True, greedy)
+    assert graphed == stock
+    for mode in ("top_k", "top_p_log_probs"):
+        requests = random_requests(40, seed=32, **_plans()[mode])
+        eager, _ = engine_outputs(True, requests, controller_kwargs=dict(cuda_graph_sampling=False))
+        graphed, _ = engine_outputs(
+            True, requests, controller_kwargs=dict(cuda_graph_sampling=True)
+        )
+        assert graphed == eager, mode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(_plans()))
+def test_region_does_not_synchronize(mode):
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [_plans()[mode]] * 5)
+    controller = stack.controller
+    rows = prepare_region(stack, torch.randn(5, VOCAB, device=_device()))
+    plan = controller.sampling_plan()
+    controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)  # warm-up (lazy init)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        controller.graph_safe_step(rows, plan)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

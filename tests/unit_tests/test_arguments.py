@@ -1,0 +1,306 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""megatron_ext's flags: parsing, applying, undoing, and every refusal."""
+
+import argparse
+import sys
+import types
+
+import pytest
+import torch
+from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
+from megatron.core.transformer import multi_latent_attention as mcore_mla
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from packaging.version import Version
+
+import megatron_ext.inference
+from megatron_ext import utils
+from megatron_ext.arguments import (
+    INFERENCE_STATIC_ACTIVE_SLICES_FLAG,
+    MLA_ROPE_CONTIGUOUS_LOAD_FLAG,
+    MegatronExtConfigError,
+    add_megatron_ext_args,
+    applied_megatron_ext,
+    apply_megatron_ext,
+    check_mla_rope_config,
+    check_model_uses_megatron_ext,
+    undo_megatron_ext,
+)
+from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
+
+KERNELS_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
+
+
+def megatron_lm_args(**overrides) -> argparse.Namespace:
+    """A namespace with the fields Megatron-LM's parser gives an MLA run that can use the flag."""
+    fields = dict(
+        multi_latent_attention=True,
+        rope_type=None,  # Megatron-LM's default: the MLA config class's yarn
+        apply_rope_fusion=True,
+        position_embedding_type="rope",
+        cache_mla_latents=False,
+        experimental_attention_variant=None,
+        mla_rope_contiguous_load=True,
+        inference_static_active_slices=False,
+    )
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+def mla_config(**overrides) -> MLATransformerConfig:
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+        rope_type="yarn",
+        apply_rope_fusion=True,
+    )
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(monkeypatch):
+    # A kernels module that imports anywhere (the real one needs nothing from a GPU to import,
+    # but these tests are about the argument layer, not the kernels).
+    fake = types.ModuleType(KERNELS_MODULE)
+    fake.fused_apply_mla_rope_for_q = fake.fused_apply_mla_rope_for_kv = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, KERNELS_MODULE, fake)
+    undo_megatron_ext()
+    yield
+    undo_megatron_ext()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing
+
+
+class TestParser:
+    def test_flags_default_off(self):
+        args = add_megatron_ext_args(argparse.ArgumentParser()).parse_args([])
+        assert args.mla_rope_contiguous_load is False
+        assert args.inference_static_active_slices is False
+
+    def test_flags_parse(self):
+        parser = add_megatron_ext_args(argparse.ArgumentParser())
+        args = parser.parse_args(
+            [MLA_ROPE_CONTIGUOUS_LOAD_FLAG, INFERENCE_STATIC_ACTIVE_SLICES_FLAG]
+        )
+        assert args.mla_rope_contiguous_load is True
+        assert args.inference_static_active_slices is True
+
+    def test_help_text_names_the_requirements(self):
+        parser = add_megatron_ext_args(argparse.ArgumentParser())
+        mla_help = parser._option_string_actions[MLA_ROPE_CONTIGUOUS_LOAD_FLAG].help
+        assert "--multi-latent-attention" in mla_help and "--no-rope-fusion" in mla_help
+        assert "yarn" in mla_help
+        assert (
+            "CUDA graphs" in parser._option_string_actions[INFERENCE_STATIC_ACTIVE_SLICES_FLAG].help
+        )
+        assert "megatron_ext" in parser.format_help()
+
+    def test_adding_twice_is_harmless(self):
+        parser = argparse.ArgumentParser()
+        assert add_megatron_ext_args(add_megatron_ext_args(parser)) is parser
+        assert parser.parse_args([MLA_ROPE_CONTIGUOUS_LOAD_FLAG]).mla_rope_contiguous_load
+
+    def test_rejects_non_parsers(self):
+        with pytest.raises(TypeError, match="ArgumentParser"):
+            add_megatron_ext_args(object())
+
+    def test_megatron_lm_extra_args_provider(self, monkeypatch):
+        """With megatron.training (megatron-core >= 0.19 wheels), as ``extra_args_provider``."""
+        if not hasattr(__import__("typing"), "override"):
+            pytest.skip("megatron.training needs Python >= 3.12 (typing.override)")
+        training_args = pytest.importorskip(
+            "megatron.training.arguments", reason="megatron.training is not in this megatron-core"
+        )
+        monkeypatch.setattr(
+            sys,
+            "argv",
+            ["pretrain_gpt.py", "--multi-latent-attention", MLA_ROPE_CONTIGUOUS_LOAD_FLAG],
+        )
+        args = training_args.parse_args(extra_args_provider=add_megatron_ext_args)
+        assert args.mla_rope_contiguous_load is True
+        assert args.multi_latent_attention is True
+        # Megatron-LM's default learned position embedding would switch RoPE fusion off.
+        with pytest.raises(MegatronExtConfigError, match="position_embedding_type"):
+            apply_megatron_ext(args)
+        args.position_embedding_type = "rope"
+        assert apply_megatron_ext(args)["mla_rope_contiguous_load"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Apply and undo
+
+
+class TestApplyUndo:
+    def test_apply_from_args_and_undo(self):
+        assert applied_megatron_ext() == {
+            "mla_rope_contiguous_load": False,
+            "inference_static_active_slices": False,
+        }
+        state = apply_megatron_ext(megatron_lm_args())
+        assert state["mla_rope_contiguous_load"] is True
+        assert mcore_specs.MLASelfAttention is ExtMLASelfAttention
+        spec = mcore_specs.get_gpt_layer_local_spec(multi_latent_attention=True)
+        assert spec.submodules.self_attention.module is ExtMLASelfAttention
+        assert apply_megatron_ext(megatron_lm_args())["mla_rope_contiguous_load"]  # idempotent
+        state = undo_megatron_ext()
+        assert state["mla_rope_contiguous_load"] is False
+        assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+        assert undo_megatron_ext()["mla_rope_contiguous_load"] is False  # no-op
+
+    def test_apply_from_keywords_and_config(self):
+        apply_megatron_ext(mla_rope_contiguous_load=True, config=mla_config())
+        assert applied_megatron_ext()["mla_rope_contiguous_load"]
+
+    def test_keywords_override_args(self):
+        state = apply_megatron_ext(megatron_lm_args(), mla_rope_contiguous_load=False)
+        assert state["mla_rope_contiguous_load"] is False
+        assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+
+    def test_nothing_requested_changes_nothing(self):
+        state = apply_megatron_ext(megatron_lm_args(mla_rope_contiguous_load=False))
+        assert not any(state.values())
+        assert apply_megatron_ext() == state
+
+    def test_flag_values_must_be_bools(self):
+        with pytest.raises(TypeError, match="mla_rope_contiguous_load must be a bool"):
+            apply_megatron_ext(megatron_lm_args(), mla_rope_contiguous_load="yes")
+        with pytest.raises(TypeError, match="inference_static_active_slices must be a bool"):
+            apply_megatron_ext(megatron_lm_args(inference_static_active_slices=1))
+
+    def test_needs_args_or_config_to_check(self):
+        with pytest.raises(TypeError, match="parsed args or the TransformerConfig"):
+            apply_megatron_ext(mla_rope_contiguous_load=True)
+        assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+    def test_config_preferred_over_args(self):
+        # args say MLA is off, the config (what the model is built from) says on: config wins.
+        args = megatron_lm_args(multi_latent_attention=False)
+        apply_megatron_ext(args, config=mla_config())
+        assert applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (dict(multi_latent_attention=False), "multi_latent_attention is off"),
+        (dict(rope_type="rope"), "rope_type is 'rope'"),
+        (dict(apply_rope_fusion=False), "apply_rope_fusion is off"),
+        (dict(position_embedding_type="learned_absolute"), "position_embedding_type"),
+        (dict(cache_mla_latents=True), "cache_mla_latents"),
+        (dict(experimental_attention_variant="dsa"), "experimental_attention_variant"),
+    ],
+)
+def test_configurations_the_flag_cannot_act_on(overrides, reason):
+    with pytest.raises(MegatronExtConfigError, match=reason) as info:
+        apply_megatron_ext(megatron_lm_args(**overrides))
+    assert MLA_ROPE_CONTIGUOUS_LOAD_FLAG in str(info.value)
+    assert isinstance(info.value, ValueError)
+    # A refusal leaves megatron-core as it was.
+    assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+    assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+def test_every_problem_is_named():
+    args = megatron_lm_args(apply_rope_fusion=False, rope_type="rope")
+    with pytest.raises(MegatronExtConfigError) as info:
+        apply_megatron_ext(args)
+    assert "rope_type" in str(info.value) and "apply_rope_fusion" in str(info.value)
+
+
+def test_config_objects_are_checked():
+    with pytest.raises(MegatronExtConfigError, match="multi_latent_attention is off"):
+        check_mla_rope_config(
+            config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+        )
+    with pytest.raises(MegatronExtConfigError, match="apply_rope_fusion is off"):
+        check_mla_rope_config(config=mla_config(apply_rope_fusion=False))
+    with pytest.raises(MegatronExtConfigError, match="rope_type is 'rope'"):
+        check_mla_rope_config(config=mla_config(rope_type="rope", apply_rope_fusion=False))
+    check_mla_rope_config(config=mla_config())  # the supported configuration passes
+
+
+def test_unsupported_megatron_core_version(monkeypatch):
+    monkeypatch.setattr(utils, "get_megatron_core_version", lambda: Version("0.15.0"))
+    with pytest.raises(utils.UnsupportedMegatronCoreVersionError, match="0.15.0"):
+        apply_megatron_ext(megatron_lm_args())
+    assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+def test_kernels_that_cannot_be_imported(monkeypatch):
+    monkeypatch.setitem(sys.modules, KERNELS_MODULE, None)
+    with pytest.raises(MegatronExtConfigError, match="cannot be imported"):
+        apply_megatron_ext(megatron_lm_args())
+    assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+
+
+# ----------------------------------------------------------------------------------------------
+# The inference flag (its extension lives in megatron_ext.inference)
+
+
+def test_inference_flag_without_its_extension(monkeypatch):
+    monkeypatch.delattr(megatron_ext.inference, "apply_inference_extension", raising=False)
+    args = megatron_lm_args(mla_rope_contiguous_load=False, inference_static_active_slices=True)
+    with pytest.raises(NotImplementedError, match="apply_inference_extension"):
+        apply_megatron_ext(args)
+    assert not applied_megatron_ext()["inference_static_active_slices"]
+
+
+def test_inference_flag_calls_its_extension(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        megatron_ext.inference,
+        "apply_inference_extension",
+        lambda *a, **k: calls.append(("apply", a, k)),
+        raising=False,
+    )
+    monkeypatch.setattr(
+        megatron_ext.inference,
+        "undo_inference_extension",
+        lambda: calls.append(("undo",)),
+        raising=False,
+    )
+    args = megatron_lm_args(mla_rope_contiguous_load=False, inference_static_active_slices=True)
+    config = mla_config()
+    assert apply_megatron_ext(args, config=config)["inference_static_active_slices"]
+    assert calls == [("apply", (), {"args": args, "config": config})]
+    undo_megatron_ext()
+    assert calls[-1] == ("undo",)
+    assert not applied_megatron_ext()["inference_static_active_slices"]
+
+
+def test_a_failing_request_applies_nothing(monkeypatch):
+    monkeypatch.delattr(megatron_ext.inference, "apply_inference_extension", raising=False)
+    with pytest.raises(NotImplementedError):
+        apply_megatron_ext(megatron_lm_args(inference_static_active_slices=True))
+    # The MLA part was valid, but nothing is applied when any requested part fails.
+    assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking a built model
+
+
+def test_check_model_uses_megatron_ext():
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert check_model_uses_megatron_ext(plain) == 0  # flag not applied: nothing to check
+    apply_megatron_ext(megatron_lm_args())
+    with pytest.raises(MegatronExtConfigError, match="no megatron_ext MLA module"):
+        check_model_uses_megatron_ext([plain])
+    fake_mla = ExtMLASelfAttention.__new__(ExtMLASelfAttention)
+    torch.nn.Module.__init__(fake_mla)
+    assert check_model_uses_megatron_ext([plain, torch.nn.Sequential(fake_mla)]) == 1
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        check_model_uses_megatron_ext("model")

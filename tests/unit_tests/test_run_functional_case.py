@@ -1,0 +1,275 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The functional-test runner (tests/functional_tests/python_test_utils/run_functional_case.py),
+exercised on CPU with a stand-in entry point."""
+
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUNNER = REPO_ROOT / "tests" / "functional_tests" / "python_test_utils" / "run_functional_case.py"
+CASES_ROOT = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
+
+
+def _load_runner():
+    spec = importlib.util.spec_from_file_location("run_functional_case", RUNNER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _load_runner()
+
+FAKE_ENTRY = textwrap.dedent("""
+    import argparse, json
+    p = argparse.ArgumentParser()
+    p.add_argument("--output-json")
+    p.add_argument("--modes", nargs="+", default=["off", "on"])
+    p.add_argument("--differ-at", type=int, default=0)
+    p.add_argument("--exit", type=int, default=0)
+    p.add_argument("--no-output", action="store_true")
+    a = p.parse_args()
+    runs = []
+    for i, mode in enumerate(a.modes):
+        loss = [10.0 / (s + 1) for s in range(5)]
+        if a.differ_at and i > 0:
+            loss[a.differ_at - 1] = loss[a.differ_at - 1] + 1e-15
+        runs.append({"mode": mode, "lm loss": loss, "lm loss hex": [v.hex() for v in loss],
+                     "grad norm": [1.5] * 5, "median_step_time_ms": 10.0 + i,
+                     "step_time_ms": [10.0] * 5})
+    if not a.no_output:
+        with open(a.output_json, "w") as f:
+            json.dump({"environment": {"megatron_core": "0.16.1", "device": "NVIDIA H200"},
+                       "runs": runs}, f)
+    raise SystemExit(a.exit)
+    """)
+
+
+def make_case(tmp_path: Path, name="case", nproc=1, args=None, extra_yaml="") -> Path:
+    entry = tmp_path / "fake_entry.py"
+    entry.write_text(FAKE_ENTRY)
+    case = tmp_path / "gpt" / name
+    case.mkdir(parents=True)
+    arg_lines = "".join(f"\n  {k}: {v}" for k, v in (args or {}).items())
+    (case / "model_config.yaml").write_text(
+        f"ENTRYPOINT: {entry}\nNPROC: {nproc}\nTIMEOUT: 60\n"
+        f"ARGS:{arg_lines or ' {}'}\n"
+        'METRICS: ["lm loss", "grad norm"]\nCOMPARE_MODES: true\n' + extra_yaml
+    )
+    return case
+
+
+def run(case: Path, tmp_path: Path, **kwargs):
+    options = dict(
+        generate_golden=False,
+        env=None,
+        platform=None,
+        python=sys.executable,
+        extra_args=[],
+        available_gpus=1,
+    )
+    options.update(kwargs)
+    return runner.run_case(runner.load_case(case), tmp_path / "out", **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# Case files
+
+
+def committed_cases():
+    return sorted(p.parent for p in CASES_ROOT.rglob("model_config.yaml"))
+
+
+@pytest.mark.parametrize("case", committed_cases(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_cases_load_and_parse_without_pyyaml(case):
+    config = runner.load_case(case)
+    assert config.metrics
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
+    text = (case / "model_config.yaml").read_text()
+    assert runner.parse_simple_yaml(text) == yaml.safe_load(text)
+
+
+def test_training_cases_cover_the_matrix():
+    names = {p.name for p in committed_cases() if p.name.startswith("mla_rope_contiguous_load")}
+    for precision in ("bf16", "fp32"):
+        for fmt in ("sbhd", "thd"):
+            case = CASES_ROOT / "gpt" / f"mla_rope_contiguous_load_{precision}_{fmt}"
+            assert case.name in names
+            config = runner.load_case(case)
+            assert config.compare_modes and config.golden == "bitwise"
+            assert config.metrics == ["lm loss", "grad norm"]
+            args = config.args
+            assert args[args.index("--modes") + 1 : args.index("--modes") + 3] == ["off", "on"]
+            assert int(args[args.index("--train-iters") + 1]) >= 50
+            assert "--deterministic" in args
+
+
+def test_simple_yaml_subset():
+    text = textwrap.dedent("""
+        # comment
+        A: 1
+        B: "x # not a comment"
+        C:
+          --flag: true
+          --list: ["off", on, 2.5]
+          --none: null
+        D:
+          - a
+          - 'b'
+        E: [ ]
+        """)
+    assert runner.parse_simple_yaml(text) == {
+        "A": 1,
+        "B": "x # not a comment",
+        "C": {"--flag": True, "--list": ["off", "on", 2.5], "--none": None},
+        "D": ["a", "b"],
+        "E": [],
+    }
+    with pytest.raises(ValueError, match="key: value"):
+        runner.parse_simple_yaml("A: 1\njust text\n")
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("NPROC: 1\n", "exactly one of ENTRYPOINT"),
+        ("ENTRYPOINT: x.py\nMODULE: y\n", "exactly one of ENTRYPOINT"),
+        ("ENTRYPOINT: no/such/file.py\n", "does not exist"),
+        ("MODULE: m\nNPROC: 0\n", "NPROC"),
+        ("MODULE: m\nARGS: [a]\n", "ARGS must be a mapping"),
+        ("MODULE: m\nARGS:\n  plain: 1\n", "must be a flag"),
+        ("MODULE: m\nMETRICS: []\n", "METRICS"),
+        ("MODULE: m\nGOLDEN: close\n", "GOLDEN"),
+        ("MODULE: m\nSTEPS: 3\n", "unknown keys"),
+    ],
+)
+def test_invalid_case_files(tmp_path, content, message):
+    (tmp_path / "model_config.yaml").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        runner.load_case(tmp_path)
+
+
+def test_args_to_command_line():
+    args = runner._args_to_list(
+        {"--a": True, "--b": False, "--c": None, "--d": [1, "x"], "--e": 2.5}, "here"
+    )
+    assert args == ["--a", "--d", "1", "x", "--e", "2.5"]
+
+
+def test_module_entry_point_and_torchrun(tmp_path):
+    (tmp_path / "model_config.yaml").write_text("MODULE: pkg.entry\nNPROC: 2\n")
+    case = runner.load_case(tmp_path)
+    command = runner.build_command(case, Path("/o.json"), "python", ["--x"])
+    assert command == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "pkg.entry",
+        "--x",
+        "--output-json",
+        "/o.json",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparisons
+
+
+def test_bits_are_exact():
+    assert runner.bits(0.1) == (0.1).hex()
+    assert runner.bits(0.1) != runner.bits(0.1 + 2**-56 * 8)
+    assert runner.bits(3) == "3"
+    with pytest.raises(TypeError):
+        runner.bits("0.1")
+
+
+def test_golden_round_trip_is_bitwise():
+    values = [1 / 3, 2.0**-30, 10.123456789012345]
+    result = {"runs": [{"mode": "off", "lm loss": values}], "environment": {}}
+    golden = json.loads(json.dumps(runner.golden_from_result(result, ["lm loss"])))
+    assert runner.compare_golden(result, golden, ["lm loss"]) == []
+    nudged = {"runs": [{"mode": "on", "lm loss": [values[0], values[1] * (1 + 2**-52), values[2]]}]}
+    problems = runner.compare_golden(nudged, golden, ["lm loss"])
+    assert len(problems) == 1 and "first at step 2" in problems[0]
+
+
+def test_names():
+    assert runner.env_name("0.16.1") == "mcore-0.16"
+    assert runner.env_name("0.19.2rc1") == "mcore-0.19"
+    assert runner.platform_name("NVIDIA H200") == "h200"
+    assert runner.platform_name("NVIDIA H100 80GB HBM3") == "h100"
+
+
+# ----------------------------------------------------------------------------------------------
+# Running cases
+
+
+def test_generate_then_compare(tmp_path):
+    case = make_case(tmp_path)
+    outcome = run(case, tmp_path, generate_golden=True)
+    assert outcome.status == runner.GOLDEN_WRITTEN, outcome.messages
+    golden = case / "golden_values_mcore-0.16_h200.json"
+    assert golden.is_file()
+    assert json.loads(golden.read_text())["lm loss"]["end_step"] == 5
+    assert any("on/off" in line for line in outcome.timings)
+    assert run(case, tmp_path).status == runner.PASSED
+
+
+def test_missing_golden_fails_clearly(tmp_path):
+    outcome = run(make_case(tmp_path), tmp_path)
+    assert outcome.status == runner.FAILED
+    assert "no golden values for env 'mcore-0.16' on platform 'h200'" in outcome.messages[0]
+    assert "--generate-golden" in outcome.messages[0]
+
+
+def test_modes_that_differ_fail_and_write_no_golden(tmp_path):
+    case = make_case(tmp_path, args={"--differ-at": 3})
+    outcome = run(case, tmp_path, generate_golden=True)
+    assert outcome.status == runner.FAILED
+    assert any("differs at 1 of 5 steps, first at step 3" in m for m in outcome.messages)
+    assert any("NOT written" in m for m in outcome.messages)
+    assert not list(case.glob("golden_values_*.json"))
+
+
+def test_golden_mismatch_fails(tmp_path):
+    case = make_case(tmp_path)
+    assert run(case, tmp_path, generate_golden=True).status == runner.GOLDEN_WRITTEN
+    outcome = run(case, tmp_path, extra_args=["--differ-at", "2"])
+    assert outcome.status == runner.FAILED
+    assert any("differs from golden" in m and "run 1 (on)" in m for m in outcome.messages)
+
+
+def test_entry_point_failures(tmp_path):
+    outcome = run(make_case(tmp_path, args={"--no-output": "true", "--exit": 3}), tmp_path)
+    assert outcome.status == runner.FAILED
+    assert "exited with status 3" in outcome.messages[0]
+
+
+def test_two_gpu_case_is_reported_not_passed(tmp_path):
+    outcome = run(make_case(tmp_path, nproc=2), tmp_path, available_gpus=1)
+    assert outcome.status == runner.NEEDS_HARDWARE
+    assert "needs a machine with 2 GPUs" in outcome.messages[0]
+
+
+def test_main_exit_codes_and_summary(tmp_path):
+    one = make_case(tmp_path, name="one")
+    make_case(tmp_path, name="two", nproc=2)
+    out = tmp_path / "results"
+    common = ["--out", str(out), "--gpus", "1"]
+    assert runner.main([str(one), *common]) == 1  # no golden values yet
+    assert runner.main([str(one), *common, "--generate-golden"]) == 0
+    assert runner.main([str(one), *common]) == 0
+    assert runner.main([str(tmp_path / "gpt"), *common]) == 2  # 'two' needs 2 GPUs
+    assert runner.main([str(tmp_path / "gpt"), *common, "--allow-missing-hardware"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "| gpt/one | PASSED |" in summary and "| gpt/two | NOT RUN |" in summary
+    assert runner.main([str(tmp_path / "nothing-here")]) == 1

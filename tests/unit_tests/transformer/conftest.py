@@ -1,0 +1,55 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Fixtures for tests that build megatron-core attention modules."""
+
+import sys
+import types
+from typing import Dict, List
+
+import mla_rope_reference
+import pytest
+import torch
+
+EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
+
+
+@pytest.fixture
+def cpu_current_device(monkeypatch):
+    """Let megatron build RoPE modules on CPU: they ask ``torch.cuda.current_device()``."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.fixture
+def rope_spies(monkeypatch) -> Dict[str, List[str]]:
+    """Record which RoPE functions run; both sides compute with the plain-torch reference.
+
+    megatron_ext's kernels module is replaced by a double (so tests do not depend on Triton
+    running here), and megatron-core's MLA module globals are pointed at a second double.
+
+    Returns:
+        dict: ``{"ext": [...], "mcore": [...]}``, the names of the functions called, in order.
+    """
+    calls: Dict[str, List[str]] = {"ext": [], "mcore": []}
+
+    def spy(tag: str, name: str, fn):
+        def wrapper(*args, **kwargs):
+            calls[tag].append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    fake = types.ModuleType(EXT_ROPE_MODULE)
+    fake.fused_apply_mla_rope_for_q = spy("ext", "q", mla_rope_reference.rope_q)
+    fake.fused_apply_mla_rope_for_kv = spy("ext", "kv", mla_rope_reference.rope_kv)
+    monkeypatch.setitem(sys.modules, EXT_ROPE_MODULE, fake)
+
+    from megatron.core.transformer import multi_latent_attention as mcore_mla
+
+    monkeypatch.setattr(
+        mcore_mla, "fused_apply_mla_rope_for_q", spy("mcore", "q", mla_rope_reference.rope_q)
+    )
+    monkeypatch.setattr(
+        mcore_mla, "fused_apply_mla_rope_for_kv", spy("mcore", "kv", mla_rope_reference.rope_kv)
+    )
+    return calls

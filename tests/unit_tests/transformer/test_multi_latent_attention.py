@@ -1,0 +1,412 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""ExtMLASelfAttention: megatron-core's MLA with megatron_ext's RoPE kernels, nothing else."""
+
+import sys
+import threading
+
+import mla_rope_reference
+import pytest
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import multi_latent_attention as mcore_mla
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from megatron_ext.models.gpt.gpt_layer_specs import to_megatron_ext_spec
+from megatron_ext.transformer import multi_latent_attention as ext_mla
+from megatron_ext.transformer.multi_latent_attention import (
+    ExtFusedMLASelfAttention,
+    ExtMLASelfAttention,
+)
+
+EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
+
+
+def make_config(device: str, **overrides) -> MLATransformerConfig:
+    """A small MLA config; on GPU DeepSeek-V3's head sizes (the kernels' real shapes)."""
+    gpu = device == "cuda"
+    kwargs = dict(
+        num_layers=1,
+        hidden_size=256 if gpu else 64,
+        num_attention_heads=8 if gpu else 4,
+        q_lora_rank=96 if gpu else 32,
+        kv_lora_rank=64 if gpu else 16,
+        qk_head_dim=128 if gpu else 16,
+        qk_pos_emb_head_dim=64 if gpu else 8,
+        v_head_dim=128 if gpu else 16,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+        rope_type="yarn",
+        apply_rope_fusion=True,
+        rotary_scaling_factor=40.0,
+        original_max_position_embeddings=64,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=not gpu,
+        params_dtype=torch.float32,
+    )
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
+def mla_submodules(sdpa_backends=None):
+    spec = get_gpt_layer_local_spec(
+        multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
+    )
+    spec = to_megatron_ext_spec(spec, mla_rope_contiguous_load=False, sdpa_backends=sdpa_backends)
+    return spec.submodules.self_attention.submodules
+
+
+def build_pair(config, device="cpu", dtype=torch.float32, sdpa_backends=None):
+    """megatron-core's MLASelfAttention and ExtMLASelfAttention with the same weights."""
+    torch.manual_seed(0)
+    sub = mla_submodules(sdpa_backends)
+    base = mcore_mla.MLASelfAttention(
+        config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal
+    )
+    ext = ExtMLASelfAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    ext.load_state_dict(base.state_dict())
+    return base.to(device=device, dtype=dtype), ext.to(device=device, dtype=dtype)
+
+
+def make_inputs(config, fmt, device="cpu", dtype=torch.float32, seq=12, batch=2):
+    gen = torch.Generator().manual_seed(7)
+    if fmt == "sbhd":
+        hidden = torch.randn(seq, batch, config.hidden_size, generator=gen)
+        params = None
+    else:
+        lengths, padded = [5, 3, 7], [8, 4, 8]
+        hidden = torch.randn(sum(padded), 1, config.hidden_size, generator=gen)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).to(device)
+        cu_padded = torch.tensor([0] + padded).cumsum(0).to(torch.int32).to(device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
+            max_seqlen_q=max(padded),
+            max_seqlen_kv=max(padded),
+        )
+    return hidden.to(device=device, dtype=dtype), params
+
+
+def forward_backward(module, hidden, params, seed=3):
+    hidden = hidden.detach().clone().requires_grad_()
+    out, _ = module(hidden, None, packed_seq_params=params)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    out.backward(grad)
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    return out.detach(), hidden.grad.detach(), grads
+
+
+def assert_bitwise(a, b):
+    out_a, dx_a, g_a = a
+    out_b, dx_b, g_b = b
+    assert torch.equal(out_a, out_b), "outputs differ"
+    assert torch.equal(dx_a, dx_b), "input gradients differ"
+    assert g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert torch.equal(g_a[name], g_b[name]), f"gradient of {name} differs"
+
+
+@pytest.fixture(autouse=True)
+def _parallel_state(mcore_parallel_state):
+    yield
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: structure and routing (both sides compute with the plain-torch reference)
+
+
+def test_override_is_minimal():
+    def methods(cls):
+        return {k for k, v in vars(cls).items() if callable(v) and not k.startswith("__")}
+
+    assert methods(ext_mla._ContiguousLoadRopeMixin) == {"get_query_key_value_tensors"}
+    assert methods(ExtMLASelfAttention) == set()
+    assert issubclass(ExtMLASelfAttention, mcore_mla.MLASelfAttention)
+    fused = getattr(mcore_mla, "FusedMLASelfAttention", None)
+    if fused is None:
+        assert ExtFusedMLASelfAttention is None
+    else:
+        assert issubclass(ExtFusedMLASelfAttention, fused)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+def test_same_result_and_rope_routed_to_megatron_ext(fmt, rope_spies, cpu_current_device):
+    config = make_config("cpu")
+    base, ext = build_pair(config)
+    hidden, params = make_inputs(config, fmt)
+
+    base_result = forward_backward(base, hidden, params)
+    assert rope_spies == {"ext": [], "mcore": ["q", "kv"]}
+    ext_result = forward_backward(ext, hidden, params)
+    assert rope_spies == {"ext": ["q", "kv"], "mcore": ["q", "kv"]}
+    assert_bitwise(base_result, ext_result)
+    # megatron-core's module is left as it was: its globals still hold its own functions.
+    assert mcore_mla.fused_apply_mla_rope_for_q.__name__ == "wrapper"
+    assert mcore_mla.fused_apply_mla_rope_for_q is not ext_mla.fused_apply_mla_rope_for_q
+
+
+def test_not_rerouted_without_rope_fusion(rope_spies, cpu_current_device):
+    config = make_config("cpu", apply_rope_fusion=False)
+    base, ext = build_pair(config)
+    hidden, params = make_inputs(config, "sbhd")
+    assert_bitwise(forward_backward(base, hidden, params), forward_backward(ext, hidden, params))
+    assert rope_spies == {"ext": [], "mcore": []}
+
+
+def test_gpt_model_from_ext_spec_matches(rope_spies, cpu_current_device, monkeypatch):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    try:  # megatron-core >= 0.19 keeps a process-wide inference flag; this is training
+        from megatron.core.inference.utils import InferenceMode
+
+        monkeypatch.setattr(InferenceMode, "_is_active", False)
+    except ImportError:
+        pass
+
+    config = make_config("cpu", num_layers=2)
+    spec = get_gpt_layer_local_spec(
+        multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
+    )
+    models = []
+    for rope in (False, True):
+        torch.manual_seed(0)
+        models.append(
+            GPTModel(
+                config,
+                to_megatron_ext_spec(spec, mla_rope_contiguous_load=rope),
+                vocab_size=64,
+                max_sequence_length=16,
+                position_embedding_type="rope",
+            )
+        )
+    assert sum(isinstance(m, ExtMLASelfAttention) for m in models[1].modules()) == 2
+    assert not any(isinstance(m, ExtMLASelfAttention) for m in models[0].modules())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(16).expand(2, 16)
+    losses = []
+    for model in models:
+        loss = model(tokens, position_ids, None, labels=tokens).sum()
+        loss.backward()
+        losses.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.equal(losses[0][0], losses[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1]))
+    assert rope_spies["ext"] == ["q", "kv"] * 2 and rope_spies["mcore"] == ["q", "kv"] * 2
+
+
+def test_instances_do_not_interfere_across_threads(rope_spies, cpu_current_device):
+    config = make_config("cpu")
+    base, ext = build_pair(config)
+    hidden, _ = make_inputs(config, "sbhd")
+    with torch.no_grad():
+        expected = base(hidden, None)[0]
+    rope_spies["ext"].clear()
+    rope_spies["mcore"].clear()
+    errors = []
+
+    def loop(module, n=20):
+        try:
+            for _ in range(n):
+                with torch.no_grad():
+                    out = module(hidden, None)[0]
+                if not torch.equal(out, expected):
+                    errors.append(f"{type(module).__name__} output changed")
+        except Exception as exc:  # pylint: disable=broad-except
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=loop, args=(m,)) for m in (base, ext, base, ext)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    # Every call went where its instance's class sends it: 2 threads x 20 calls x (q, kv) each.
+    assert len(rope_spies["ext"]) == 80 and len(rope_spies["mcore"]) == 80
+
+
+def test_missing_kernels_give_a_clear_error(monkeypatch, cpu_current_device):
+    monkeypatch.setitem(sys.modules, EXT_ROPE_MODULE, None)  # makes the import fail
+    config = make_config("cpu")
+    _, ext = build_pair(config)
+    hidden, _ = make_inputs(config, "sbhd")
+    with pytest.raises(ImportError, match="megatron_ext's MLA RoPE kernels"):
+        ext(hidden, None)
+
+
+def test_rerouted_method_shares_code_and_closure():
+    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
+    rerouted = ext_mla._with_ext_rope(func)
+    assert rerouted is not func
+    assert rerouted.__code__ is func.__code__
+    assert rerouted.__defaults__ == func.__defaults__
+    assert rerouted.__kwdefaults__ == func.__kwdefaults__
+    assert rerouted.__closure__ == func.__closure__
+    changed = {k for k in func.__globals__ if rerouted.__globals__[k] is not func.__globals__[k]}
+    assert changed == set(ext_mla.ROPE_FUNCTION_NAMES)
+    assert rerouted.__globals__ is not func.__globals__
+
+
+def test_unreroutable_methods_are_refused():
+    def no_rope(self):
+        return None
+
+    with pytest.raises(RuntimeError, match="does not call"):
+        ext_mla._check_reroutable(no_rope)
+
+    namespace = {}
+    exec(  # a method that assigns a module global cannot run on a copied namespace
+        "def writes(self):\n"
+        "    global fused_apply_mla_rope_for_q\n"
+        "    fused_apply_mla_rope_for_q = fused_apply_mla_rope_for_kv = None\n",
+        namespace,
+    )
+    with pytest.raises(RuntimeError, match="assigns the global"):
+        ext_mla._check_reroutable(namespace["writes"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
+def test_reference_double_matches_megatron_core_kernels(monkeypatch):
+    """The CPU tests' double computes what megatron-core's kernels compute (Triton interpreter)."""
+    import triton
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
+
+    for name in (
+        "rotary_fwd_q_kernel",
+        "rotary_bwd_q_kernel",
+        "rotary_fwd_kv_kernel",
+        "rotary_bwd_kv_kernel",
+    ):
+        tuner = getattr(kernels, name)
+        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_H": 1})])
+        monkeypatch.setattr(tuner, "cache", {})
+    gen = torch.Generator().manual_seed(0)
+    s, b, h, dk, emb, dv = 5, 2, 3, 8, 8, 4
+    cos = torch.randn(16, 1, 1, emb, generator=gen)
+    sin = torch.randn(16, 1, 1, emb, generator=gen)
+    for cu in (None, torch.tensor([0, 4, 10], dtype=torch.int32)):
+        shape = (s, b) if cu is None else (10,)
+        q = torch.randn(*shape, h, dk + emb, generator=gen)
+        kv = torch.randn(*shape, h, dk + dv, generator=gen)
+        k_pe = torch.randn(*shape, 1, emb, generator=gen)
+        want_q = mla_rope_reference.rope_q(q, cos, sin, dk, emb, cu)
+        got_q = kernels.fused_apply_mla_rope_for_q(q.clone(), cos, sin, dk, emb, cu)
+        torch.testing.assert_close(got_q, want_q, atol=0, rtol=0)
+        want_k, want_v = mla_rope_reference.rope_kv(kv, k_pe, cos, sin, emb, dk, dv, cu)
+        got_k, got_v = kernels.fused_apply_mla_rope_for_kv(kv, k_pe, cos, sin, emb, dk, dv, cu)
+        torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+        assert torch.equal(got_v, want_v)
+
+
+def _pin_megatron_core_kernels(monkeypatch):
+    """megatron-core's kernels are autotuned, which the Triton interpreter cannot do; pinning
+    BLOCK_H=1 (always a defined result) makes them runnable on CPU."""
+    import triton
+
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
+
+    for name in (
+        "rotary_fwd_q_kernel",
+        "rotary_bwd_q_kernel",
+        "rotary_fwd_kv_kernel",
+        "rotary_bwd_kv_kernel",
+    ):
+        tuner = getattr(kernels, name)
+        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_H": 1})])
+        monkeypatch.setattr(tuner, "cache", {})
+    return kernels
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+def test_real_kernels_agree_under_interpreter(
+    fmt, monkeypatch, cpu_current_device, ext_kernel_calls
+):
+    """Both classes with their real kernels (Triton interpreter, fp32) agree to rounding.
+
+    Not bit for bit here: megatron_ext's kernels pair products into FMAs explicitly, as the GPU
+    compiler contracts megatron-core's; the interpreter evaluates megatron-core's unfused, so the
+    last bit may differ on CPU. The GPU tests below check bit identity.
+    """
+    _pin_megatron_core_kernels(monkeypatch)
+    config = make_config("cpu")
+    base, ext = build_pair(config)
+    hidden, params = make_inputs(config, fmt, seq=6)
+    base_result = forward_backward(base, hidden, params)
+    ext_result = forward_backward(ext, hidden, params)
+    assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
+    for a, b in zip(base_result[:2], ext_result[:2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for name in base_result[2]:
+        torch.testing.assert_close(base_result[2][name], ext_result[2][name], atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the real kernels, bit for bit
+
+
+@pytest.fixture
+def ext_kernel_calls(monkeypatch):
+    """Count calls into megatron_ext's real kernels module (forwarding to it)."""
+    import importlib
+
+    module = importlib.import_module(EXT_ROPE_MODULE)
+    calls = []
+    for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
+        real = getattr(module, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_bitwise_equal_to_megatron_core(fmt, dtype, ext_kernel_calls, monkeypatch):
+    # megatron-core's key/value backward sums heads in a BLOCK_H-dependent order; BLOCK_H=1 is
+    # its block-independent order, the one megatron_ext reproduces.
+    _pin_megatron_core_kernels(monkeypatch)
+    config = make_config("cuda", bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    base, ext = build_pair(config, "cuda", dtype, sdpa_backends=["math"])
+    hidden, params = make_inputs(config, fmt, "cuda", dtype, seq=64)
+    base_result = forward_backward(base, hidden, params)
+    assert ext_kernel_calls == []
+    ext_result = forward_backward(ext, hidden, params)
+    assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
+    assert_bitwise(base_result, ext_result)
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_uses_megatron_ext_kernels_in_backward(ext_kernel_calls, monkeypatch):
+    _pin_megatron_core_kernels(monkeypatch)
+    config = make_config(
+        "cuda",
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        recompute_granularity="selective",
+        recompute_modules=["mla_up_proj"],
+    )
+    base, ext = build_pair(config, "cuda", torch.bfloat16, sdpa_backends=["math"])
+    hidden, params = make_inputs(config, "sbhd", "cuda", torch.bfloat16, seq=64)
+    base_result = forward_backward(base, hidden, params)
+    hidden_ext = hidden.detach().clone().requires_grad_()
+    out, _ = ext(hidden_ext, None)
+    forward_calls = len(ext_kernel_calls)
+    assert forward_calls == 2
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out))
+    # The up-projection + RoPE closure is replayed in backward, still with megatron_ext's kernels.
+    assert len(ext_kernel_calls) == 4
+    grads = {n: p.grad.detach().clone() for n, p in ext.named_parameters()}
+    assert_bitwise(base_result, (out.detach(), hidden_ext.grad.detach(), grads))
