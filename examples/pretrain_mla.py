@@ -917,6 +917,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"megatron_ext {args.ext_rope_block_h or 'autotuned'}",
             flush=True,
         )
+    if d.rank == 0 and d.cp_size > 1 and args.qkv_format == "sbhd" and args.precision == "fp32":
+        # YarnRotaryEmbedding caches a context-parallel slice of its full-length table when it is
+        # built and, when the dtype matches, later returns rows of that slice instead of slicing
+        # a table of the actual sequence length: wrong positions for every chunk but the first
+        # (the same with the flag on or off). bf16 or thd rebuild the table and are unaffected.
+        print(
+            "warning: megatron-core's yarn cos/sin cache gives wrong positions with context "
+            "parallelism, sbhd and fp32 when --seq-length < --original-max-position-embeddings",
+            flush=True,
+        )
     results = [run_mode(args, mode, d) for mode in args.modes]
     problems = compare_modes(results) if len(results) > 1 else []
     if d.rank == 0:

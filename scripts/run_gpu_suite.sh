@@ -75,37 +75,39 @@ step() {  # step NAME LOGFILE CMD...
 }
 
 if [ -z "$skip_unit" ]; then
+  # pytest-xdist, where installed, overlaps the Triton compiles of the many kernel configs.
+  xdist=""
+  python3 -c 'import xdist' 2>/dev/null && xdist="-n 4"
   step "GPU unit tests" unit.log \
-    python3 -m pytest tests/unit_tests -m gpu -q -rs -p no:cacheprovider \
+    python3 -m pytest tests/unit_tests -m gpu -q -rs -p no:cacheprovider $xdist \
       --junitxml="$results/unit.xml"
 fi
 
-if [ -z "$skip_san" ]; then
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    for tool in memcheck racecheck; do
-      step "compute-sanitizer $tool" "sanitizer_$tool.log" \
-        compute-sanitizer --tool "$tool" --error-exitcode 1 \
-          python3 tests/unit_tests/fusions/sanitize_mla_rope.py
-    done
-  else
-    names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
-  fi
-fi
-
 if [ -z "$skip_func" ]; then
-  while IFS= read -r cfg; do
-    case_dir=$(dirname "$cfg")
-    case_name=${case_dir#tests/functional_tests/test_cases/}
-    step "functional $case_name" "functional_${case_name//\//_}.log" \
-      python3 tests/functional_tests/python_test_utils/run_functional_case.py "$case_dir" \
-        --out "$results/functional/${case_name//\//_}" $golden
-  done < <(find tests/functional_tests/test_cases -name model_config.yaml | sort)
+  # Cases that need more GPUs than this machine has are listed as NOT RUN, not failed.
+  step "functional cases" functional.log \
+    python3 tests/functional_tests/python_test_utils/run_functional_case.py \
+      tests/functional_tests/test_cases --out "$results/functional" --allow-missing-hardware $golden
 fi
 
 if [ -z "$skip_bench" ]; then
   step "benchmark rope" bench_rope.log python3 -m megatron_ext.bench rope --out "$results" $quick
   step "benchmark inference" bench_inference.log \
     python3 -m megatron_ext.bench inference --out "$results" $quick
+fi
+
+if [ -z "$skip_san" ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    step "compute-sanitizer memcheck" sanitizer_memcheck.log \
+      compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 tests/unit_tests/fusions/sanitize_mla_rope.py
+    # racecheck instruments every shared-memory access and is far slower: fewer shapes.
+    step "compute-sanitizer racecheck" sanitizer_racecheck.log \
+      compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 tests/unit_tests/fusions/sanitize_mla_rope.py --quick
+  else
+    names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
+  fi
 fi
 
 {
@@ -116,6 +118,7 @@ fi
   echo "| step | result | seconds |"
   echo "| --- | --- | --- |"
   for i in "${!names[@]}"; do echo "| ${names[$i]} | ${statuses[$i]} | ${secs[$i]} |"; done
+  if [ -f "$results/functional/summary.md" ]; then echo; cat "$results/functional/summary.md"; fi
   for log in bench_rope.log bench_inference.log; do
     if [ -f "$results/$log" ]; then
       echo; echo '```'; sed -n '/^=== table/,$p' "$results/$log" | tail -n +2; echo '```'

@@ -12,8 +12,9 @@ Typical use, before the engine is built (nothing else in the set-up changes)::
     engine = DynamicInferenceEngine(controller, context, ...)
 
 While the extension is enabled, constructing megatron-core's ``DynamicInferenceContext`` or
-``TextGenerationController`` (also through ``SimpleTextGenerationController`` or
-``DynamicInferenceContext.from_config``) builds the extension's subclass instead. Only those two
+``TextGenerationController`` (also through ``DynamicInferenceContext.from_config`` or, on
+megatron-core 0.16, the ``SimpleTextGenerationController`` alias) builds the extension's subclass
+instead. Only those two
 exact classes are redirected: other subclasses of them are constructed as written. The
 redirection works however the names were imported, because it hooks the classes' ``__new__``
 (the hook stays installed once set and does nothing while the extension is disabled).

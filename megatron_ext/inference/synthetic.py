@@ -219,7 +219,7 @@ class SyntheticStack:
     controller: Any
     logits_fn: SyntheticLogits
     model_config: Any
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    context_sizes: Dict[str, Any] = field(default_factory=dict)
 
 
 def build_synthetic_stack(
@@ -332,7 +332,7 @@ def build_synthetic_stack(
     tokenizer = SyntheticTokenizer(vocab_size)
     kwargs = dict(controller_kwargs or {}) if extension else {}
     controller = controller_cls(wrapper, tokenizer, **kwargs)
-    return SyntheticStack(context, controller, logits_fn, model_config, kwargs=sizes)
+    return SyntheticStack(context, controller, logits_fn, model_config, context_sizes=sizes)
 
 
 class SyntheticTokenizer:

@@ -27,8 +27,9 @@ def test_unsupported_versions_fail_with_a_clear_message(version):
 
 
 def test_installed_version_is_reported():
-    import megatron_ext
     from megatron.core import package_info
+
+    import megatron_ext
 
     assert megatron_ext.MEGATRON_CORE_VERSION == Version(package_info.__version__)
     assert get_megatron_core_version() == Version(package_info.__version__)
@@ -44,13 +45,11 @@ def test_import_fails_early_on_an_unsupported_release(tmp_path):
     (tmp_path / "megatron" / "__init__.py").write_text("")
     (core / "__init__.py").write_text("")
     (core / "package_info.py").write_text("__version__ = '0.15.0'\n")
-    code = textwrap.dedent(
-        f"""
+    code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         import megatron_ext
-        """
-    )
+        """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0
     assert "UnsupportedMegatronCoreVersionError" in proc.stderr

@@ -47,7 +47,7 @@ def _build_with_megatron_core_names():
             num_attention_heads=1,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
-            **template.kwargs,
+            **template.context_sizes,
         )
     wrapper = SyntheticInferenceWrapper(context, template.model_config, template.logits_fn)
     controller = TextGenerationController(wrapper, SyntheticTokenizer(256))
@@ -121,7 +121,7 @@ def test_other_subclasses_are_not_redirected():
             num_attention_heads=1,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
-            **template.kwargs,
+            **template.context_sizes,
         )
     assert type(context) is UserContext
 

@@ -310,7 +310,6 @@ def _pin_megatron_core_kernels(monkeypatch):
     """megatron-core's kernels are autotuned, which the Triton interpreter cannot do; pinning
     BLOCK_H=1 (always a defined result) makes them runnable on CPU."""
     import triton
-
     from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
 
     for name in (
