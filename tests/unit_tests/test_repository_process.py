@@ -459,7 +459,12 @@ def test_every_functional_job_has_its_golden_values():
             config_path = case_dir / "model_config.yaml"
             if not config_path.is_file():
                 continue  # reported by the matrix test
-            if str((_load_yaml(config_path) or {}).get("GOLDEN", "bitwise")) == "none":
+            config = _load_yaml(config_path) or {}
+            if str(config.get("GOLDEN", "bitwise")) == "none":
+                continue
+            # A case no machine of its size has run yet says so; the runner still fails it
+            # there until its golden values are generated.
+            if str(config.get("GOLDEN_PENDING") or "").strip():
                 continue
             major, minor = Version(str(combination["mcore"])).release[:2]
             golden = case_dir / f"golden_values_mcore-{major}.{minor}_{GOLDEN_PLATFORM}.json"

@@ -22,6 +22,9 @@ A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`
 * ``COMPARE_MODES``: when true, every run in the output must equal the first bit for bit (e.g.
   the flag off and on).
 * ``GOLDEN``: ``bitwise`` (default) or ``none``.
+* ``GOLDEN_PENDING``: why a case has no golden values yet (e.g. no machine of its size has run it).
+  It changes nothing at run time: without golden values the case fails unless
+  ``--generate-golden`` is given; the repository test accepts the missing files only with it.
 
 Usage::
 
@@ -44,7 +47,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CONFIG_NAME = "model_config.yaml"
@@ -60,6 +65,7 @@ KNOWN_KEYS = {
     "METRICS",
     "COMPARE_MODES",
     "GOLDEN",
+    "GOLDEN_PENDING",
     "TEST_TYPE",
     "DESCRIPTION",
 }
@@ -71,128 +77,16 @@ PASSED, FAILED, GOLDEN_WRITTEN, NEEDS_HARDWARE = "PASSED", "FAILED", "GOLDEN WRI
 # model_config.yaml
 
 
-def _scalar(text: str) -> Any:
-    text = text.strip()
-    if not text or text in ("null", "~", "Null", "NULL"):
-        return None
-    if text[0] in "'\"" and text[-1] == text[0] and len(text) >= 2:
-        return text[1:-1]
-    if text in ("true", "True", "TRUE"):
-        return True
-    if text in ("false", "False", "FALSE"):
-        return False
-    if text.startswith("[") and text.endswith("]"):
-        inner = text[1:-1].strip()
-        return [_scalar(part) for part in _split_flow(inner)] if inner else []
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _split_flow(text: str) -> List[str]:
-    parts, depth, quote, current = [], 0, None, ""
-    for ch in text:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-            continue
-        current += ch
-    parts.append(current)
-    return parts
-
-
-def _strip_comment(line: str) -> str:
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def parse_simple_yaml(text: str) -> Dict[str, Any]:
-    """Parse the YAML subset the case files use, for machines without PyYAML.
-
-    Supported: nested mappings by indentation, ``- item`` lists, flow lists ``[a, b]``, quoted and
-    plain scalars (int, float, true/false, null), comments. Write strings such as ``on``/``off``
-    quoted, as YAML 1.1 reads them as booleans.
+def load_yaml(path: Path) -> Dict[str, Any]:
+    """Load a case file.
 
     Args:
-        text: the document.
+        path: the ``model_config.yaml`` to read.
 
     Returns:
-        dict: the parsed mapping.
-
-    Raises:
-        ValueError: on a line it cannot interpret.
+        Dict[str, Any]: its top-level mapping (empty for an empty file).
     """
-    lines = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = _strip_comment(raw)
-        if line.strip():
-            lines.append((number, len(line) - len(line.lstrip(" ")), line.strip()))
-
-    def block(index: int, indent: int) -> Tuple[Any, int]:
-        if lines[index][2].startswith("- "):
-            items = []
-            while index < len(lines) and lines[index][1] == indent:
-                number, _, content = lines[index]
-                if not content.startswith("- "):
-                    raise ValueError(f"line {number}: expected a list item")
-                items.append(_scalar(content[2:]))
-                index += 1
-            return items, index
-        mapping: Dict[str, Any] = {}
-        while index < len(lines) and lines[index][1] == indent:
-            number, _, content = lines[index]
-            key, sep, rest = content.partition(":")
-            if not sep or (rest and not rest.startswith(" ")):
-                # A colon inside the key (none of ours) or no colon at all.
-                raise ValueError(f"line {number}: expected 'key: value', got {content!r}")
-            key = _scalar(key)
-            index += 1
-            if rest.strip():
-                mapping[key] = _scalar(rest)
-            elif index < len(lines) and lines[index][1] > indent:
-                mapping[key], index = block(index, lines[index][1])
-            elif index < len(lines) and lines[index][1] == indent and lines[index][2][:2] == "- ":
-                mapping[key], index = block(index, indent)
-            else:
-                mapping[key] = None
-        return mapping, index
-
-    if not lines:
-        return {}
-    result, index = block(0, lines[0][1])
-    if index != len(lines):
-        raise ValueError(f"line {lines[index][0]}: unexpected indentation")
-    if not isinstance(result, dict):
-        raise ValueError("the document must be a mapping")
-    return result
-
-
-def load_yaml(path: Path) -> Dict[str, Any]:
-    """Load a case file with PyYAML when available, else with :func:`parse_simple_yaml`."""
-    text = path.read_text()
-    try:
-        import yaml
-    except ImportError:
-        return parse_simple_yaml(text)
-    data = yaml.safe_load(text)
+    data = yaml.safe_load(path.read_text())
     return data if data is not None else {}
 
 
