@@ -806,3 +806,53 @@ def test_gpu_kv_bitwise_vs_megatron_core(dtypes, capsys):
             demb_equal_at.append(block_h)
     with capsys.disabled():
         print(f"\n[kv d_emb {dtypes}] megatron-core equals ours at BLOCK_H {demb_equal_at}")
+
+
+def _cp_local_rows(lengths, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Rows of the full thd sequence that context-parallel rank ``cp_rank`` holds.
+
+    Megatron splits each sequence into 2 * cp_size chunks and gives rank r chunks r and
+    2 * cp_size - 1 - r (load balancing for causal attention).
+    """
+    rows, start = [], 0
+    for length in lengths:
+        chunk = length // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            rows.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        start += length
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_context_parallel_ranks_reassemble_the_full_sequence(cp_size):
+    # Each rank's output must be, bit for bit, the rows of the single-rank output it holds: this
+    # checks the kernels' cp_rank/cp_size position mapping against the split itself, not against
+    # a second implementation of the same formula.
+    g = _gen(100 + cp_size)
+    qk_dim, emb, k_dim, v_dim, heads = 8, 16, 8, 8, 3
+    lengths = [4 * cp_size, 2 * cp_size, 6 * cp_size]
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+    total, max_len = sum(lengths), max(lengths)
+    angles = torch.rand(max_len, 1, 1, emb, generator=g) * 6.0
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    q = randn((total, heads, qk_dim + emb), torch.float32, DEVICE, generator=g)
+    kv = randn((total, heads, k_dim + v_dim), torch.float32, DEVICE, generator=g)
+    k_pe = randn((total, 1, emb), torch.float32, DEVICE, generator=g)
+
+    full_q = fused_apply_mla_rope_for_q(q.clone(), cos, sin, qk_dim, emb, cu, 0, 1)
+    full_k, full_v = fused_apply_mla_rope_for_kv(kv, k_pe, cos, sin, emb, k_dim, v_dim, cu, 0, 1)
+    covered = torch.zeros(total, dtype=torch.int64)
+    for rank in range(cp_size):
+        rows = _cp_local_rows(lengths, cp_size, rank)
+        covered[rows] += 1
+        rows_d = rows.to(DEVICE)
+        local_q = fused_apply_mla_rope_for_q(
+            q[rows_d].clone(), cos, sin, qk_dim, emb, cu, rank, cp_size
+        )
+        local_k, local_v = fused_apply_mla_rope_for_kv(
+            kv[rows_d], k_pe[rows_d], cos, sin, emb, k_dim, v_dim, cu, rank, cp_size
+        )
+        assert_bitwise_equal(local_q, full_q[rows_d], f"q, cp_rank {rank}/{cp_size}")
+        assert_bitwise_equal(local_k, full_k[rows_d], f"key, cp_rank {rank}/{cp_size}")
+        assert_bitwise_equal(local_v, full_v[rows_d], f"value, cp_rank {rank}/{cp_size}")
+    assert torch.equal(covered, torch.ones_like(covered)), "the ranks must split the rows exactly"
