@@ -425,6 +425,17 @@ class _StaticSlicesMixin:
                 f"({self.padded_active_token_count})"
             )
 
+    def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's ``add_request``, then record the request's sampling features.
+
+        Args:
+            req (DynamicInferenceRequest): the request.
+            *args: forwarded to megatron-core (the prefill chunk length).
+            **kwargs: forwarded to megatron-core.
+        """
+        super().add_request(req, *args, **kwargs)
+        self._register_request_sampling(req)
+
     def _register_request_sampling(self, req: Any) -> None:
         self._sampling_registry.add(int(req.request_id), req.sampling_params)
 
@@ -602,17 +613,6 @@ if not UPSTREAM_HAS_ACTIVE_SLICES:
 
         # ------------------------------------------------------------------ requests
 
-        def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
-            """megatron-core's ``add_request``, then record the request's sampling features.
-
-            Args:
-                req (DynamicInferenceRequest): the request.
-                *args: forwarded (chunk length).
-                **kwargs: forwarded.
-            """
-            super().add_request(req, *args, **kwargs)
-            self._register_request_sampling(req)
-
         def reset(self, *args: Any, **kwargs: Any) -> None:
             """megatron-core's ``reset``, then forget every request and re-pad the slices."""
             super().reset(*args, **kwargs)
@@ -742,17 +742,6 @@ else:
             """
             self._check_logits_shape(logits)
             return super().last_token_logits(logits)
-
-        def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
-            """megatron-core's ``add_request``, then record the request's sampling features.
-
-            Args:
-                req (DynamicInferenceRequest): the request.
-                *args: forwarded (prefill chunk length).
-                **kwargs: forwarded.
-            """
-            super().add_request(req, *args, **kwargs)
-            self._register_request_sampling(req)
 
         def reset(self, *args: Any, **kwargs: Any) -> None:
             """megatron-core's ``reset``, then forget every request and re-pad the slices."""
