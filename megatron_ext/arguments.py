@@ -298,6 +298,7 @@ def check_model_uses_megatron_ext(model: Any) -> int:
         int: the number of megatron_ext MLA modules found.
 
     Raises:
+        TypeError: if ``model`` is not a module or a list of modules.
         MegatronExtConfigError: if the extension is applied and no module uses it.
     """
     from megatron_ext.transformer.multi_latent_attention import _ContiguousLoadRopeMixin

@@ -57,7 +57,6 @@ __all__ = [
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 # cu_seqlens entries compared per step of the thd sequence lookup.

@@ -98,9 +98,9 @@ def _check_reroutable(func: types.FunctionType) -> None:
 def _with_ext_rope(func: types.FunctionType) -> types.FunctionType:
     """A copy of ``func`` whose global lookups of the RoPE names find megatron_ext's kernels.
 
-    Same code object, closure and defaults; only the globals dictionary differs: a fresh copy of
-    the defining module's globals (so everything else, including later changes to that module,
-    is seen as megatron-core sees it) with the two RoPE names rebound.
+    Same code object, closure and defaults; only the globals dictionary differs: a copy of the
+    defining module's globals taken now, at each call (so changes made to that module between
+    calls are seen as megatron-core sees them), with the two RoPE names rebound.
     """
     _check_reroutable(func)
     module_globals = dict(func.__globals__)

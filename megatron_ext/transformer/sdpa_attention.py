@@ -557,7 +557,9 @@ def _packed_bounds(
     return b_q, b_kv
 
 
-def cp_chunk_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
+def cp_chunk_positions(
+    local_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None
+) -> Tensor:
     """Global positions of the tokens a context-parallel rank holds of one sequence.
 
     megatron-core's load-balanced causal layout: the sequence is cut into ``2 * cp_size`` chunks
@@ -571,7 +573,12 @@ def cp_chunk_positions(local_len: int, cp_size: int, cp_rank: int, device=None) 
 
     Returns:
         Tensor: ``[local_len]`` int64 positions.
+
+    Raises:
+        ValueError: if ``local_len`` is odd (two equal chunks cannot make it up).
     """
+    if local_len % 2:
+        raise ValueError(f"local_len must be even (two equal chunks), got {local_len}")
     chunk = local_len // 2
     first = torch.arange(chunk, device=device) + cp_rank * chunk
     second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk

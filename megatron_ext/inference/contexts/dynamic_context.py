@@ -77,7 +77,7 @@ ACTIVE_REQUEST_PAD_VALUES: Dict[str, int] = {
     "last_token_idxs": 0,
 }
 
-# (static attribute, source attribute) for the request tensors that are sliced on every release.
+# (name, static attribute, source attribute) for the request tensors sliced on every release.
 _REQUEST_SLICE_FIELDS: Tuple[Tuple[str, str, str], ...] = (
     ("request_ids", "active_request_ids", "request_ids"),
     ("query_lengths", "active_request_query_lengths", "request_query_lengths"),

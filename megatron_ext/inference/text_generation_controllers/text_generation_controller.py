@@ -27,9 +27,10 @@ megatron-core's ``update_requests`` unchanged.
 
 The *sampling plan* picks which parts of the region exist (greedy only, top-k with a static cap,
 top-p, log-probs). It is derived on the host from the sampling parameters of the requests in the
-context, recorded when they were added, so no metadata is read back to choose it. The region
-also checks on the device that the plan covers every active row; if it ever does not, the step
-is recomputed with a plan that covers everything (and a warning is logged).
+context, recorded when they were added, so no metadata is read back to choose it. On
+megatron-core 0.16 the region also checks on the device that the plan covers every active row; if
+it ever does not, the step is recomputed with a plan that covers everything (and a warning is
+logged). On 0.19 the plan is read from upstream's host-side active slices and is exact.
 
 megatron-core 0.19 already reads request metadata from host-side active slices, keeps logits in
 a static buffer when it captures the model, and does its bookkeeping on the host after one
