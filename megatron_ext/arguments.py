@@ -21,12 +21,13 @@ and raises :class:`MegatronExtConfigError` when it cannot, instead of letting a 
 """
 
 import argparse
-import importlib
-import threading
+import numbers
+from collections.abc import Mapping
 from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_ext import extension_state
 from megatron_ext.utils import check_megatron_core_version
 
 __all__ = [
@@ -44,12 +45,13 @@ __all__ = [
 MLA_ROPE_CONTIGUOUS_LOAD_FLAG = "--mla-rope-contiguous-load"
 INFERENCE_STATIC_ACTIVE_SLICES_FLAG = "--inference-static-active-slices"
 
-_KERNELS_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
-_LOCK = threading.RLock()
-_APPLIED: Dict[str, bool] = {
-    "mla_rope_contiguous_load": False,
-    "inference_static_active_slices": False,
+# flag -> the namespace attribute (argparse ``dest``) it sets.
+_FLAG_DESTS = {
+    MLA_ROPE_CONTIGUOUS_LOAD_FLAG: extension_state.MLA_ROPE_CONTIGUOUS_LOAD,
+    INFERENCE_STATIC_ACTIVE_SLICES_FLAG: extension_state.INFERENCE_STATIC_ACTIVE_SLICES,
 }
+# Marks the parser actions add_megatron_ext_args created, to tell them from a script's own.
+_OWN_ACTION = "_megatron_ext_flag"
 
 
 class MegatronExtConfigError(ValueError):
@@ -69,13 +71,29 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
     Raises:
         TypeError: if ``parser`` is not an ``argparse.ArgumentParser``.
+        ValueError: if the parser already defines one of the flags, or an option that stores to
+            one of their attribute names, itself (named in the message); nothing is added then.
     """
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"expected an argparse.ArgumentParser, got {type(parser).__name__}")
-    if MLA_ROPE_CONTIGUOUS_LOAD_FLAG in parser._option_string_actions:
+    if any(getattr(action, _OWN_ACTION, False) for action in parser._actions):
         return parser
+    clashes = []
+    for action in parser._actions:
+        for flag, dest in _FLAG_DESTS.items():
+            if flag in action.option_strings:
+                clashes.append(flag)
+            elif action.dest == dest:
+                own = "/".join(action.option_strings) or dest
+                clashes.append(f"{own} (it stores to args.{dest}, as {flag} does)")
+    if clashes:
+        raise ValueError(
+            f"add_megatron_ext_args: the parser already defines {', '.join(clashes)}; "
+            f"megatron_ext adds {' and '.join(_FLAG_DESTS)} itself. Remove the script's own "
+            "definition."
+        )
     group = parser.add_argument_group(title="megatron_ext")
-    group.add_argument(
+    mla_action = group.add_argument(
         MLA_ROPE_CONTIGUOUS_LOAD_FLAG,
         action="store_true",
         default=False,
@@ -86,7 +104,7 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "default) and RoPE fusion (--position-embedding-type rope, no --no-rope-fusion); "
         "training only.",
     )
-    group.add_argument(
+    slices_action = group.add_argument(
         INFERENCE_STATIC_ACTIVE_SLICES_FLAG,
         action="store_true",
         default=False,
@@ -95,6 +113,8 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "static-address tensors, rebuilt in place each step, so that sampling and step "
         "bookkeeping can run inside CUDA graphs.",
     )
+    for action in (mla_action, slices_action):
+        setattr(action, _OWN_ACTION, True)
     return parser
 
 
@@ -167,17 +187,22 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
 
 def _import_kernels() -> None:
     try:
-        importlib.import_module(_KERNELS_MODULE)
+        import megatron_ext.fusions.fused_mla_yarn_rope_apply  # noqa: F401
     except ImportError as exc:
         raise MegatronExtConfigError(
-            f"{MLA_ROPE_CONTIGUOUS_LOAD_FLAG}: megatron_ext's kernels ({_KERNELS_MODULE}) "
-            f"cannot be imported: {exc}"
+            f"{MLA_ROPE_CONTIGUOUS_LOAD_FLAG}: megatron_ext's kernels "
+            f"(megatron_ext.fusions.fused_mla_yarn_rope_apply) cannot be imported: {exc}"
         ) from exc
 
 
-def _inference_hook(name: str):
-    inference = importlib.import_module("megatron_ext.inference")
-    return getattr(inference, name, None)
+# Values that are never a parsed namespace or a TransformerConfig: the fields would be looked up
+# as attributes, find nothing, and every flag would read as off.
+_NOT_AN_OBJECT_WITH_FIELDS = (Mapping, str, bytes, numbers.Number, list, tuple, set, frozenset)
+
+
+def _check_object_with_fields(name: str, value: Any, hint: str) -> None:
+    if isinstance(value, _NOT_AN_OBJECT_WITH_FIELDS):
+        raise TypeError(f"{name} must be {hint} or None, got {type(value).__name__} {value!r}")
 
 
 def apply_megatron_ext(
@@ -190,9 +215,12 @@ def apply_megatron_ext(
     """Apply the megatron_ext extensions requested by parsed args and/or keywords.
 
     For ``mla_rope_contiguous_load`` the configuration is checked
-    (:func:`check_mla_rope_config`), the kernels are imported, and megatron-core's GPT layer
-    spec functions are made to build ``ExtMLASelfAttention``; call it before the model's layer
-    spec is built. Calling it again with the same request is harmless.
+    (:func:`check_mla_rope_config`), the kernels are imported, and every megatron-core spec
+    builder that can produce MLA self-attention is made to build ``ExtMLASelfAttention``
+    (:func:`megatron_ext.models.gpt.gpt_layer_specs.patch_megatron_core_gpt_specs`); call it
+    before the model's layer spec is built. For ``inference_static_active_slices``,
+    :func:`megatron_ext.inference.enable_static_active_slices`. Calling it again with the same
+    request is harmless; a flag that is off changes nothing (use :func:`undo_megatron_ext`).
 
     Args:
         args: a namespace from a parser that :func:`add_megatron_ext_args` extended (Megatron-LM's
@@ -205,91 +233,129 @@ def apply_megatron_ext(
         Dict[str, bool]: which extensions are now applied.
 
     Raises:
-        TypeError: if a flag is not a bool, or MLA is requested with neither args nor config.
+        TypeError: if ``args`` or ``config`` is a dict, string, number or sequence, if ``args``
+            has neither flag and no keyword gives one (its parser was not extended), if a flag
+            is not a bool, or if MLA is requested with neither args nor config.
         MegatronExtConfigError: if an extension cannot act on this configuration or the kernels
             cannot be imported.
         UnsupportedMegatronCoreVersionError: on a megatron-core release megatron_ext does not
             support.
-        NotImplementedError: for ``inference_static_active_slices`` while
-            ``megatron_ext.inference`` does not provide ``apply_inference_extension``.
     """
-    mla = _from(args, "mla_rope_contiguous_load", False)
-    if mla_rope_contiguous_load is not None:
-        mla = mla_rope_contiguous_load
-    static_slices = _from(args, "inference_static_active_slices", False)
-    if inference_static_active_slices is not None:
-        static_slices = inference_static_active_slices
-    for name, value in (
-        ("mla_rope_contiguous_load", mla),
-        ("inference_static_active_slices", static_slices),
+    _check_object_with_fields(
+        "args", args, "a parsed namespace (e.g. argparse.Namespace; pass flags as keywords)"
+    )
+    _check_object_with_fields("config", config, "a megatron-core TransformerConfig")
+    requested = {
+        extension_state.MLA_ROPE_CONTIGUOUS_LOAD: mla_rope_contiguous_load,
+        extension_state.INFERENCE_STATIC_ACTIVE_SLICES: inference_static_active_slices,
+    }
+    if (
+        args is not None
+        and all(value is None for value in requested.values())
+        and not any(hasattr(args, name) for name in requested)
     ):
+        raise TypeError(
+            f"args ({type(args).__name__}) has neither {' nor '.join(_FLAG_DESTS)}: pass "
+            "add_megatron_ext_args as the script's extra_args_provider, or give the flags as "
+            "keywords"
+        )
+    for name, value in requested.items():
+        if value is None:
+            requested[name] = value = _from(args, name, False)
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    mla = requested[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
+    static_slices = requested[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
 
-    with _LOCK:
+    with extension_state.LOCK:
         if mla or static_slices:
             check_megatron_core_version()
         if mla:
             check_mla_rope_config(args, config)
             _import_kernels()
-        if static_slices:
-            hook = _inference_hook("apply_inference_extension")
-            if hook is None:
-                raise NotImplementedError(
-                    f"{INFERENCE_STATIC_ACTIVE_SLICES_FLAG} needs "
-                    "megatron_ext.inference.apply_inference_extension, which this megatron_ext "
-                    "build does not provide yet"
-                )
         # Every check passed: only now change process state, so a failure leaves none behind.
-        if mla:
-            from megatron_ext.models.gpt.gpt_layer_specs import patch_megatron_core_gpt_specs
+        before = extension_state.applied()
+        try:
+            if mla:
+                from megatron_ext.models.gpt.gpt_layer_specs import patch_megatron_core_gpt_specs
 
-            patch_megatron_core_gpt_specs()
-            _APPLIED["mla_rope_contiguous_load"] = True
-        if static_slices:
-            hook(args=args, config=config)
-            _APPLIED["inference_static_active_slices"] = True
-        return dict(_APPLIED)
+                patch_megatron_core_gpt_specs()
+            if static_slices:
+                from megatron_ext.inference import enable_static_active_slices
+
+                enable_static_active_slices()
+        except BaseException:
+            _restore(before)
+            raise
+        return extension_state.applied()
+
+
+def _restore(state: Dict[str, bool]) -> None:
+    """Switch off what was switched on since ``state`` was read (a failed apply's partial work)."""
+    now = extension_state.applied()
+    if (
+        now[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
+        and not state[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
+    ):
+        from megatron_ext.models.gpt.gpt_layer_specs import unpatch_megatron_core_gpt_specs
+
+        unpatch_megatron_core_gpt_specs()
+    if (
+        now[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
+        and not state[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
+    ):
+        from megatron_ext.inference import disable_static_active_slices
+
+        disable_static_active_slices()
 
 
 def undo_megatron_ext() -> Dict[str, bool]:
-    """Undo :func:`apply_megatron_ext`: megatron-core's classes are built again.
+    """Undo every megatron_ext extension in effect: megatron-core's classes are built again.
 
-    Models built while the extension was applied keep their modules. A no-op when nothing is
-    applied.
+    This includes extensions switched on directly
+    (:func:`megatron_ext.models.gpt.gpt_layer_specs.patch_megatron_core_gpt_specs`,
+    :func:`megatron_ext.inference.enable_static_active_slices`), not only through
+    :func:`apply_megatron_ext`. Models built while an extension was in effect keep their
+    modules. A no-op when nothing is applied.
 
     Returns:
         Dict[str, bool]: which extensions are applied afterwards (all False).
     """
-    with _LOCK:
-        if _APPLIED["mla_rope_contiguous_load"]:
-            from megatron_ext.models.gpt.gpt_layer_specs import unpatch_megatron_core_gpt_specs
-
-            unpatch_megatron_core_gpt_specs()
-            _APPLIED["mla_rope_contiguous_load"] = False
-        if _APPLIED["inference_static_active_slices"]:
-            hook = _inference_hook("undo_inference_extension")
-            if hook is not None:
-                hook()
-            _APPLIED["inference_static_active_slices"] = False
-        return dict(_APPLIED)
+    with extension_state.LOCK:
+        _restore(dict.fromkeys(extension_state.EXTENSIONS, False))
+        return extension_state.applied()
 
 
 def applied_megatron_ext() -> Dict[str, bool]:
-    """Which extensions are currently applied.
+    """Which extensions are in effect, however they were switched on.
 
     Returns:
-        Dict[str, bool]: extension name -> applied.
+        Dict[str, bool]: extension name -> applied (read from
+        :mod:`megatron_ext.extension_state`).
     """
-    with _LOCK:
-        return dict(_APPLIED)
+    return extension_state.applied()
+
+
+def _mla_attention_classes() -> tuple:
+    """megatron-core's MLA attention base classes in the installed release."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    try:
+        # megatron-core 0.19's DSA layers; megatron_ext does not extend them.
+        from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+            AbsorbedMLASelfAttention,
+        )
+    except ImportError:
+        return (MultiLatentAttention,)
+    return (MultiLatentAttention, AbsorbedMLASelfAttention)
 
 
 def check_model_uses_megatron_ext(model: Any) -> int:
-    """Raise if ``--mla-rope-contiguous-load`` is applied but ``model`` has no extended MLA.
+    """Raise if ``--mla-rope-contiguous-load`` is applied but ``model`` runs megatron-core's RoPE.
 
-    A model whose layer spec was built before :func:`apply_megatron_ext`, or by a spec function
-    the extension does not reach, would silently run megatron-core's kernels; this catches that.
+    A model whose layer spec was built before :func:`apply_megatron_ext`, or by a spec that
+    megatron_ext does not reach (a hand-written spec, megatron-core 0.19's
+    ``AbsorbedMLASelfAttention``), would silently run megatron-core's kernels; this catches that.
 
     Args:
         model: a module or a list of model chunks.
@@ -299,17 +365,34 @@ def check_model_uses_megatron_ext(model: Any) -> int:
 
     Raises:
         TypeError: if ``model`` is not a module or a list of modules.
-        MegatronExtConfigError: if the extension is applied and no module uses it.
+        MegatronExtConfigError: if the extension is applied and the model has no megatron_ext MLA
+            module, or has a megatron-core MLA attention module it did not replace.
     """
     from megatron_ext.transformer.multi_latent_attention import _ContiguousLoadRopeMixin
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     found = 0
+    plain = []
+    mla_classes = _mla_attention_classes()
     for chunk in chunks:
         if not isinstance(chunk, torch.nn.Module):
             raise TypeError(f"expected torch.nn.Module(s), got {type(chunk).__name__}")
-        found += sum(isinstance(m, _ContiguousLoadRopeMixin) for m in chunk.modules())
-    if applied_megatron_ext()["mla_rope_contiguous_load"] and found == 0:
+        for name, module in chunk.named_modules():
+            if isinstance(module, _ContiguousLoadRopeMixin):
+                found += 1
+            elif isinstance(module, mla_classes):
+                plain.append(f"{name or '<model>'} ({type(module).__name__})")
+    if not extension_state.is_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD):
+        return found
+    if plain:
+        raise MegatronExtConfigError(
+            f"{MLA_ROPE_CONTIGUOUS_LOAD_FLAG} is applied but these MLA modules run "
+            f"megatron-core's RoPE: {', '.join(plain[:5])}"
+            + (f" and {len(plain) - 5} more" if len(plain) > 5 else "")
+            + ". Build the layer spec after apply_megatron_ext(), or convert it with "
+            "megatron_ext.models.gpt.gpt_layer_specs.to_megatron_ext_spec()"
+        )
+    if found == 0:
         raise MegatronExtConfigError(
             f"{MLA_ROPE_CONTIGUOUS_LOAD_FLAG} is applied but the model has no megatron_ext MLA "
             "module: build the layer spec after apply_megatron_ext(), or convert it with "

@@ -30,6 +30,8 @@ A command-line flag maps onto :func:`apply_inference_extension` /
 
 from typing import Any, Dict, Tuple, Type
 
+from megatron_ext import extension_state
+
 __all__ = [
     "apply_inference_extension",
     "disable_static_active_slices",
@@ -42,9 +44,10 @@ __all__ = [
 
 # Base class -> its __new__ hook, installed on first use and kept: removing a __new__ assigned
 # after class creation does not restore CPython's default constructor slot, so disabling only
-# clears _ENABLED and the hook then builds the class that was asked for.
+# clears the switch in megatron_ext.extension_state and the hook then builds the class that was
+# asked for.
 _HOOKS: Dict[type, Any] = {}
-_ENABLED = {"static_active_slices": False}
+_SWITCH = extension_state.INFERENCE_STATIC_ACTIVE_SLICES
 
 
 def _class_pairs() -> Tuple[Tuple[type, type], ...]:
@@ -70,7 +73,7 @@ def _make_redirecting_new(base: type, replacement: type):
     def __new__(cls, *args: Any, **kwargs: Any):
         # The arguments go to __init__, which Python calls on the returned instance because it
         # is an instance of `cls`.
-        redirect = cls is base and _ENABLED["static_active_slices"]
+        redirect = cls is base and extension_state.is_applied(_SWITCH)
         return object.__new__(replacement if redirect else cls)
 
     return staticmethod(__new__)
@@ -82,7 +85,7 @@ def is_static_active_slices_enabled() -> bool:
     Returns:
         bool: True while megatron-core's classes are redirected to the extension.
     """
-    return _ENABLED["static_active_slices"]
+    return extension_state.is_applied(_SWITCH)
 
 
 def enable_static_active_slices() -> None:
@@ -105,13 +108,13 @@ def enable_static_active_slices() -> None:
         if base not in _HOOKS:
             _HOOKS[base] = _make_redirecting_new(base, replacement)
             base.__new__ = _HOOKS[base]
-    _ENABLED["static_active_slices"] = True
+    extension_state.set_applied(_SWITCH, True)
 
 
 def disable_static_active_slices() -> None:
     """Undo :func:`enable_static_active_slices`: megatron-core's classes are built as written
     again; objects already built keep their class. Idempotent."""
-    _ENABLED["static_active_slices"] = False
+    extension_state.set_applied(_SWITCH, False)
 
 
 def apply_inference_extension(enable: bool = True, *, args: Any = None, config: Any = None) -> None:

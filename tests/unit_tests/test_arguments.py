@@ -250,43 +250,126 @@ def test_kernels_that_cannot_be_imported(monkeypatch):
 # The inference flag (its extension lives in megatron_ext.inference)
 
 
-def test_inference_flag_without_its_extension(monkeypatch):
-    monkeypatch.delattr(megatron_ext.inference, "apply_inference_extension", raising=False)
+def test_inference_flag_enables_static_active_slices():
     args = megatron_lm_args(mla_rope_contiguous_load=False, inference_static_active_slices=True)
-    with pytest.raises(NotImplementedError, match="apply_inference_extension"):
-        apply_megatron_ext(args)
-    assert not applied_megatron_ext()["inference_static_active_slices"]
-
-
-def test_inference_flag_calls_its_extension(monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        megatron_ext.inference,
-        "apply_inference_extension",
-        lambda *a, **k: calls.append(("apply", a, k)),
-        raising=False,
-    )
-    monkeypatch.setattr(
-        megatron_ext.inference,
-        "undo_inference_extension",
-        lambda: calls.append(("undo",)),
-        raising=False,
-    )
-    args = megatron_lm_args(mla_rope_contiguous_load=False, inference_static_active_slices=True)
-    config = mla_config()
-    assert apply_megatron_ext(args, config=config)["inference_static_active_slices"]
-    assert calls == [("apply", (), {"args": args, "config": config})]
-    undo_megatron_ext()
-    assert calls[-1] == ("undo",)
-    assert not applied_megatron_ext()["inference_static_active_slices"]
+    assert apply_megatron_ext(args, config=mla_config())["inference_static_active_slices"]
+    assert megatron_ext.inference.is_static_active_slices_enabled()
+    assert not undo_megatron_ext()["inference_static_active_slices"]
+    assert not megatron_ext.inference.is_static_active_slices_enabled()
 
 
 def test_a_failing_request_applies_nothing(monkeypatch):
-    monkeypatch.delattr(megatron_ext.inference, "apply_inference_extension", raising=False)
-    with pytest.raises(NotImplementedError):
+    def refuse():
+        raise RuntimeError("DynamicInferenceContext already defines __new__")
+
+    monkeypatch.setattr(megatron_ext.inference, "enable_static_active_slices", refuse)
+    with pytest.raises(RuntimeError, match="__new__"):
         apply_megatron_ext(megatron_lm_args(inference_static_active_slices=True))
     # The MLA part was valid, but nothing is applied when any requested part fails.
     assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+    assert not any(applied_megatron_ext().values())
+
+
+# ----------------------------------------------------------------------------------------------
+# One record of what is applied, whoever switched it on
+
+
+def test_undo_undoes_switches_called_directly():
+    from megatron_ext.models.gpt.gpt_layer_specs import (
+        is_megatron_core_gpt_specs_patched,
+        patch_megatron_core_gpt_specs,
+    )
+
+    patch_megatron_core_gpt_specs()
+    megatron_ext.inference.enable_static_active_slices()
+    assert applied_megatron_ext() == {
+        "mla_rope_contiguous_load": True,
+        "inference_static_active_slices": True,
+    }
+    assert undo_megatron_ext() == {
+        "mla_rope_contiguous_load": False,
+        "inference_static_active_slices": False,
+    }
+    assert not is_megatron_core_gpt_specs_patched()
+    assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+    assert not megatron_ext.inference.is_static_active_slices_enabled()
+
+
+def test_applied_follows_switches_turned_off_directly():
+    from megatron_ext.models.gpt.gpt_layer_specs import unpatch_megatron_core_gpt_specs
+
+    apply_megatron_ext(megatron_lm_args(inference_static_active_slices=True))
+    assert all(applied_megatron_ext().values())
+    megatron_ext.inference.disable_static_active_slices()
+    assert applied_megatron_ext()["inference_static_active_slices"] is False
+    unpatch_megatron_core_gpt_specs()
+    assert applied_megatron_ext()["mla_rope_contiguous_load"] is False
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments that would make a flag silently do nothing
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"mla_rope_contiguous_load": True},
+        "--mla-rope-contiguous-load",
+        b"--mla-rope-contiguous-load",
+        ["--mla-rope-contiguous-load"],
+        ("mla_rope_contiguous_load",),
+        True,
+        1,
+    ],
+    ids=["dict", "str", "bytes", "list", "tuple", "bool", "int"],
+)
+def test_args_that_are_not_a_namespace_are_refused(args):
+    with pytest.raises(TypeError, match="args must be a parsed namespace"):
+        apply_megatron_ext(args)
+    assert not any(applied_megatron_ext().values())
+
+
+def test_config_that_is_not_a_config_is_refused():
+    with pytest.raises(TypeError, match="config must be a megatron-core TransformerConfig"):
+        apply_megatron_ext(mla_rope_contiguous_load=True, config={"multi_latent_attention": True})
+    assert not any(applied_megatron_ext().values())
+
+
+def test_args_without_the_flags_are_refused():
+    # A parser that add_megatron_ext_args did not extend, or a config passed where args go.
+    with pytest.raises(TypeError, match="add_megatron_ext_args"):
+        apply_megatron_ext(argparse.Namespace(multi_latent_attention=True))
+    with pytest.raises(TypeError, match="add_megatron_ext_args"):
+        apply_megatron_ext(mla_config())
+    # With the flag as a keyword, such args are only read for the configuration check.
+    state = apply_megatron_ext(
+        argparse.Namespace(), mla_rope_contiguous_load=True, config=mla_config()
+    )
+    assert state["mla_rope_contiguous_load"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A parser that defines one of the flags itself
+
+
+@pytest.mark.parametrize(
+    "own_flag,own_dest,named",
+    [
+        (MLA_ROPE_CONTIGUOUS_LOAD_FLAG, None, MLA_ROPE_CONTIGUOUS_LOAD_FLAG),
+        (INFERENCE_STATIC_ACTIVE_SLICES_FLAG, None, INFERENCE_STATIC_ACTIVE_SLICES_FLAG),
+        ("--static-slices", "inference_static_active_slices", "--static-slices"),
+    ],
+)
+def test_parser_that_already_has_a_flag(own_flag, own_dest, named):
+    parser = argparse.ArgumentParser()
+    kwargs = {"dest": own_dest} if own_dest else {}
+    parser.add_argument(own_flag, action="store_true", **kwargs)
+    with pytest.raises(ValueError, match="already defines") as info:
+        add_megatron_ext_args(parser)
+    assert named in str(info.value)
+    # Nothing was added: the script's own option is the only one.
+    flags = [s for a in parser._actions for s in a.option_strings]
+    assert flags == ["-h", "--help", own_flag]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,3 +387,17 @@ def test_check_model_uses_megatron_ext():
     assert check_model_uses_megatron_ext([plain, torch.nn.Sequential(fake_mla)]) == 1
     with pytest.raises(TypeError, match="torch.nn.Module"):
         check_model_uses_megatron_ext("model")
+
+
+def test_check_model_refuses_megatron_core_mla_left_in_place():
+    """A spec built before apply_megatron_ext() leaves megatron-core's MLA: named, refused."""
+    apply_megatron_ext(megatron_lm_args())
+    ext_mla = ExtMLASelfAttention.__new__(ExtMLASelfAttention)
+    torch.nn.Module.__init__(ext_mla)
+    mcore_module = mcore_mla.MLASelfAttention.__new__(mcore_mla.MLASelfAttention)
+    torch.nn.Module.__init__(mcore_module)
+    model = torch.nn.ModuleDict({"ext": ext_mla, "stock": mcore_module})
+    with pytest.raises(MegatronExtConfigError, match=r"stock \(MLASelfAttention\)"):
+        check_model_uses_megatron_ext(model)
+    undo_megatron_ext()
+    assert check_model_uses_megatron_ext(model) == 1  # the flag is off: nothing to refuse

@@ -14,20 +14,22 @@ returns a copy in which
 
 :func:`to_megatron_core_spec` is the inverse. The input spec is never modified.
 
-:func:`patch_megatron_core_gpt_specs` / :func:`unpatch_megatron_core_gpt_specs` make megatron-core's
-own GPT spec functions build the extension class, for scripts (Megatron-LM's ``pretrain_gpt.py``)
-that call those functions themselves; ``megatron_ext.arguments.apply_megatron_ext`` uses them.
+:func:`patch_megatron_core_gpt_specs` / :func:`unpatch_megatron_core_gpt_specs` make every
+megatron-core spec builder that can produce MLA self-attention build the extension class, for
+scripts (Megatron-LM's ``pretrain_gpt.py``) that call those builders themselves;
+``megatron_ext.arguments.apply_megatron_ext`` uses them.
 """
 
 import dataclasses
-import importlib
-import threading
+import sys
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron.core.transformer import multi_latent_attention as _mcore_mla
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_ext import extension_state
 from megatron_ext.transformer.multi_latent_attention import (
     ExtFusedMLASelfAttention,
     ExtMLASelfAttention,
@@ -35,6 +37,7 @@ from megatron_ext.transformer.multi_latent_attention import (
 from megatron_ext.transformer.sdpa_attention import SDPADotProductAttention, resolve_sdpa_backends
 
 __all__ = [
+    "megatron_core_mla_spec_modules",
     "to_megatron_ext_spec",
     "to_megatron_core_spec",
     "count_mla_attention_specs",
@@ -294,45 +297,130 @@ def count_mla_attention_specs(spec: SpecLike) -> Dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 # Process-wide switch for scripts that build specs with megatron-core's own functions.
 
-_GPT_SPEC_MODULE = "megatron.core.models.gpt.gpt_layer_specs"
-_PATCH_LOCK = threading.Lock()
 # (module name, attribute) -> original object, while patched.
 _PATCHED: Dict[Tuple[str, str], Any] = {}
+# Module-level spec constants changed in place, with the class each had, while patched.
+_PATCHED_SPECS: List[Tuple[ModuleSpec, Any]] = []
+
+
+def megatron_core_mla_spec_modules() -> List[types.ModuleType]:
+    """The megatron-core modules whose spec builders can produce MLA self-attention.
+
+    Each looks ``MLASelfAttention``/``FusedMLASelfAttention`` up as a module global when its
+    builders run, or holds module-level specs that contain them:
+
+    * ``models.gpt.gpt_layer_specs`` (0.16, 0.19): ``get_gpt_layer_local_spec``,
+      ``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_layer_with_inference_spec`` (and
+      their ``*_submodules`` forms in 0.19), hence ``get_gpt_decoder_layer_specs``,
+      ``get_gpt_decoder_block_spec`` and ``get_gpt_mtp_block_spec``;
+    * ``models.gpt.experimental_attention_variant_module_specs`` (0.16):
+      ``get_dsa_module_spec_for_backend`` (0.19 builds ``AbsorbedMLASelfAttention`` there, which
+      megatron_ext does not extend; ``apply_megatron_ext`` refuses an experimental attention
+      variant);
+    * ``post_training.modelopt.gpt.model_specs`` (0.16, 0.19): ``get_gpt_modelopt_spec``;
+    * ``post_training.modelopt.hybrid.model_specs`` (0.19): ``get_hybrid_stack_modelopt_spec``;
+    * ``models.hybrid.hybrid_layer_specs`` (0.19): the constants ``hybrid_stack_spec`` and
+      ``hybrid_inference_stack_spec`` (``models.mamba.mamba_layer_specs`` re-exports them);
+    * ``models.hybrid.hybrid_block`` (0.19): ``HybridStack`` builds ``FusedMLASelfAttention``
+      when it fuses the MLA down-projections.
+
+    Returns:
+        List[types.ModuleType]: those of them that exist in the installed release and bind one of
+        the MLA classes.
+    """
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs
+    from megatron.core.models.gpt import gpt_layer_specs as mcore_gpt_layer_specs
+    from megatron.core.post_training.modelopt.gpt import model_specs as modelopt_gpt_specs
+
+    modules = [
+        mcore_gpt_layer_specs,
+        experimental_attention_variant_module_specs,
+        modelopt_gpt_specs,
+    ]
+    try:
+        # Hybrid (Mamba) models build MLA from megatron-core 0.19 on.
+        from megatron.core.models.hybrid import hybrid_block, hybrid_layer_specs
+        from megatron.core.post_training.modelopt.hybrid import model_specs as modelopt_hybrid_specs
+    except ImportError:
+        pass
+    else:
+        modules += [hybrid_layer_specs, hybrid_block, modelopt_hybrid_specs]
+    names = [cls.__name__ for cls in _MLA_TO_EXT]
+    return [m for m in modules if any(getattr(m, name, None) is not None for name in names)]
+
+
+def _module_spec_constants(module: types.ModuleType) -> List[ModuleSpec]:
+    """Every ``ModuleSpec`` reachable from ``module``'s globals whose module is an MLA class."""
+    found: List[ModuleSpec] = []
+    seen = set()
+
+    def walk(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, ModuleSpec):
+            if isinstance(obj.module, type) and obj.module in _ALL_MLA:
+                found.append(obj)
+            walk(obj.submodules)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for field in dataclasses.fields(obj):
+                walk(getattr(obj, field.name, None))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+
+    for value in list(vars(module).values()):
+        if isinstance(value, (ModuleSpec, list, tuple)) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)
+        ):
+            walk(value)
+    return found
 
 
 def patch_megatron_core_gpt_specs() -> List[str]:
-    """Make megatron-core's GPT spec functions build megatron_ext's MLA classes.
+    """Make megatron-core's spec builders build megatron_ext's MLA classes.
 
-    The functions in ``megatron.core.models.gpt.gpt_layer_specs`` look the MLA classes up as
-    module globals when called, so rebinding those globals reaches every caller, including
-    scripts that imported the functions before this call. Only specs built afterwards are
-    affected; models already built keep their classes. Idempotent; thread-safe.
+    The builders of :func:`megatron_core_mla_spec_modules` look the MLA classes up as module
+    globals when called, so rebinding those globals reaches every caller, including scripts that
+    imported the functions before this call; module-level spec constants are changed in place.
+    Only specs built afterwards are affected; models already built keep their classes. Recorded
+    in :mod:`megatron_ext.extension_state` (``undo_megatron_ext`` undoes it). Idempotent;
+    thread-safe.
 
     Returns:
         List[str]: the ``module.attribute`` names now bound to megatron_ext classes.
     """
-    module = importlib.import_module(_GPT_SPEC_MODULE)
-    with _PATCH_LOCK:
-        for mcore_cls, ext_cls in _MLA_TO_EXT.items():
-            name = mcore_cls.__name__
-            if getattr(module, name, None) is None:
-                continue
-            key = (_GPT_SPEC_MODULE, name)
-            if key not in _PATCHED:
-                _PATCHED[key] = getattr(module, name)
-            setattr(module, name, ext_cls)
+    modules = megatron_core_mla_spec_modules()
+    with extension_state.LOCK:
+        for module in modules:
+            for mcore_cls, ext_cls in _MLA_TO_EXT.items():
+                name = mcore_cls.__name__
+                if getattr(module, name, None) is None:
+                    continue
+                key = (module.__name__, name)
+                if key not in _PATCHED:
+                    _PATCHED[key] = getattr(module, name)
+                setattr(module, name, ext_cls)
+            for spec in _module_spec_constants(module):
+                if spec.module in _MLA_TO_EXT:
+                    _PATCHED_SPECS.append((spec, spec.module))
+                    spec.module = _MLA_TO_EXT[spec.module]
+        extension_state.set_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD, True)
         return [f"{mod}.{attr}" for mod, attr in _PATCHED]
 
 
 def unpatch_megatron_core_gpt_specs() -> None:
     """Undo :func:`patch_megatron_core_gpt_specs` (a no-op when not patched)."""
-    with _PATCH_LOCK:
+    with extension_state.LOCK:
         for (mod_name, attr), original in list(_PATCHED.items()):
-            setattr(importlib.import_module(mod_name), attr, original)
+            setattr(sys.modules[mod_name], attr, original)
             del _PATCHED[(mod_name, attr)]
+        while _PATCHED_SPECS:
+            spec, original = _PATCHED_SPECS.pop()
+            spec.module = original
+        extension_state.set_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD, False)
 
 
 def is_megatron_core_gpt_specs_patched() -> bool:
-    """Whether megatron-core's GPT spec functions currently build megatron_ext's classes."""
-    with _PATCH_LOCK:
-        return bool(_PATCHED)
+    """Whether megatron-core's spec builders currently build megatron_ext's classes."""
+    return extension_state.is_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD)

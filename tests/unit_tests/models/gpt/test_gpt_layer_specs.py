@@ -3,6 +3,8 @@
 """Swapping megatron_ext's classes into megatron-core GPT layer specs and back."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron_ext.models.gpt.gpt_layer_specs import (
     count_mla_attention_specs,
     is_megatron_core_gpt_specs_patched,
+    megatron_core_mla_spec_modules,
     patch_megatron_core_gpt_specs,
     to_megatron_core_spec,
     to_megatron_ext_spec,
@@ -261,3 +264,147 @@ class TestPatchMegatronCoreSpecs:
         assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
         unpatch_megatron_core_gpt_specs()  # a no-op now
         assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
+
+
+# ----------------------------------------------------------------------------------------------
+# Every megatron-core builder that can produce MLA self-attention builds the extension class
+# while it is patched in.
+
+_MLA_NAME = re.compile(r"\b(?:Fused)?MLASelfAttention\b")
+
+
+def test_patched_modules_are_every_megatron_core_module_that_names_mla():
+    """A megatron-core release that adds a builder elsewhere fails here until it is patched."""
+    import megatron.core
+
+    root = Path(megatron.core.__file__).parent
+    defining = root / "transformer" / "multi_latent_attention.py"
+    naming = set()
+    for path in root.rglob("*.py"):
+        if path == defining:
+            continue
+        code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+        if _MLA_NAME.search("\n".join(code)):
+            naming.add(
+                ".".join(("megatron", "core", *path.relative_to(root).with_suffix("").parts))
+            )
+    patched = {module.__name__ for module in megatron_core_mla_spec_modules()}
+    assert naming == patched
+
+
+def mla_transformer_config(**overrides) -> MLATransformerConfig:
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+        normalization="RMSNorm",
+        rope_type="yarn",
+        apply_rope_fusion=True,
+        mtp_num_layers=1,
+    )
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
+class _AnyBackend:
+    """A spec backend whose every layer is a placeholder class (no Transformer Engine needed):
+    the builders' choice of attention class is what is checked."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: type(f"Placeholder_{name}", (), {})
+
+
+def _builders():
+    """(name, zero-argument builder) for every MLA-producing builder this release has."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
+    from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
+
+    config = mla_transformer_config()
+    builders = [
+        ("get_gpt_layer_local_spec", lambda: local_mla_spec()),
+        (
+            "get_gpt_decoder_block_spec",
+            lambda: mcore_specs.get_gpt_decoder_block_spec(
+                config, use_transformer_engine=False, normalization="RMSNorm"
+            ),
+        ),
+        (
+            "get_gpt_mtp_block_spec",
+            lambda: mcore_specs.get_gpt_mtp_block_spec(
+                config, local_mla_spec(), use_transformer_engine=False
+            ),
+        ),
+        ("get_gpt_modelopt_spec", lambda: get_gpt_modelopt_spec(config)),
+        (
+            "get_gpt_modelopt_spec(local_core_attention)",
+            lambda: get_gpt_modelopt_spec(config, local_core_attention=True),
+        ),
+    ]
+    if getattr(variants, "MLASelfAttention", None) is not None:  # megatron-core 0.16
+        builders.append(
+            (
+                "get_dsa_module_spec_for_backend",
+                lambda: variants.get_dsa_module_spec_for_backend(config, _AnyBackend()),
+            )
+        )
+    try:
+        from megatron.core.models.hybrid import hybrid_block, hybrid_layer_specs
+        from megatron.core.models.mamba import mamba_layer_specs
+        from megatron.core.post_training.modelopt.hybrid.model_specs import (
+            get_hybrid_stack_modelopt_spec,
+        )
+    except ImportError:  # megatron-core < 0.19 has no hybrid MLA models
+        return builders
+    builders += [
+        ("hybrid_stack_spec", lambda: hybrid_layer_specs.hybrid_stack_spec),
+        ("hybrid_inference_stack_spec", lambda: hybrid_layer_specs.hybrid_inference_stack_spec),
+        ("mamba_stack_spec", lambda: mamba_layer_specs.mamba_stack_spec),
+        ("get_hybrid_stack_modelopt_spec", lambda: get_hybrid_stack_modelopt_spec()),
+        (
+            "HybridStack._fuse_mla_down_proj",
+            # megatron-core's own stack spec holds objects deepcopy refuses without Transformer
+            # Engine; a local MLA layer stands in for its MLA layer.
+            lambda: hybrid_block.HybridStack._fuse_mla_down_proj(
+                None, hybrid_block.HybridStackSubmodules(mla_layer=local_mla_spec())
+            ),
+        ),
+    ]
+    return builders
+
+
+def _mcore_and_ext_counts(spec):
+    counts = count_mla_attention_specs(spec)
+    mcore = sum(n for name, n in counts.items() if not name.startswith("Ext"))
+    ext = sum(n for name, n in counts.items() if name.startswith("Ext"))
+    return mcore, ext
+
+
+def test_every_builder_builds_the_extension_while_patched(mcore_parallel_state):
+    builders = _builders()
+    try:
+        patch_megatron_core_gpt_specs()
+        while_patched = {name: _mcore_and_ext_counts(build()) for name, build in builders}
+    finally:
+        unpatch_megatron_core_gpt_specs()
+    after = {name: _mcore_and_ext_counts(build()) for name, build in builders}
+    for name, (mcore, ext) in while_patched.items():
+        assert mcore == 0 and ext > 0, f"{name}: {mcore} megatron-core MLA specs while patched"
+    for name, (mcore, ext) in after.items():
+        assert ext == 0 and mcore > 0, f"{name}: {ext} megatron_ext MLA specs after unpatching"
+
+
+def test_te_spec_builder_is_patched_too():
+    """The Transformer Engine spec needs TE to build; it reads the same module global."""
+    if getattr(mcore_specs, "HAVE_TE", False) is not True:
+        pytest.skip("Transformer Engine is not installed: its spec cannot be built here")
+    try:
+        patch_megatron_core_gpt_specs()
+        spec = mcore_specs.get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)
+    finally:
+        unpatch_megatron_core_gpt_specs()
+    assert _mcore_and_ext_counts(spec)[0] == 0
