@@ -5,6 +5,7 @@ exercised on CPU with a stand-in entry point."""
 
 import importlib.util
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -34,6 +35,7 @@ FAKE_ENTRY = textwrap.dedent("""
     p.add_argument("--differ-at", type=int, default=0)
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--no-output", action="store_true")
+    p.add_argument("--result-shape", default="ok", choices=["ok", "list", "env-string"])
     a = p.parse_args()
     runs = []
     for i, mode in enumerate(a.modes):
@@ -43,10 +45,14 @@ FAKE_ENTRY = textwrap.dedent("""
         runs.append({"mode": mode, "lm loss": loss, "lm loss hex": [v.hex() for v in loss],
                      "grad norm": [1.5] * 5, "median_step_time_ms": 10.0 + i,
                      "step_time_ms": [10.0] * 5})
+    result = {"environment": {"megatron_core": "0.16.1", "device": "NVIDIA H200"}, "runs": runs}
+    if a.result_shape == "list":
+        result = runs
+    elif a.result_shape == "env-string":
+        result["environment"] = "megatron-core 0.16.1 on an H200"
     if not a.no_output:
         with open(a.output_json, "w") as f:
-            json.dump({"environment": {"megatron_core": "0.16.1", "device": "NVIDIA H200"},
-                       "runs": runs}, f)
+            json.dump(result, f)
     raise SystemExit(a.exit)
     """)
 
@@ -246,3 +252,188 @@ def test_main_exit_codes_and_summary(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| gpt/one | PASSED |" in summary and "| gpt/two | NOT RUN |" in summary
     assert runner.main([str(tmp_path / "nothing-here")]) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad files: the case fails with one line naming the file, later cases still run, the summary is
+# written.
+
+
+def _summary_messages(summary: str, name: str) -> list:
+    """The case's message lines in the summary (its timing lines left out)."""
+    block = summary.split(f"**{name}**", 1)[1].split("```", 2)[1]
+    timing = re.compile(r"^run \d+ \[.*\] median step|^step time on/off")
+    return [line for line in block.strip("\n").splitlines() if not timing.search(line)]
+
+
+def _run_bad_and_good(tmp_path, corrupt) -> tuple:
+    """Runs 'a_bad' then 'b_good' through main() after corrupt(bad_case_dir); returns the exit
+    status, the bad case's message lines and the summary."""
+    bad = make_case(tmp_path, name="a_bad")
+    make_case(tmp_path, name="b_good")
+    out = tmp_path / "results"
+    common = ["--out", str(out), "--gpus", "1"]
+    assert runner.main([str(tmp_path / "gpt"), *common, "--generate-golden"]) == 0
+    corrupt(bad)
+    status = runner.main([str(tmp_path / "gpt"), *common])
+    summary = (out / "summary.md").read_text()
+    assert "| gpt/b_good | PASSED |" in summary, summary  # the later case still ran
+    assert "| gpt/a_bad | FAILED |" in summary, summary
+    return status, _summary_messages(summary, "gpt/a_bad"), summary
+
+
+GOLDEN_NAME = "golden_values_mcore-0.16_h200.json"
+
+
+def _edit_golden(edit):
+    def corrupt(case: Path) -> None:
+        path = case / GOLDEN_NAME
+        golden = json.loads(path.read_text())
+        edit(golden["lm loss"])
+        path.write_text(json.dumps(golden))
+
+    return corrupt
+
+
+def _write_golden(text: str):
+    def corrupt(case: Path) -> None:
+        (case / GOLDEN_NAME).write_text(text)
+
+    return corrupt
+
+
+def _truncate_golden(case: Path) -> None:
+    path = case / GOLDEN_NAME
+    path.write_text(path.read_text()[:200])
+
+
+def _nudge_hex(entry) -> None:
+    entry["values"]["2"] = entry["values"]["2"] * (1 + 2**-40)  # hex still the old value
+
+
+BAD_GOLDEN = [
+    ("truncated", _truncate_golden, "not readable JSON"),
+    ("empty", _write_golden(""), "not readable JSON"),
+    ("not an object", _write_golden("[1, 2]"), "top level must be an object"),
+    ("no start_step", _edit_golden(lambda e: e.pop("start_step")), "has no start_step"),
+    ("step_interval 0", _edit_golden(lambda e: e.update(step_interval=0)), "step_interval"),
+    ("end_step past entries", _edit_golden(lambda e: e.update(end_step=9)), "has no step 6"),
+    ("null entry", _edit_golden(lambda e: e["values"].update({"3": None})), "step 3 is null"),
+    ("values a list", _edit_golden(lambda e: e.update(values=[1.0] * 5)), "values must be"),
+    ("values a string", _edit_golden(lambda e: e.update(values="1.0")), "values must be"),
+    ("metric not an object", _edit_golden(lambda e: e.clear() or None), "has no start_step"),
+    ("hex disagrees", _edit_golden(_nudge_hex), "step 2: hex"),
+]
+
+
+@pytest.mark.parametrize(
+    "corrupt,problem", [c[1:] for c in BAD_GOLDEN], ids=[c[0] for c in BAD_GOLDEN]
+)
+def test_bad_golden_file_fails_its_case_only(tmp_path, corrupt, problem):
+    status, messages, _ = _run_bad_and_good(tmp_path, corrupt)
+    assert status == 1
+    assert len(messages) == 1, messages
+    assert GOLDEN_NAME in messages[0] and "a_bad" in messages[0]
+    assert problem in messages[0]
+
+
+def test_golden_hex_is_checked_against_values_directly():
+    golden = runner.golden_from_result(
+        {"runs": [{"mode": "off", "lm loss": [1.0, 2.0]}]}, ["lm loss"]
+    )
+    golden["lm loss"]["values"]["1"] = 1.5
+    with pytest.raises(ValueError, match="step 1: hex '0x1.0000000000000p\\+0' disagrees"):
+        runner.check_golden(golden, ["lm loss"])
+
+
+BAD_RESULTS = [
+    ("list", "top level must be an object"),
+    ("env-string", "'environment' must be an object"),
+]
+
+
+@pytest.mark.parametrize("shape,problem", BAD_RESULTS, ids=[r[0] for r in BAD_RESULTS])
+def test_bad_result_file_fails_its_case_only(tmp_path, shape, problem):
+    def corrupt(case: Path) -> None:
+        path = case / "model_config.yaml"
+        path.write_text(path.read_text().replace("ARGS: {}", f"ARGS:\n  --result-shape: {shape}"))
+
+    status, messages, _ = _run_bad_and_good(tmp_path, corrupt)
+    assert status == 1
+    assert len(messages) == 1, messages
+    assert "result.json" in messages[0] and "a_bad" in messages[0]
+    assert problem in messages[0]
+
+
+BAD_YAML = [
+    ("malformed", "ENTRYPOINT: [unclosed\n", "not readable YAML"),
+    ("a list", "- ENTRYPOINT\n- x.py\n", "top level must be a mapping"),
+    ("a scalar", "just a string\n", "top level must be a mapping"),
+    ("COMPARE_MODES 'no'", "COMPARE_MODES: 'no'", "COMPARE_MODES must be true or false"),
+    ("TIMEOUT true", "TIMEOUT: true", "TIMEOUT must be a positive number"),
+    ("NPROC a string", "NPROC: '1'", "NPROC must be a positive integer"),
+    ("ENTRYPOINT a number", "ENTRYPOINT: 3", "ENTRYPOINT must be a non-empty string"),
+    ("ENV_VARS a list", "ENV_VARS: [A]", "ENV_VARS must be a mapping"),
+    ("ENV_VARS value a list", "ENV_VARS:\n  A: [1]", "ENV_VARS 'A'"),
+    ("ARGS value a mapping", "ARGS:\n  --x: {a: 1}", "ARGS --x"),
+    ("METRICS a string", "METRICS: lm loss", "METRICS must be a non-empty list"),
+    ("GOLDEN a list", "GOLDEN: [bitwise]", "GOLDEN must be a non-empty string"),
+]
+
+
+def _replace_yaml_key(text: str, replacement: str) -> str:
+    """Replaces the key that ``replacement`` sets (and its block) in a case file, or the whole
+    file when ``replacement`` is not a ``KEY: value`` line."""
+    key = replacement.split(":", 1)[0]
+    if not key.isupper():
+        return replacement
+    lines, out, skipping = text.splitlines(), [], False
+    for line in lines:
+        if line.startswith(f"{key}:"):
+            skipping = True
+            continue
+        if skipping and line.startswith(" "):
+            continue
+        skipping = False
+        out.append(line)
+    return "\n".join(out) + "\n" + replacement + "\n"
+
+
+@pytest.mark.parametrize("content,problem", [c[1:] for c in BAD_YAML], ids=[c[0] for c in BAD_YAML])
+def test_bad_case_file_fails_its_case_only(tmp_path, content, problem):
+    def corrupt(case: Path) -> None:
+        path = case / "model_config.yaml"
+        path.write_text(_replace_yaml_key(path.read_text(), content))
+
+    status, messages, summary = _run_bad_and_good(tmp_path, corrupt)
+    assert status == 1
+    assert len(messages) == 1, messages
+    assert "a_bad/model_config.yaml" in messages[0]
+    assert problem in messages[0]
+
+
+def test_compare_modes_must_be_a_boolean(tmp_path):
+    (tmp_path / "model_config.yaml").write_text("MODULE: m\nCOMPARE_MODES: 'no'\n")
+    with pytest.raises(ValueError, match="COMPARE_MODES must be true or false, got a string"):
+        runner.load_case(tmp_path)
+    (tmp_path / "model_config.yaml").write_text("MODULE: m\nCOMPARE_MODES: no\n")  # YAML false
+    assert runner.load_case(tmp_path).compare_modes is False
+
+
+def test_timeout_true_is_not_one_second(tmp_path):
+    (tmp_path / "model_config.yaml").write_text("MODULE: m\nTIMEOUT: true\n")
+    with pytest.raises(
+        ValueError, match="TIMEOUT must be a positive number of seconds, got a bool"
+    ):
+        runner.load_case(tmp_path)
+
+
+def committed_goldens():
+    return sorted(CASES_ROOT.rglob("golden_values_*.json"))
+
+
+@pytest.mark.parametrize("path", committed_goldens(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_golden_values_are_well_formed(path):
+    metrics = runner.load_case(path.parent).metrics
+    golden = runner.load_golden(path, metrics)
+    assert set(metrics) <= set(golden)

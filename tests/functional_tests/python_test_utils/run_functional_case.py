@@ -85,9 +85,46 @@ def load_yaml(path: Path) -> Dict[str, Any]:
 
     Returns:
         Dict[str, Any]: its top-level mapping (empty for an empty file).
+
+    Raises:
+        ValueError: naming the file, if it cannot be read, is not YAML, or is not a mapping.
     """
-    data = yaml.safe_load(path.read_text())
-    return data if data is not None else {}
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: not readable YAML: {_one_line(exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: the top level must be a mapping of keys to values, got {_kind(data)}"
+        )
+    return data
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _kind(value: Any) -> str:
+    """A short description of a value's type for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({value})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -124,15 +161,17 @@ def _args_to_list(args: Any, where: str) -> List[str]:
             continue
         elif isinstance(value, list):
             out.append(flag)
-            out.extend(_fmt(v) for v in value)
+            out.extend(_fmt(v, f"{where}: ARGS {flag}") for v in value)
         else:
-            out.extend([flag, _fmt(value)])
+            out.extend([flag, _fmt(value, f"{where}: ARGS {flag}")])
     return out
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, where: str = "ARGS") -> str:
     if isinstance(value, bool):
-        raise ValueError(f"booleans are only allowed as whole flag values, got {value}")
+        raise ValueError(f"{where}: booleans are only allowed as whole flag values, got {value}")
+    if not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: values must be strings or numbers, got {_kind(value)}")
     return str(value)
 
 
@@ -155,22 +194,45 @@ def load_case(case_dir: Path) -> CaseConfig:
     where = str(path)
     unknown = set(raw) - KNOWN_KEYS
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+        raise ValueError(
+            f"{where}: unknown keys {sorted(map(str, unknown))}; known: {sorted(KNOWN_KEYS)}"
+        )
+    for key in (
+        "ENTRYPOINT",
+        "MODULE",
+        "OUTPUT_ARG",
+        "GOLDEN",
+        "GOLDEN_PENDING",
+        "TEST_TYPE",
+        "DESCRIPTION",
+    ):
+        if key in raw and (not isinstance(raw[key], str) or not raw[key].strip()):
+            raise ValueError(f"{where}: {key} must be a non-empty string, got {_kind(raw[key])}")
     if ("ENTRYPOINT" in raw) == ("MODULE" in raw):
         raise ValueError(f"{where}: give exactly one of ENTRYPOINT (a script) or MODULE")
     if "ENTRYPOINT" in raw:
-        script = REPO_ROOT / str(raw["ENTRYPOINT"])
+        script = REPO_ROOT / raw["ENTRYPOINT"]
         if not script.is_file():
             raise ValueError(f"{where}: ENTRYPOINT {raw['ENTRYPOINT']} does not exist")
         prefix = [str(script)]
     else:
-        prefix = ["-m", str(raw["MODULE"])]
+        prefix = ["-m", raw["MODULE"]]
     if "ARGS" in raw and "MODEL_ARGS" in raw:
         raise ValueError(f"{where}: give ARGS or MODEL_ARGS, not both")
     args = _args_to_list(raw.get("ARGS", raw.get("MODEL_ARGS")), where)
     env_vars = raw.get("ENV_VARS") or {}
     if not isinstance(env_vars, dict):
-        raise ValueError(f"{where}: ENV_VARS must be a mapping")
+        raise ValueError(f"{where}: ENV_VARS must be a mapping, got {_kind(env_vars)}")
+    for name, value in env_vars.items():
+        if (
+            not isinstance(name, str)
+            or not isinstance(value, (str, int, float))
+            or isinstance(value, bool)
+        ):
+            raise ValueError(
+                f"{where}: ENV_VARS {name!r} must map a name to a string or number, got "
+                f"{_kind(value)}"
+            )
     nproc = raw.get("NPROC", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"{where}: NPROC must be a positive integer, got {nproc!r}")
@@ -181,8 +243,16 @@ def load_case(case_dir: Path) -> CaseConfig:
     if golden not in ("bitwise", "none"):
         raise ValueError(f"{where}: GOLDEN must be 'bitwise' or 'none', got {golden!r}")
     timeout = raw.get("TIMEOUT", 600)
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"{where}: TIMEOUT must be a positive number of seconds")
+    if not _is_number(timeout) or timeout <= 0:
+        raise ValueError(
+            f"{where}: TIMEOUT must be a positive number of seconds, got {_kind(timeout)}"
+        )
+    compare_modes = raw.get("COMPARE_MODES", False)
+    if not isinstance(compare_modes, bool):
+        # YAML 1.1 reads yes/no/on/off unquoted as booleans; quoted, 'no' is a (true) string.
+        raise ValueError(
+            f"{where}: COMPARE_MODES must be true or false, got {_kind(compare_modes)}"
+        )
     return CaseConfig(
         path=case_dir,
         name=f"{case_dir.parent.name}/{case_dir.name}",
@@ -193,7 +263,7 @@ def load_case(case_dir: Path) -> CaseConfig:
         nproc=nproc,
         timeout=float(timeout),
         metrics=metrics,
-        compare_modes=bool(raw.get("COMPARE_MODES", False)),
+        compare_modes=compare_modes,
         golden=golden,
         raw=raw,
     )
@@ -230,14 +300,164 @@ def bits(value: Any) -> str:
 
 
 def run_series(run: Dict[str, Any], metric: str) -> List[str]:
-    """A run's per-step values of ``metric`` as exact strings (its ``hex`` list when present)."""
+    """A run's per-step values of ``metric`` as exact strings (checked against its ``hex`` list).
+
+    Raises:
+        ValueError: if the metric is missing, is not a list of numbers, or disagrees with its
+            ``hex`` list.
+    """
+    mode = run.get("mode", "?")
     if metric not in run:
-        raise KeyError(f"run {run.get('mode', '?')!r} has no metric {metric!r}")
-    exact = [bits(v) for v in run[metric]]
+        raise ValueError(f"run {mode!r} has no metric {metric!r}")
+    values = run[metric]
+    if not isinstance(values, list):
+        raise ValueError(f"run {mode!r}: {metric!r} must be a list of numbers, got {_kind(values)}")
+    for step, value in enumerate(values, start=1):
+        if not _is_number(value):
+            raise ValueError(f"run {mode!r}: {metric!r} at step {step} is {_kind(value)}")
+    exact = [bits(v) for v in values]
     hexes = run.get(f"{metric} hex")
-    if hexes is not None and list(hexes) != exact:
-        raise ValueError(f"run {run.get('mode')!r}: {metric!r} values and hex strings disagree")
+    if hexes is not None and (not isinstance(hexes, list) or hexes != exact):
+        raise ValueError(f"run {mode!r}: {metric!r} values and hex strings disagree")
     return exact
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON: {_one_line(exc)}") from exc
+
+
+def load_result(path: Path, metrics: Sequence[str]) -> Dict[str, Any]:
+    """Read and check an entry point's result file.
+
+    Args:
+        path: the JSON file.
+        metrics: the metrics every run must have.
+
+    Returns:
+        Dict[str, Any]: the result.
+
+    Raises:
+        ValueError: one line naming the file and the problem.
+    """
+    result = _read_json(path)
+    if not isinstance(result, dict):
+        raise ValueError(
+            f"{path}: the top level must be an object with 'runs', got {_kind(result)}"
+        )
+    runs = result.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise ValueError(f"{path}: 'runs' must be a non-empty list, got {_kind(runs)}")
+    for index, run in enumerate(runs):
+        if not isinstance(run, dict):
+            raise ValueError(f"{path}: runs[{index}] must be an object, got {_kind(run)}")
+        for metric in metrics:
+            try:
+                run_series(run, metric)
+            except ValueError as exc:
+                raise ValueError(f"{path}: runs[{index}]: {exc}") from exc
+        timing = run.get("median_step_time_ms")
+        if timing is not None and not _is_number(timing):
+            raise ValueError(
+                f"{path}: runs[{index}]: median_step_time_ms must be a number, got {_kind(timing)}"
+            )
+    environment = result.get("environment", {})
+    if not isinstance(environment, dict):
+        raise ValueError(f"{path}: 'environment' must be an object, got {_kind(environment)}")
+    for key in ("megatron_core", "device"):
+        if environment.get(key) is not None and not isinstance(environment[key], str):
+            raise ValueError(
+                f"{path}: environment.{key} must be a string, got {_kind(environment[key])}"
+            )
+    return result
+
+
+def _step_field(entry: Dict[str, Any], name: str, metric: str, minimum: int) -> int:
+    if name not in entry:
+        raise ValueError(f"{metric!r} has no {name}")
+    value = entry[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{metric!r}.{name} must be an integer >= {minimum}, got {_kind(value)}")
+    return value
+
+
+def check_golden(golden: Any, metrics: Sequence[str]) -> Dict[str, Dict[int, str]]:
+    """Check golden values and return, per metric present, the exact value of each step.
+
+    Every step from ``start_step`` to ``end_step`` in ``step_interval`` needs a number in
+    ``values``, and, where the file has ``hex``, a hex string that is that number's exact bits.
+
+    Args:
+        golden: the parsed golden file.
+        metrics: the metrics to check (missing ones are left to the comparison to report).
+
+    Returns:
+        Dict[str, Dict[int, str]]: metric -> step -> exact value.
+
+    Raises:
+        ValueError: naming the first problem.
+    """
+    if not isinstance(golden, dict):
+        raise ValueError(f"the top level must be an object of metrics, got {_kind(golden)}")
+    out: Dict[str, Dict[int, str]] = {}
+    for metric in metrics:
+        if metric not in golden:
+            continue
+        entry = golden[metric]
+        if not isinstance(entry, dict):
+            raise ValueError(f"{metric!r} must be an object, got {_kind(entry)}")
+        start = _step_field(entry, "start_step", metric, 1)
+        end = _step_field(entry, "end_step", metric, start)
+        interval = _step_field(entry, "step_interval", metric, 1)
+        values = entry.get("values")
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{metric!r}.values must be an object of step -> value, got {_kind(values)}"
+            )
+        hexes = entry.get("hex")
+        if hexes is not None and not isinstance(hexes, dict):
+            raise ValueError(f"{metric!r}.hex must be an object of step -> hex, got {_kind(hexes)}")
+        exact: Dict[int, str] = {}
+        for step in range(start, end + 1, interval):
+            if str(step) not in values:
+                raise ValueError(f"{metric!r}.values has no step {step} (end_step is {end})")
+            value = values[str(step)]
+            if not _is_number(value):
+                raise ValueError(f"{metric!r}.values step {step} is {_kind(value)}, not a number")
+            exact[step] = bits(value)
+            if hexes is not None:
+                if str(step) not in hexes:
+                    raise ValueError(f"{metric!r}.hex has no step {step}")
+                if hexes[str(step)] != exact[step]:
+                    raise ValueError(
+                        f"{metric!r} step {step}: hex {hexes[str(step)]!r} disagrees with its "
+                        f"value {value!r} ({exact[step]})"
+                    )
+        out[metric] = exact
+    return out
+
+
+def load_golden(path: Path, metrics: Sequence[str]) -> Dict[str, Any]:
+    """Read and check a golden-values file.
+
+    Args:
+        path: the JSON file.
+        metrics: the metrics the case compares.
+
+    Returns:
+        Dict[str, Any]: the golden values.
+
+    Raises:
+        ValueError: one line naming the file and the problem.
+    """
+    golden = _read_json(path)
+    try:
+        check_golden(golden, metrics)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    return golden
 
 
 def compare_runs(result: Dict[str, Any], metrics: Sequence[str]) -> List[str]:
@@ -296,15 +516,19 @@ def golden_from_result(result: Dict[str, Any], metrics: Sequence[str]) -> Dict[s
 def compare_golden(
     result: Dict[str, Any], golden: Dict[str, Any], metrics: Sequence[str]
 ) -> List[str]:
-    """Bitwise comparison of every run with the golden values; returns the differences."""
+    """Bitwise comparison of every run with the golden values; returns the differences.
+
+    Raises:
+        ValueError: if the golden values are malformed (see :func:`check_golden`).
+    """
+    exact_by_metric = check_golden(golden, metrics)
     problems = []
     for metric in metrics:
         if metric not in golden:
             problems.append(f"golden values have no {metric!r}")
             continue
-        entry = golden[metric]
-        exact = entry.get("hex") or {k: bits(v) for k, v in entry["values"].items()}
-        steps = range(entry["start_step"], entry["end_step"] + 1, entry["step_interval"])
+        entry, exact = golden[metric], exact_by_metric[metric]
+        steps = sorted(exact)
         for index, run in enumerate(result["runs"]):
             series = run_series(run, metric)
             if len(series) < entry["end_step"]:
@@ -313,14 +537,14 @@ def compare_golden(
                     f"steps, golden values go to step {entry['end_step']}"
                 )
                 continue
-            diff = [s for s in steps if series[s - 1] != exact[str(s)]]
+            diff = [s for s in steps if series[s - 1] != exact[s]]
             if diff:
                 s = diff[0]
                 problems.append(
                     f"run {index} ({run.get('mode')}): {metric!r} differs from golden at "
                     f"{len(diff)} of {len(steps)} steps, first at step {s}: got "
                     f"{run[metric][s - 1]!r} ({series[s - 1]}), golden "
-                    f"{entry['values'][str(s)]!r} ({exact[str(s)]})"
+                    f"{entry['values'][str(s)]!r} ({exact[s]})"
                 )
     return problems
 
@@ -500,16 +724,14 @@ def run_case(
         )
         return outcome
     try:
-        result = json.loads(output_json.read_text())
-        if not isinstance(result.get("runs"), list) or not result["runs"]:
-            raise ValueError("no 'runs' list")
-        for run in result["runs"]:
-            for metric in case.metrics:
-                run_series(run, metric)
-    except (ValueError, KeyError, TypeError) as exc:
-        outcome.messages.append(f"unusable {output_json}: {exc}")
+        result = load_result(output_json, case.metrics)
+    except ValueError as exc:
+        outcome.messages.append(f"unusable result: {exc}")
         return outcome
-    outcome.timings = _timing_lines(result)
+    try:
+        outcome.timings = _timing_lines(result)
+    except (KeyError, TypeError, ValueError) as exc:
+        outcome.timings = [f"timings in {output_json} unreadable: {_one_line(exc)}"]
 
     problems = []
     if returncode != 0:
@@ -552,9 +774,12 @@ def run_case(
                     "commit the file."
                 )
             else:
-                problems.extend(
-                    compare_golden(result, json.loads(golden_path.read_text()), case.metrics)
-                )
+                try:
+                    golden_values = load_golden(golden_path, case.metrics)
+                except ValueError as exc:
+                    problems.append(f"unusable golden values: {exc}")
+                else:
+                    problems.extend(compare_golden(result, golden_values, case.metrics))
     outcome.messages.extend(problems)
     if problems:
         outcome.status = FAILED
@@ -625,7 +850,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        cases = [load_case(path.resolve()) for path in find_cases(args.cases)]
+        case_dirs = find_cases(args.cases)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -633,20 +858,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra = shlex.split(args.extra_args)
     outcomes = []
     total_start = time.monotonic()
-    for case in cases:
-        print(f"=== {case.name} (NPROC {case.nproc})", flush=True)
-        outcome = run_case(
-            case,
-            args.out / case.path.parent.name / case.path.name,
-            generate_golden=args.generate_golden,
-            env=args.env,
-            platform=args.platform,
-            python=args.python,
-            extra_args=extra,
-            available_gpus=available,
-        )
+    for case_dir in case_dirs:
+        case_dir = case_dir.resolve()
+        try:
+            case = load_case(case_dir)
+        except ValueError as exc:
+            # A broken case file fails its case; the others still run.
+            outcome = CaseOutcome(f"{case_dir.parent.name}/{case_dir.name}", FAILED, [str(exc)])
+            print(f"=== {outcome.name}", flush=True)
+        else:
+            print(f"=== {case.name} (NPROC {case.nproc})", flush=True)
+            outcome = run_case(
+                case,
+                args.out / case.path.parent.name / case.path.name,
+                generate_golden=args.generate_golden,
+                env=args.env,
+                platform=args.platform,
+                python=args.python,
+                extra_args=extra,
+                available_gpus=available,
+            )
         outcomes.append(outcome)
-        print(f"--- {outcome.status}: {case.name} ({outcome.seconds:.1f} s)")
+        print(f"--- {outcome.status}: {outcome.name} ({outcome.seconds:.1f} s)")
         for line in outcome.timings:
             print(f"    {line}")
         for message in outcome.messages:
