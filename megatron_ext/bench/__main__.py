@@ -2,48 +2,167 @@
 
 """Benchmarks of megatron_ext against megatron-core, the package's main job.
 
-    python -m megatron_ext.bench [all|rope|inference] [--out DIR] [--quick]
-
 Each benchmark times megatron-core's own code and megatron_ext's in the same process and prints a
-table last. Without a GPU it says so and runs a small correctness pass instead of timing.
+table last. Without a GPU it says so and runs a small correctness check instead of timing.
+
+The report goes to ``--out`` (default ``results/bench`` under the current directory): each
+benchmark's JSON (and, on a GPU, the RoPE plot ``rope.png``), and ``report.md`` with every
+benchmark's printed output, its tables included.
 """
 
+import argparse
+import contextlib
+import io
 import os
+import platform
 import sys
-from typing import List, Optional
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, TextIO
 
 import torch
 
-BENCHMARKS = ("rope", "inference")
+BENCHMARKS: Dict[str, str] = {
+    "rope": "MLA query RoPE kernels, megatron-core's against megatron_ext's",
+    "inference": "dynamic-inference step bookkeeping, megatron-core's against static slices",
+}
+DEFAULT_OUT = Path("results") / "bench"
+REPORT_NAME = "report.md"
+# Options that every benchmark accepts, so that `all` can pass them on.
+_COMMON_OPTIONS = ("--quick",)
+_HELP = ("-h", "--help")
+
+
+def _parser() -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {name:<10} {text}" for name, text in BENCHMARKS.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+        epilog=(
+            f"benchmarks:\n{listing}\n  {'all':<10} every benchmark above, in turn (the default)"
+            "\n\nEach benchmark's own options: python -m megatron_ext.bench BENCHMARK --help\n"
+            "(with `all`, only --out and --quick)"
+        ),
+    )
+    parser.add_argument(
+        *_HELP, action="store_true", help="show this help; after a benchmark's name, its options"
+    )
+    parser.add_argument(
+        "benchmark",
+        nargs="?",
+        default="all",
+        choices=["all", *BENCHMARKS],
+        help="which benchmark to run (default: all)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"directory for the report (default: {DEFAULT_OUT} under the current directory)",
+    )
+    return parser
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the console and keeps a copy for the report."""
+
+    def __init__(self, console: TextIO) -> None:
+        self.console = console
+        self.copy = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.console.write(text)
+        self.copy.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+
+
+def _benchmark_main(name: str) -> Callable[[List[str]], int]:
+    if name == "rope":
+        from megatron_ext.bench import rope
+
+        return rope.main
+    from megatron_ext.bench import inference
+
+    return inference.main
+
+
+def _environment() -> List[str]:
+    from megatron_ext import MEGATRON_CORE_VERSION
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU (CPU)"
+    return [
+        f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"- device: {device}",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, triton "
+        f"{triton_version}, megatron-core {MEGATRON_CORE_VERSION}",
+    ]
+
+
+def _report(sections: List[Dict[str, object]]) -> str:
+    lines = ["# megatron_ext benchmarks", "", *_environment(), ""]
+    lines += ["| benchmark | exit status |", "| --- | --- |"]
+    lines += [f"| {s['name']} | {s['status']} |" for s in sections]
+    for section in sections:
+        lines += ["", f"## {section['name']}", "", "```text", str(section["output"]).rstrip()]
+        lines += ["```"]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run one benchmark, or all of them.
+    """Run one benchmark, or all of them, and write the report.
 
     Args:
-        argv: command-line arguments; the first may name a benchmark ("all" when omitted), the
-            rest go to that benchmark.
+        argv: command-line arguments (see ``--help``); options this parser does not know go to
+            the benchmark.
 
     Returns:
         int: the process exit code (non-zero if any benchmark failed).
     """
+    parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    which = "all"
-    if argv and not argv[0].startswith("-"):
-        which = argv.pop(0)
-    if which in ("-h", "--help") or which not in ("all",) + BENCHMARKS:
-        print(__doc__)
-        return 0 if which in ("-h", "--help") else 2
+    # -h after a benchmark's name is that benchmark's help, so this parser does not consume it.
+    args, rest = parser.parse_known_args([word for word in argv if word not in _HELP])
+    if any(word in _HELP for word in argv):
+        if args.benchmark == "all":
+            parser.print_help()
+            return 0
+        return _benchmark_main(args.benchmark)([*rest, "--help"])
+    names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
+    if len(names) > 1:
+        foreign = [word for word in rest if word not in _COMMON_OPTIONS]
+        if foreign:
+            parser.error(
+                f"{' '.join(foreign)}: with `all`, only --out and --quick; give a benchmark "
+                "for its own options (python -m megatron_ext.bench BENCHMARK --help)"
+            )
     if not torch.cuda.is_available():
         # Triton reads this when a kernel module is imported; set it before the imports below.
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    import importlib
-
+    out = args.out.resolve()
+    sections = []
     rc = 0
-    for name in BENCHMARKS if which == "all" else (which,):
-        module = importlib.import_module(f"megatron_ext.bench.{name}")
-        rc |= module.main(argv)
+    for name in names:
+        tee = _Tee(sys.stdout)
+        with contextlib.redirect_stdout(tee):
+            status = _benchmark_main(name)([*rest, "--out", str(out)])
+        rc |= status
+        sections.append({"name": name, "status": status, "output": tee.copy.getvalue()})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / REPORT_NAME).write_text(_report(sections))
+    written = sorted(p.name for p in out.iterdir() if p.is_file())
+    print(f"report written to {out}: {', '.join(written)}")
     return rc
 
 

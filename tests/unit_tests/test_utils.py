@@ -1,5 +1,6 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -54,3 +55,33 @@ def test_import_fails_early_on_an_unsupported_release(tmp_path):
     assert proc.returncode != 0
     assert "UnsupportedMegatronCoreVersionError" in proc.stderr
     assert "found megatron-core 0.15.0" in proc.stderr
+
+
+def test_package_exposes_the_readme_entry_points_lazily():
+    # In a fresh interpreter: importing the package must not import the argument layer or the
+    # kernels; touching an entry point imports it and gives the very object of its module.
+    code = textwrap.dedent("""
+        import sys
+        import megatron_ext
+        lazy = ("megatron_ext.arguments", "megatron_ext.fusions.fused_mla_yarn_rope_apply")
+        assert not any(name in sys.modules for name in lazy), [n for n in lazy if n in sys.modules]
+        from megatron_ext import arguments
+        from megatron_ext.fusions import fused_mla_yarn_rope_apply as kernels
+        for name in ("apply_megatron_ext", "undo_megatron_ext", "applied_megatron_ext",
+                     "add_megatron_ext_args", "MegatronExtConfigError"):
+            assert getattr(megatron_ext, name) is getattr(arguments, name), name
+        for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
+            assert getattr(megatron_ext, name) is getattr(kernels, name), name
+        assert set(megatron_ext.__all__) <= set(dir(megatron_ext))
+        try:
+            megatron_ext.no_such_entry_point
+        except AttributeError as exc:
+            assert "no_such_entry_point" in str(exc)
+        else:
+            raise AssertionError("unknown attributes must raise AttributeError")
+        print("ok")
+        """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
