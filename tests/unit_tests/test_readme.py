@@ -41,3 +41,11 @@ def test_quick_start_names_existing_extras_and_files():
         target = words[words.index("-e") + 1]
         requested = re.fullmatch(r"\.\[(.*)\]", target).group(1).split(",")
         assert set(requested) <= extras, requested
+
+
+def test_quick_start_names_the_main_jobs_report_directory():
+    from megatron_ext.bench.__main__ import DEFAULT_OUT
+
+    section = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert f"`{DEFAULT_OUT.as_posix()}/`" in section
+    assert "python3 -m megatron_ext.bench --help" in section

@@ -554,3 +554,107 @@ def test_contributing_guide_covers_the_process():
         LINT_SCRIPT,
     ):
         assert needle in text, f"CONTRIBUTING.md lacks {needle!r}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The install: constraints, pyproject.toml, the README and the fresh-resolve job agree
+
+
+FRESH_RESOLVE_JOB = "fresh-resolve"
+RESOLVE_SCRIPT = ".github/scripts/resolve_readme_install.py"
+# Where a PyPI-only machine would differ from CI: settings that add an index or local wheels.
+_EXTRA_SOURCES = ("PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_FIND_LINKS", "--extra-index-url")
+
+
+def _readme_constraints_file() -> Path:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    files = set(re.findall(r"pip install -c (\S+)", readme.split("## Quick start", 1)[1]))
+    assert len(files) == 1, f"the quick start names constraint files {sorted(files)}"
+    return REPO_ROOT / files.pop()
+
+
+def _constraints() -> Dict[str, Requirement]:
+    lines = _readme_constraints_file().read_text(encoding="utf-8").splitlines()
+    requirements = [Requirement(line) for line in lines if line.strip() and line[0] != "#"]
+    return {r.name: r for r in requirements}
+
+
+def _claimed_pythons() -> List[str]:
+    """The Python versions the README claims (its quick start's "Python 3.X-3.Y")."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    low, high = re.search(
+        r"Python 3\.(\d+)-3\.(\d+)", readme.split("## Quick start", 1)[1]
+    ).groups()
+    return [f"3.{minor}" for minor in range(int(low), int(high) + 1)]
+
+
+def test_claimed_pythons_agree_with_pyproject():
+    project = _pyproject()["project"]
+    claimed = _claimed_pythons()
+    classifiers = {
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    }
+    assert classifiers == set(claimed)
+    requires = SpecifierSet(project["requires-python"])
+    assert all(Version(v) in requires for v in claimed)
+    assert Version(f"3.{int(claimed[0][2:]) - 1}") not in requires
+    assert Version(f"3.{int(claimed[-1][2:]) + 1}") not in requires
+
+
+def test_constraint_pins_agree_with_pyproject_and_the_support_matrix():
+    from megatron_ext.package_info import MAX_MCORE_VERSION_EXCLUSIVE, MIN_MCORE_VERSION
+
+    constraints = _constraints()
+    dependencies = {
+        Requirement(text).name: Requirement(text)
+        for text in _pyproject()["project"]["dependencies"]
+    }
+    assert {"torch", "triton", "megatron-core"} <= set(constraints)
+    assert set(constraints) <= set(dependencies), "constrain only the package's dependencies"
+    for name in ("torch", "megatron-core"):
+        (spec,) = constraints[name].specifier
+        assert spec.operator == "==", f"{name}: pin one release (==)"
+    for name, requirement in constraints.items():
+        # Every release the constraint admits that is named in it must satisfy pyproject.toml.
+        for spec in requirement.specifier:
+            version = Version(spec.version)
+            if spec.operator in ("==", ">=") and version in requirement.specifier:
+                assert version in dependencies[name].specifier, f"{name} {version} vs pyproject"
+    (mcore,) = constraints["megatron-core"].specifier
+    assert (
+        Version(MIN_MCORE_VERSION) <= Version(mcore.version) < Version(MAX_MCORE_VERSION_EXCLUSIVE)
+    )
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    tested_in_ci = re.search(r"^\| ([0-9.]+) \| [^|]* \| tested: CPU in CI", readme, flags=re.M)
+    assert tested_in_ci and tested_in_ci.group(1) == mcore.version
+
+
+def test_fresh_resolve_job_resolves_the_readme_on_every_claimed_python_from_pypi_alone():
+    workflow = _load_yaml(CPU_WORKFLOW)
+    job = _jobs(workflow)[FRESH_RESOLVE_JOB]
+    assert "pull_request" in _triggers(workflow)
+    assert sorted(map(str, _matrix_values(job, "python-version"))) == _claimed_pythons()
+    setup = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")]
+    assert setup and setup[0]["with"]["python-version"] == "${{ matrix.python-version }}"
+    assert any(RESOLVE_SCRIPT in _script_references(block) for block in _run_blocks(job))
+    text = str(job) + str(workflow.get("env", {}))
+    for source in _EXTRA_SOURCES:
+        assert source not in text, f"the fresh-resolve job must not use {source}"
+
+
+def test_resolve_script_reads_both_readme_install_commands():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "resolve_readme_install", REPO_ROOT / RESOLVE_SCRIPT
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    commands = module.readme_install_commands((REPO_ROOT / "README.md").read_text(encoding="utf-8"))
+    constraint = str(_readme_constraints_file().relative_to(REPO_ROOT))
+    assert [c[c.index("-e") + 1] for c in commands] == [".[bench]", ".[test]"]
+    assert all(c[c.index("-c") + 1] == constraint for c in commands)
+    with pytest.raises(ValueError, match="no `python3 -m pip install`"):
+        module.readme_install_commands("## Quick start\n\n```bash\nls\n```\n")
