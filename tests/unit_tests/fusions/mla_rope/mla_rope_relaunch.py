@@ -220,7 +220,10 @@ def compile_ours(inputs: Inputs, configs: Sequence[KernelConfig], threads: int =
     for config, future in zip(configs[1:], futures):
         if future.exception() is not None:
             # Only a head start: the relaunch launches this config again and raises there.
-            warnings.warn(f"compiling {inputs.kernel} at {config} failed: {future.exception()!r}")
+            warnings.warn(
+                f"compiling {inputs.kernel} at {config} failed: {future.exception()!r}",
+                stacklevel=2,
+            )
     torch.cuda.synchronize()
 
 

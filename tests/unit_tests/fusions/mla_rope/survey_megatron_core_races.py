@@ -51,7 +51,7 @@ def survey(
     num_warps: Sequence[int],
     launches: int,
     device,
-    dims: rl.Dims = rl.Dims(),
+    dims: Optional[rl.Dims] = None,
 ) -> List[rl.Relaunch]:
     """Relaunch megatron-core's kernels at every mask-correct BLOCK_H; one record per config.
 
@@ -62,11 +62,12 @@ def survey(
         num_warps: warp counts to launch each BLOCK_H with.
         launches: launches per config and shape.
         device: 'cuda' (or 'cpu' for the Triton interpreter).
-        dims: per-head sizes.
+        dims: per-head sizes (default: DeepSeek-V3's).
 
     Returns:
         List[Relaunch]: the records.
     """
+    dims = dims or rl.Dims()
     jobs = []
     for kernel in kernels:
         for dtype in dtypes:

@@ -25,6 +25,7 @@ from mla_rope_testlib import (
     assert_bitwise_equal,
     megatron_core_mask_correct,
     megatron_core_reference_block_hs,
+    megatron_core_reference_skip_reason,
 )
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
@@ -317,3 +318,23 @@ def test_survey_runs_every_mask_correct_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| megatron-core | q_bwd | fp32 | 4 |" in out
     assert (tmp_path / "tables.md").is_file()
+
+
+def test_megatron_core_reference_selection():
+    """Which megatron-core configs the comparison tests may use (mla_rope_testlib)."""
+    # Mask-correct: the block divides the head count, or one block holds every head.
+    assert megatron_core_reference_block_hs("kv_fwd", 40) == (1, 2, 4, 8, 64, 128)
+    assert megatron_core_reference_block_hs("kv_bwd", 129) == (1,)
+    # Race-free on a GPU: the query backward races at BLOCK_H=2; unmeasured configs are left out.
+    assert megatron_core_reference_block_hs("q_bwd", 128, interpreted=False) == (1, 4, 8, 16)
+    assert megatron_core_reference_block_hs("q_fwd", 128, interpreted=False) == (1, 2, 4, 8, 16)
+    assert "races" in megatron_core_reference_skip_reason("q_bwd", 128, 2, interpreted=False)
+    assert "measured" in megatron_core_reference_skip_reason("q_fwd", 128, 64, interpreted=False)
+    assert "undefined" in megatron_core_reference_skip_reason("q_fwd", 40, 16, interpreted=False)
+    # The interpreter runs a program's block operations in order: nothing races there.
+    assert megatron_core_reference_block_hs("q_bwd", 128, interpreted=True) == MCORE_BLOCK_HS
+    for kernel in rl.KERNELS:
+        for heads in (1, 3, 40, 128, 129):
+            assert megatron_core_reference_block_hs(kernel, heads, interpreted=False)[0] == 1
+    with pytest.raises(ValueError, match="kernel"):
+        megatron_core_reference_skip_reason("q", 1, 1)
