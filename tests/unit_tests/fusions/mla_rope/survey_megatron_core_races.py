@@ -15,8 +15,8 @@ num_warps and BLOCK_H (shapes summed) and writes the records to DIR/megatron-cor
 observations: the exit status is 0 whatever they show. Its autotuner launches every config with 4
 warps; other warp counts show how the race depends on the layout.
 
-``--summarize DIR`` prints the tables of every report in DIR (these and the GPU tests' in
-test_kernels.py) and writes them to DIR/tables.md.
+``--summarize DIR`` prints the tables of the reports in DIR (these and the GPU tests' in
+test_kernels.py) and writes them in full to DIR/tables.md.
 """
 
 import argparse
@@ -97,23 +97,25 @@ def survey(
 
 
 def summarize(directory) -> str:
-    """The tables of every report in ``directory``; also written to ``directory/tables.md``."""
+    """The summary table of every report in ``directory`` and the per-config table of
+    megatron-core's; both tables in full (megatron_ext's per config too) go to
+    ``directory/tables.md``."""
     records = rl.load_reports(directory)
     if not records:
         return f"no relaunch reports in {directory}"
-    text = "\n".join(
-        [
-            "Launches whose bits differ from the first launch's, per kernel and dtype:",
-            "",
-            rl.summary_table(records),
-            "",
-            "Per config (differing launches / launches, shapes summed):",
-            "",
-            rl.config_table(records),
-        ]
-    )
-    (Path(directory) / "tables.md").write_text(text + "\n", encoding="utf-8")
-    return text
+    summary = [
+        "Launches whose bits differ from the first launch's, per kernel and dtype "
+        "(configs as BLOCK_H/num_warps):",
+        "",
+        rl.summary_table(records),
+        "",
+    ]
+    per_config = "Per config (differing launches / launches, shapes summed):"
+    mcore = [r for r in records if r.impl == rl.MCORE]
+    text = "\n".join(summary + [f"{rl.MCORE}: {per_config}", "", rl.config_table(mcore)])
+    full = "\n".join(summary + [per_config, "", rl.config_table(records)])
+    (Path(directory) / "tables.md").write_text(full + "\n", encoding="utf-8")
+    return text if mcore else "\n".join(summary)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
