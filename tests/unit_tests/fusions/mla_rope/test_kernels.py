@@ -89,6 +89,9 @@ def _ours_relaunched(kernel: str, dtype: str, heads_list, launches: int, configs
                     bool(equal),
                 )
             )
+    if kernel in rl.IN_PLACE:  # identical bits must not come from a kernel that did nothing
+        for heads, inp in inputs.items():
+            assert not torch.equal(first[heads][0], inp.tensors[0]), f"{heads} heads: not rotated"
     return records
 
 
