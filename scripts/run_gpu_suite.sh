@@ -4,40 +4,49 @@
 # The GPU suite: what the GitHub GPU job runs and what a developer runs by hand on a GPU machine.
 #
 #   bash scripts/run_gpu_suite.sh [--wheels DIR] [--results DIR] [--generate-golden]
-#                                 [--skip-unit] [--skip-sanitizer] [--skip-functional]
-#                                 [--skip-bench] [--quick-bench]
+#                                 [--skip-unit] [--skip-survey] [--skip-sanitizer]
+#                                 [--skip-functional] [--skip-bench] [--quick-bench]
 #
 #   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
 #                      site directory first, for machines without network access
 #   --results DIR      where logs, JUnit XML, benchmark JSON/PNG and summary.md go (./results)
 #   --generate-golden  write the functional cases' golden values for this machine instead of
 #                      comparing with them
+#   --skip-survey      leave out the survey of megatron-core's kernels for launch-to-launch races
 #
 # Each step runs even when an earlier one failed; the exit code is non-zero if any failed. The
-# last thing printed is a summary table (also written to RESULTS/summary.md).
+# last thing printed is a summary table (also written to RESULTS/summary.md), with the counts of
+# launches and of launches whose bits differed from the relaunch tests and the race survey
+# (RESULTS/relaunch: one JSON report per test, tables.md with every config).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
 wheels="" results="$repo/results" golden="" quick=""
-skip_unit="" skip_san="" skip_func="" skip_bench=""
+skip_unit="" skip_survey="" skip_san="" skip_func="" skip_bench=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels="$2"; shift ;;
     --results) results="$2"; shift ;;
     --generate-golden) golden="--generate-golden" ;;
     --skip-unit) skip_unit=1 ;;
+    --skip-survey) skip_survey=1 ;;
     --skip-sanitizer) skip_san=1 ;;
     --skip-functional) skip_func=1 ;;
     --skip-bench) skip_bench=1 ;;
     --quick-bench) quick="--quick" ;;
-    -h|--help) sed -n '3,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,22p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
 mkdir -p "$results"
 results=$(cd "$results" && pwd)
+# The relaunch tests and the race survey write their counts here (one JSON file each).
+relaunch="$results/relaunch"
+rm -rf "$relaunch"
+mkdir -p "$relaunch"
+export MEGATRON_EXT_REPORT_DIR="$relaunch"
 
 if [ -n "$wheels" ]; then
   site=$(mktemp -d)
@@ -83,6 +92,15 @@ if [ -z "$skip_unit" ]; then
       --junitxml="$results/unit.xml"
 fi
 
+if [ -z "$skip_survey" ]; then
+  # Observations of megatron-core's kernels (its query backward races); fails only on an error.
+  survey_quick=""
+  if [ -n "$quick" ]; then survey_quick="--quick"; fi
+  step "megatron-core race survey" race_survey.log \
+    python3 tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --out "$relaunch" \
+      $survey_quick
+fi
+
 if [ -z "$skip_func" ]; then
   # Cases that need more GPUs than this machine has are listed as NOT RUN, not failed.
   step "functional cases" functional.log \
@@ -118,6 +136,10 @@ fi
   echo "| step | result | seconds |"
   echo "| --- | --- | --- |"
   for i in "${!names[@]}"; do echo "| ${names[$i]} | ${statuses[$i]} | ${secs[$i]} |"; done
+  if compgen -G "$relaunch/*.json" >/dev/null; then
+    echo; echo "### Relaunched kernels"; echo
+    python3 tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --summarize "$relaunch"
+  fi
   if [ -f "$results/functional/summary.md" ]; then echo; cat "$results/functional/summary.md"; fi
   for log in bench_rope.log bench_inference.log; do
     if [ -f "$results/$log" ]; then

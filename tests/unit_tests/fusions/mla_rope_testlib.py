@@ -1,12 +1,14 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Shared helpers for the MLA RoPE kernel tests: inputs, float64 references, an exact model of
-the kernels' FMA arithmetic, and a two-load reference kernel for the modes megatron-core lacks.
+the kernels' FMA arithmetic, a two-load reference kernel for the modes megatron-core lacks, and
+megatron-core's kernels at the launch configs where they are a valid reference.
 
 Import by file name (pytest puts this folder on sys.path; so does running a script from it).
 """
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -588,17 +590,161 @@ def run_two_load(
 
 
 # --------------------------------------------------------------------------------------------------
+# Which of megatron-core's launch configs can serve as a bitwise reference
+# --------------------------------------------------------------------------------------------------
+
+# Our names for megatron-core's four MLA RoPE kernels (attributes of its fused_mla_yarn_rope_apply).
+MCORE_KERNELS = {
+    "q_fwd": "rotary_fwd_q_kernel",
+    "q_bwd": "rotary_bwd_q_kernel",
+    "kv_fwd": "rotary_fwd_kv_kernel",
+    "kv_bwd": "rotary_bwd_kv_kernel",
+}
+# The BLOCK_H values of megatron-core's autotuner configs (each with Triton's default 4 warps).
+MCORE_BLOCK_HS = (1, 2, 4, 8, 16, 32, 64, 128)
+MCORE_NUM_WARPS = 4
+
+# BLOCK_H values at which megatron-core's in-place query kernels, relaunched on fresh copies of one
+# input, never changed a bit: H200, triton 3.6, megatron-core 0.16.1 (0.19.2 ships the same file),
+# [64, 1, 128, 192] and 16 heads, bf16 and fp16, 4 and 8 warps, 100 launches per config. Its query
+# backward at BLOCK_H=2 gave other bits in up to 100 of 100 launches: it loads the two halves of
+# each head's RoPE part and stores the interleaved result into the same addresses with no barrier
+# in between, so one warp can overwrite elements another warp has not loaded yet (the fix proposed
+# upstream, Megatron-LM PR #5963, adds a barrier). BLOCK_H 32, 64 and 128 were not measured there,
+# so they are no reference until they are (the race survey next to the kernel tests measures every
+# BLOCK_H; add what it finds race-free here).
+# The key/value kernels are out of place: they read only kv/k_pos_emb (or the incoming gradients)
+# and write only freshly allocated outputs, so no launch reads what it writes: every BLOCK_H is
+# race-free by construction.
+MCORE_RACE_FREE_BLOCK_H = {
+    "q_fwd": (1, 2, 4, 8, 16),
+    "q_bwd": (1, 4, 8, 16),
+    "kv_fwd": MCORE_BLOCK_HS,
+    "kv_bwd": MCORE_BLOCK_HS,
+}
+# Where the same measurement saw launches differ.
+MCORE_RACY_BLOCK_H = {"q_bwd": (2,)}
+
+
+def megatron_core_mask_correct(heads: int, block_h: int) -> bool:
+    """Whether megatron-core's MLA RoPE kernels compute a defined output at this BLOCK_H.
+
+    They mask heads by their index inside the head block (``arange(BLOCK_H) < head_num``), not by
+    the global head index, so the last block of a head count that BLOCK_H does not divide also
+    rotates (and, for the last token, writes past) heads beyond the tensor. That is harmless only
+    when BLOCK_H divides the head count, or when one block holds every head.
+    """
+    return heads % block_h == 0 or heads <= block_h
+
+
+def megatron_core_reference_skip_reason(
+    kernel: str, heads: int, block_h: int, interpreted: Optional[bool] = None
+) -> Optional[str]:
+    """Why megatron-core's ``kernel`` at ``block_h`` is no bitwise reference; None when it is one.
+
+    A reference must be mask-correct (:func:`megatron_core_mask_correct`) and race-free
+    (:data:`MCORE_RACE_FREE_BLOCK_H`). The Triton interpreter runs each program's block operations
+    one after another, so no launch races there.
+
+    Args:
+        kernel: 'q_fwd', 'q_bwd', 'kv_fwd' or 'kv_bwd'.
+        heads: the head count of the launch.
+        block_h: megatron-core's BLOCK_H.
+        interpreted: whether kernels run in the Triton interpreter (default: TRITON_INTERPRET).
+
+    Returns:
+        Optional[str]: the reason, for a skip message, or None.
+    """
+    if kernel not in MCORE_KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(MCORE_KERNELS)}, got {kernel!r}")
+    name = f"megatron-core's {MCORE_KERNELS[kernel]} at BLOCK_H={block_h}"
+    if not megatron_core_mask_correct(heads, block_h):
+        return (
+            f"{name} is undefined for {heads} heads: its head mask is block-local and "
+            f"{block_h} does not divide {heads}"
+        )
+    if interpreted is None:
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not interpreted and block_h in MCORE_RACY_BLOCK_H.get(kernel, ()):
+        return f"{name} races on a GPU: relaunched on one input it gives other bits"
+    if not interpreted and block_h not in MCORE_RACE_FREE_BLOCK_H[kernel]:
+        return (
+            f"{name} has not been measured race-free on a GPU (measured race-free: BLOCK_H "
+            f"{', '.join(map(str, MCORE_RACE_FREE_BLOCK_H[kernel]))})"
+        )
+    return None
+
+
+def megatron_core_reference_block_hs(
+    kernel: str, heads: int, interpreted: Optional[bool] = None
+) -> Tuple[int, ...]:
+    """The BLOCK_H values at which megatron-core's ``kernel`` is a bitwise reference for ``heads``.
+
+    Every comparison with megatron-core's kernels goes through this (or
+    :func:`megatron_core_reference_skip_reason`), so that a comparison can fail only because of
+    megatron_ext, never because megatron-core's own output is undefined or differs from launch to
+    launch. BLOCK_H=1 is always included.
+
+    Args:
+        kernel: 'q_fwd', 'q_bwd', 'kv_fwd' or 'kv_bwd'.
+        heads: the head count of the launch.
+        interpreted: whether kernels run in the Triton interpreter (default: TRITON_INTERPRET).
+
+    Returns:
+        Tuple[int, ...]: the valid BLOCK_H values, ascending.
+    """
+    return tuple(
+        b
+        for b in MCORE_BLOCK_HS
+        if megatron_core_reference_skip_reason(kernel, heads, b, interpreted) is None
+    )
+
+
+def pin_megatron_core_autotuners(monkeypatch, heads: int):
+    """Make megatron-core's four autotuned kernels launch at BLOCK_H=1, with no autotuning.
+
+    BLOCK_H=1 is a reference for every head count (:func:`megatron_core_reference_block_hs`), and
+    it is the one config whose key/value backward sums the heads in head order, the order
+    megatron_ext uses at every config. The Triton interpreter cannot autotune at all, so CPU tests
+    need a single config too. ``monkeypatch`` restores the autotuners afterwards.
+
+    Args:
+        monkeypatch: pytest's monkeypatch fixture.
+        heads: the head count the kernels will see (checked against the reference selection).
+
+    Returns:
+        megatron-core's ``fused_mla_yarn_rope_apply`` module.
+    """
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as mc
+
+    for kernel, name in MCORE_KERNELS.items():
+        block_h = megatron_core_reference_block_hs(kernel, heads)[0]
+        tuner = getattr(mc, name)
+        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_H": block_h})])
+        monkeypatch.setattr(tuner, "cache", {})
+    return mc
+
+
+# --------------------------------------------------------------------------------------------------
 # megatron-core's kernels at one pinned BLOCK_H (its autotuner bypassed)
 # --------------------------------------------------------------------------------------------------
 
 
 def run_mcore_q(
-    backward: bool, case: Case, x: torch.Tensor, cos, sin, block_h: int, warmup: bool = False
+    backward: bool,
+    case: Case,
+    x: torch.Tensor,
+    cos,
+    sin,
+    block_h: int,
+    warmup: bool = False,
+    num_warps: int = MCORE_NUM_WARPS,
 ):
     """megatron-core's query kernel in place on a contiguous x at one BLOCK_H; returns x.
 
     Only defined when heads % block_h == 0 or heads <= block_h (its head mask is block-local);
-    give x slack after it (see ``guarded``) otherwise.
+    give x slack after it (see ``guarded``) otherwise. ``num_warps`` other than 4 is a launch its
+    autotuner never makes (for surveys only).
     """
     from megatron.core.fusions import fused_mla_yarn_rope_apply as mc
 
@@ -620,12 +766,22 @@ def run_mcore_q(
         case.cp_rank,
         case.cp_size,
         BLOCK_H=block_h,
+        num_warps=num_warps,
     )
     return x
 
 
 def run_mcore_kv_fwd(
-    case: Case, kv, k_pos_emb, cos, sin, k_dim, v_dim, block_h: int, warmup: bool = False
+    case: Case,
+    kv,
+    k_pos_emb,
+    cos,
+    sin,
+    k_dim,
+    v_dim,
+    block_h: int,
+    warmup: bool = False,
+    num_warps: int = MCORE_NUM_WARPS,
 ):
     """megatron-core's kv forward kernel at one BLOCK_H; returns (key, value) as [rows, h, *]."""
     from megatron.core.fusions import fused_mla_yarn_rope_apply as mc
@@ -659,12 +815,22 @@ def run_mcore_kv_fwd(
         case.cp_rank,
         case.cp_size,
         BLOCK_H=block_h,
+        num_warps=num_warps,
     )
     return key, value
 
 
 def run_mcore_kv_bwd(
-    case: Case, dkey, dvalue, cos, sin, k_dim, v_dim, block_h: int, warmup: bool = False
+    case: Case,
+    dkey,
+    dvalue,
+    cos,
+    sin,
+    k_dim,
+    v_dim,
+    block_h: int,
+    warmup: bool = False,
+    num_warps: int = MCORE_NUM_WARPS,
 ):
     """megatron-core's kv backward kernel at one BLOCK_H; returns (d_kv [rows, h, *], d_emb)."""
     from megatron.core.fusions import fused_mla_yarn_rope_apply as mc
@@ -698,6 +864,7 @@ def run_mcore_kv_bwd(
         case.cp_rank,
         case.cp_size,
         BLOCK_H=block_h,
+        num_warps=num_warps,
     )
     return d_kv, d_emb[:, 0]
 

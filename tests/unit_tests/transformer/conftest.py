@@ -4,6 +4,7 @@
 
 import sys
 import types
+from pathlib import Path
 from typing import Dict, List
 
 import mla_rope_reference
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
+
+# The MLA RoPE kernel tests' helpers (mla_rope_testlib) choose megatron-core's reference configs.
+_FUSIONS_TESTS = str(Path(__file__).resolve().parents[1] / "fusions")
+if _FUSIONS_TESTS not in sys.path:
+    sys.path.insert(0, _FUSIONS_TESTS)
 
 
 @pytest.fixture

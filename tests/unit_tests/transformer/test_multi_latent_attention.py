@@ -13,6 +13,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_latent_attention as mcore_mla
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import MLATransformerConfig
+from mla_rope_testlib import pin_megatron_core_autotuners
 
 from megatron_ext.models.gpt.gpt_layer_specs import to_megatron_ext_spec
 from megatron_ext.transformer import multi_latent_attention as ext_mla
@@ -276,20 +277,9 @@ def test_unreroutable_methods_are_refused():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
 def test_reference_double_matches_megatron_core_kernels(monkeypatch):
     """The CPU tests' double computes what megatron-core's kernels compute (Triton interpreter)."""
-    import triton
-    from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
-
-    for name in (
-        "rotary_fwd_q_kernel",
-        "rotary_bwd_q_kernel",
-        "rotary_fwd_kv_kernel",
-        "rotary_bwd_kv_kernel",
-    ):
-        tuner = getattr(kernels, name)
-        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_H": 1})])
-        monkeypatch.setattr(tuner, "cache", {})
     gen = torch.Generator().manual_seed(0)
     s, b, h, dk, emb, dv = 5, 2, 3, 8, 8, 4
+    kernels = pin_megatron_core_autotuners(monkeypatch, h)
     cos = torch.randn(16, 1, 1, emb, generator=gen)
     sin = torch.randn(16, 1, 1, emb, generator=gen)
     for cu in (None, torch.tensor([0, 4, 10], dtype=torch.int32)):
@@ -306,24 +296,6 @@ def test_reference_double_matches_megatron_core_kernels(monkeypatch):
         assert torch.equal(got_v, want_v)
 
 
-def _pin_megatron_core_kernels(monkeypatch):
-    """megatron-core's kernels are autotuned, which the Triton interpreter cannot do; pinning
-    BLOCK_H=1 (always a defined result) makes them runnable on CPU."""
-    import triton
-    from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
-
-    for name in (
-        "rotary_fwd_q_kernel",
-        "rotary_bwd_q_kernel",
-        "rotary_fwd_kv_kernel",
-        "rotary_bwd_kv_kernel",
-    ):
-        tuner = getattr(kernels, name)
-        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_H": 1})])
-        monkeypatch.setattr(tuner, "cache", {})
-    return kernels
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
 @pytest.mark.parametrize("fmt", ["sbhd", "thd"])
 def test_real_kernels_agree_under_interpreter(
@@ -335,8 +307,8 @@ def test_real_kernels_agree_under_interpreter(
     compiler contracts megatron-core's; the interpreter evaluates megatron-core's unfused, so the
     last bit may differ on CPU. The GPU tests below check bit identity.
     """
-    _pin_megatron_core_kernels(monkeypatch)
     config = make_config("cpu")
+    pin_megatron_core_autotuners(monkeypatch, config.num_attention_heads)
     base, ext = build_pair(config)
     hidden, params = make_inputs(config, fmt, seq=6)
     base_result = forward_backward(base, hidden, params)
@@ -375,9 +347,9 @@ def ext_kernel_calls(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_bitwise_equal_to_megatron_core(fmt, dtype, ext_kernel_calls, monkeypatch):
     # megatron-core's key/value backward sums heads in a BLOCK_H-dependent order; BLOCK_H=1 is
-    # its block-independent order, the one megatron_ext reproduces.
-    _pin_megatron_core_kernels(monkeypatch)
+    # its block-independent order, the one megatron_ext reproduces (and a race-free config).
     config = make_config("cuda", bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    pin_megatron_core_autotuners(monkeypatch, config.num_attention_heads)
     base, ext = build_pair(config, "cuda", dtype, sdpa_backends=["math"])
     hidden, params = make_inputs(config, fmt, "cuda", dtype, seq=64)
     base_result = forward_backward(base, hidden, params)
@@ -389,7 +361,6 @@ def test_gpu_bitwise_equal_to_megatron_core(fmt, dtype, ext_kernel_calls, monkey
 
 @pytest.mark.gpu
 def test_gpu_recompute_uses_megatron_ext_kernels_in_backward(ext_kernel_calls, monkeypatch):
-    _pin_megatron_core_kernels(monkeypatch)
     config = make_config(
         "cuda",
         bf16=True,
@@ -397,6 +368,7 @@ def test_gpu_recompute_uses_megatron_ext_kernels_in_backward(ext_kernel_calls, m
         recompute_granularity="selective",
         recompute_modules=["mla_up_proj"],
     )
+    pin_megatron_core_autotuners(monkeypatch, config.num_attention_heads)
     base, ext = build_pair(config, "cuda", torch.bfloat16, sdpa_backends=["math"])
     hidden, params = make_inputs(config, "sbhd", "cuda", torch.bfloat16, seq=64)
     base_result = forward_backward(base, hidden, params)

@@ -7,6 +7,7 @@ configs (the autotuner may pick any of them). Without a GPU: the same checks in 
 interpreter, where it is cheap.
 """
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -60,3 +61,37 @@ def test_kernel_is_bitwise_deterministic_interpreter(name):
     configs = [c for c in case.configs if c is not None][:2]
     for dtype in case.cpu_dtypes:
         _check(name, case, torch.device("cpu"), dtype, configs)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+
+
+def _module_names(path: Path):
+    """Top-level function names of a Python file, and its top-level tuples of strings by name."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    tuples = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    tuples[target.id] = [getattr(e, "value", None) for e in node.value.elts]
+    return functions, tuples
+
+
+@pytest.mark.parametrize("name", sorted(manifest.KERNELS))
+def test_manifest_names_the_race_test(name):
+    """Every entry names an existing GPU test that holds its kernel race-free, and the kernel is
+    one that test runs."""
+    case = manifest.KERNELS[name]
+    assert case.race_test, f"{name}: no race_test (see manifest.py's docstring)"
+    path, _, function = case.race_test.partition("::")
+    test_file = REPO_ROOT / path
+    assert test_file.is_file(), f"{name}: {path} does not exist"
+    functions, _ = _module_names(test_file)
+    assert function in functions, f"{name}: {path} defines no {function}"
+    marks = [ast.unparse(d) for d in functions[function].decorator_list]
+    assert "pytest.mark.gpu" in marks, f"{name}: {case.race_test} is not a GPU test"
+    # The race test is parametrized over its relaunch helper's KERNELS.
+    _, tuples = _module_names(test_file.with_name("mla_rope_relaunch.py"))
+    assert case.race_kernel in tuples["KERNELS"], f"{name}: {case.race_kernel!r} is not run there"
