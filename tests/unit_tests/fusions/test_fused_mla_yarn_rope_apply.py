@@ -517,65 +517,6 @@ def test_validation_errors(exc, match, call):
         call()
 
 
-def test_kernel_config_validation_and_pinning():
-    with pytest.raises(ValueError, match="block_h"):
-        KernelConfig(3)
-    with pytest.raises(ValueError, match="num_warps"):
-        KernelConfig(4, 3)
-    assert rope._PINNED.get() is None
-    with pinned_kernel_config(8, 2) as config:
-        assert config == KernelConfig(8, 2) and rope._current_config() == config
-    assert rope._PINNED.get() is None
-
-
-def test_backward_uses_config_pinned_in_forward(monkeypatch):
-    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=21)
-    seen = []
-    launch = rope._launch
-
-    def spy(kernel, rows, heads, config, *args):
-        seen.append(config)
-        return launch(kernel, rows, heads, config, *args)
-
-    monkeypatch.setattr(rope, "_launch", spy)
-    q = t.clone().requires_grad_(True) * 1.0
-    with pinned_kernel_config(2, 1):
-        out = fused_apply_mla_rope_for_q(q, cos, sin, 8, 16)
-    out.sum().backward()
-    assert seen == [KernelConfig(2, 1), KernelConfig(2, 1)]
-
-
-def test_autotuner_times_on_scratch_and_caches(monkeypatch):
-    """The tuner times every config on a scratch copy, keeps the fastest, and caches it per size."""
-    monkeypatch.setattr(rope, "_INTERPRETED", False)
-    monkeypatch.setattr(rope, "_TUNED", {})
-    calls = []
-
-    def fake_benchmark(launch):
-        launch()  # runs on the scratch tensor
-        calls.append(launch.__defaults__[0])
-        return 100.0 - len(calls)  # each later candidate is "faster": the last one wins
-
-    monkeypatch.setattr(rope, "_benchmark_us", fake_benchmark)
-    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=22)
-    x = t.clone()
-    mla_rope_q_fwd_(x, cos, sin, case.qk_head_dim, case.emb_dim)
-    # 3 heads: only blocks of up to 4 heads are candidates.
-    expected = [c for c in rope.AUTOTUNE_CONFIGS if c.block_h <= 4]
-    assert calls == expected
-    assert list(rope.autotuned_configs().values()) == [expected[-1]]
-    # The input was rotated exactly once, by the final launch.
-    model = q_forward_reference(case, t, cos, sin, exact_model=True)
-    assert_bitwise_equal(x.view(case.rows, 3, -1), model, "tuned launch")
-    # Same variant and size: cached, no timing. Another token bucket: tuned again.
-    mla_rope_q_fwd_(t.clone(), cos, sin, case.qk_head_dim, case.emb_dim)
-    assert len(calls) == len(expected)
-    mla_rope_q_fwd_(t[:1].clone(), cos, sin, case.qk_head_dim, case.emb_dim)
-    assert len(calls) == 2 * len(expected) and len(rope.autotuned_configs()) == 2
-    rope.clear_autotune_cache()
-    assert rope.autotuned_configs() == {}
-
-
 # --------------------------------------------------------------------------------------------------
 # GPU: bitwise replay at every BLOCK_H
 # --------------------------------------------------------------------------------------------------
