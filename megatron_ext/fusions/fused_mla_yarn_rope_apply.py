@@ -36,7 +36,8 @@ Graph safety: every function here is safe to capture in a CUDA graph (no host sy
 shape has been seen outside capture (the first call of a shape tunes the launch config).
 """
 
-from typing import Optional, Tuple
+import sys
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -76,26 +77,61 @@ __all__ = [
     "mla_rope_kv_bwd",
 ]
 
-_HAVE_USE_COUNTS = hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
 
-
-def _owns(grad: torch.Tensor) -> bool:
+def _owns(grad: torch.Tensor, python_refs: int) -> bool:
     """Whether a gradient handed to a backward is ours alone to overwrite.
 
-    True only when no other tensor can see its memory: this Python object holds the only
-    reference to its tensor (autograd keeps none once it has handed it over, a caller's
-    ``backward(g)`` or a second autograd branch would hold another), its storage is referenced by
-    that tensor alone (no view of it, nor it of another, is alive; the temporary storage object
-    made here is the second reference), the storage was allocated by torch (not wrapped from
-    foreign memory, such as NumPy's or DLPack's, which is not resizable), it is contiguous (so its
-    elements do not overlap) and it does not require grad (a double backward may save it).
+    True only when nothing else can see its memory: no Python reference beyond those autograd's
+    call into the backward makes (``python_refs``, counted in the backward, against
+    :data:`_EXCLUSIVE_PYTHON_REFS`; a hook that stashed it adds one), no other C++ reference to
+    its tensor (autograd keeps none once it has handed it over; a caller's ``backward(g)`` or a
+    second branch of the graph holds one), its storage referenced by that tensor alone (no view of
+    it, nor it of another, is alive; the temporary storage object made here is the second
+    reference), storage allocated by torch (foreign memory wrapped from NumPy or DLPack is not
+    resizable), contiguous (its elements do not overlap), and not requiring grad (a double
+    backward may save it).
     """
-    if not _HAVE_USE_COUNTS or grad.requires_grad or grad._base is not None:
+    if _EXCLUSIVE_PYTHON_REFS is None or python_refs > _EXCLUSIVE_PYTHON_REFS:
+        return False
+    if grad.requires_grad or grad._base is not None:
         return False
     if grad._use_count() != 1 or not grad.is_contiguous():
         return False
     storage = grad.untyped_storage()
     return torch._C._storage_Use_Count(storage._cdata) == 2 and storage.resizable()
+
+
+class _ExclusiveRefsProbe(torch.autograd.Function):
+    """Counts the Python references to a gradient autograd hands over exclusively."""
+
+    refs: List[int] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        python_refs = sys.getrefcount(grad)  # counted as _FusedMLARoPEQ.backward counts
+        _ExclusiveRefsProbe.refs.append(python_refs)
+        return grad
+
+
+def _exclusive_python_refs() -> Optional[int]:
+    """Python references to an exclusively held gradient inside a backward (None: can't tell).
+
+    Measured once on this interpreter and torch: the count depends on their call path, not on
+    the device. The gradient here comes fresh from ``* 2``'s backward, as in a training step.
+    """
+    if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
+        return None
+    with torch.enable_grad():
+        x = torch.zeros(2, requires_grad=True)
+        (_ExclusiveRefsProbe.apply(x) * 2).sum().backward()
+    return _ExclusiveRefsProbe.refs.pop()
+
+
+_EXCLUSIVE_PYTHON_REFS = _exclusive_python_refs()
 
 
 class _FusedMLARoPEQ(torch.autograd.Function):
@@ -144,7 +180,8 @@ class _FusedMLARoPEQ(torch.autograd.Function):
         """Rotate ``grad`` back: in place when :func:`_owns` says it is ours, else into a copy."""
         cos, sin, cu_seqlens_q, position_ids = ctx.saved_tensors
         qk_head_dim, emb_dim, cp_rank, cp_size, inverse, keep = ctx.args
-        if not _owns(grad):
+        python_refs = sys.getrefcount(grad)  # first, as in _ExclusiveRefsProbe.backward
+        if not _owns(grad, python_refs):
             grad = grad.clone(memory_format=torch.contiguous_format)
         token = PINNED.set(ctx.config)
         try:
@@ -202,7 +239,7 @@ def fused_apply_mla_rope_for_q(
     that cos/sin have a row for every thd position, that ``position_ids`` lie inside cos/sin, and
     that under context parallelism (``cp_size > 1``) every sequence length in ``cu_seqlens_q`` is a
     multiple of ``2 * cp_size``: an odd local length (cp 2 and a sequence of 6) gives wrong
-    positions (rank 0 [0, 3, 4], rank 1 [1, 2, 3]). Callers that have the lengths on the host check
+    positions (rank 0 gets [0, 4, 5], rank 1 [1, 3, 4]). Callers that have the lengths on the host check
     the last with :func:`megatron_ext.fusions.mla_rope.checks.check_cp_sequence_lengths` (the MLA
     module does when ``cu_seqlens`` live on the CPU; ``examples/pretrain_mla.py`` does). Positions
     outside the tables are clamped to their first or last row rather than read out of bounds; thd
