@@ -33,7 +33,6 @@ from mla_rope_testlib import (
 )
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import kernels
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     KernelConfig,
     fused_apply_mla_rope_for_kv,
@@ -44,6 +43,7 @@ from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     mla_rope_q_fwd_,
     pinned_kernel_config,
 )
+from megatron_ext.fusions.mla_rope import kernels
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
