@@ -240,8 +240,9 @@ def fused_apply_mla_rope_for_q(
     that under context parallelism (``cp_size > 1``) every sequence length in ``cu_seqlens_q`` is a
     multiple of ``2 * cp_size``: an odd local length (cp 2 and a sequence of 6) gives wrong
     positions (rank 0 gets [0, 4, 5], rank 1 [1, 3, 4]). Callers that have the lengths on the host
-    check the last with :func:`megatron_ext.fusions.mla_rope.checks.check_cp_sequence_lengths` (the MLA
-    module does when ``cu_seqlens`` live on the CPU; ``examples/pretrain_mla.py`` does). Positions
+    check the last with
+    :func:`megatron_ext.fusions.mla_rope.checks.check_cp_sequence_lengths` (the MLA module does
+    when ``cu_seqlens`` live on the CPU; ``examples/pretrain_mla.py`` does). Positions
     outside the tables are clamped to their first or last row rather than read out of bounds; thd
     rows past ``cu_seqlens_q[-1]`` (CUDA-graph padding) use row 0.
 
