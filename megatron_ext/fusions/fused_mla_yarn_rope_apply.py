@@ -37,7 +37,7 @@ shape has been seen outside capture (the first call of a shape tunes the launch 
 """
 
 import sys
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -81,30 +81,29 @@ __all__ = [
 def _owns(grad: torch.Tensor, python_refs: int) -> bool:
     """Whether a gradient handed to a backward is ours alone to overwrite.
 
-    True only when nothing else can see its memory: no Python reference beyond those autograd's
-    call into the backward makes (``python_refs``, counted in the backward, against
-    :data:`_EXCLUSIVE_PYTHON_REFS`; a hook that stashed it adds one), no other C++ reference to
-    its tensor (autograd keeps none once it has handed it over; a caller's ``backward(g)`` or a
-    second branch of the graph holds one), its storage referenced by that tensor alone (no view of
-    it, nor it of another, is alive; the temporary storage object made here is the second
-    reference), storage allocated by torch (foreign memory wrapped from NumPy or DLPack is not
-    resizable), contiguous (its elements do not overlap), and not requiring grad (a double
-    backward may save it).
+    True only when nothing else can see its memory: no more references to it than a gradient
+    that autograd hands over exclusively has on this device (measured once per device type by
+    :func:`_calibrate_ownership`): Python references (a hook that stashed it adds one), C++
+    references to its tensor (a caller's ``backward(g)`` or a second branch of the graph holds
+    one) and references to its storage (a live view of it, or it a view of another); and its
+    storage allocated by torch (foreign memory wrapped from NumPy or DLPack is not resizable),
+    contiguous (its elements do not overlap), not requiring grad (a double backward may save it).
     """
-    if _EXCLUSIVE_PYTHON_REFS is None or python_refs > _EXCLUSIVE_PYTHON_REFS:
+    exclusive = _EXCLUSIVE_REFS.get(grad.device.type)
+    if exclusive is None or grad.requires_grad or grad._base is not None:
         return False
-    if grad.requires_grad or grad._base is not None:
+    if python_refs > exclusive[0] or grad._use_count() > exclusive[1]:
         return False
-    if grad._use_count() != 1 or not grad.is_contiguous():
+    if not grad.is_contiguous():
         return False
     storage = grad.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) == 2 and storage.resizable()
+    return torch._C._storage_Use_Count(storage._cdata) <= exclusive[2] and storage.resizable()
 
 
 class _ExclusiveRefsProbe(torch.autograd.Function):
-    """Counts the Python references to a gradient autograd hands over exclusively."""
+    """Counts the references to a gradient that autograd hands over exclusively."""
 
-    refs: List[int] = []
+    seen: List[Tuple[int, int, int]] = []
 
     @staticmethod
     def forward(ctx, x):
@@ -113,25 +112,33 @@ class _ExclusiveRefsProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         python_refs = sys.getrefcount(grad)  # counted as _FusedMLARoPEQ.backward counts
-        _ExclusiveRefsProbe.refs.append(python_refs)
+        storage = grad.untyped_storage()
+        storage_uses = torch._C._storage_Use_Count(storage._cdata)
+        _ExclusiveRefsProbe.seen.append((python_refs, grad._use_count(), storage_uses))
         return grad
 
 
-def _exclusive_python_refs() -> Optional[int]:
-    """Python references to an exclusively held gradient inside a backward (None: can't tell).
+# Device type -> (Python refs, tensor uses, storage uses) of an exclusively held gradient.
+_EXCLUSIVE_REFS: Dict[str, Tuple[int, int, int]] = {}
 
-    Measured once on this interpreter and torch: the count depends on their call path, not on
-    the device. The gradient here comes fresh from ``* 2``'s backward, as in a training step.
+
+def _calibrate_ownership(device: torch.device) -> None:
+    """Measure what an exclusively held gradient looks like on ``device``'s type, once.
+
+    The counts depend on the interpreter, torch and the autograd engine's path for the device
+    (CPU backward runs on the calling thread, CUDA backward on a device thread), so each device
+    type is measured with a gradient that comes fresh from ``* 2``'s backward, as in a training
+    step. Not measured during CUDA-graph capture (a backward there would be captured too): until
+    measured, the backward copies the gradient.
     """
     if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
-        return None
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
     with torch.enable_grad():
-        x = torch.zeros(2, requires_grad=True)
+        x = torch.zeros(2, device=device, requires_grad=True)
         (_ExclusiveRefsProbe.apply(x) * 2).sum().backward()
-    return _ExclusiveRefsProbe.refs.pop()
-
-
-_EXCLUSIVE_PYTHON_REFS = _exclusive_python_refs()
+    _EXCLUSIVE_REFS[device.type] = _ExclusiveRefsProbe.seen.pop()
 
 
 class _FusedMLARoPEQ(torch.autograd.Function):
@@ -269,6 +276,26 @@ def fused_apply_mla_rope_for_q(
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
+    if not (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad):
+        # Nothing to record for autograd: launch directly, and bump t's version as any in-place
+        # op does, so a backward that saved t fails loudly instead of using rotated values.
+        mla_rope_q_fwd_(
+            t,
+            cos,
+            sin,
+            qk_head_dim,
+            emb_dim,
+            cu_seqlens_q,
+            cp_rank,
+            cp_size,
+            inverse=inverse,
+            remove_interleaving=remove_interleaving,
+            position_ids=position_ids,
+        )
+        torch.autograd.graph.increment_version(t)
+        return t
+    if t.device.type not in _EXCLUSIVE_REFS:
+        _calibrate_ownership(t.device)
     return _FusedMLARoPEQ.apply(
         t,
         cos,
@@ -401,6 +428,22 @@ def fused_apply_mla_rope_for_kv(
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
+    grads = isinstance(kv, torch.Tensor) and isinstance(k_pos_emb, torch.Tensor)
+    if not (torch.is_grad_enabled() and grads and (kv.requires_grad or k_pos_emb.requires_grad)):
+        return mla_rope_kv_fwd(
+            kv,
+            k_pos_emb,
+            cos,
+            sin,
+            emb_dim,
+            k_dim,
+            v_dim,
+            cu_seqlens_kv,
+            cp_rank,
+            cp_size,
+            remove_interleaving=remove_interleaving,
+            position_ids=position_ids,
+        )
     return _FusedMLARoPEKV.apply(
         kv,
         k_pos_emb,

@@ -263,21 +263,46 @@ def test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch):
 
 
 def test_owns():
-    refs = rope._EXCLUSIVE_PYTHON_REFS
-    assert refs is not None
-    assert rope._owns(torch.randn(4, 6), refs)
-    assert not rope._owns(torch.randn(4, 6), refs + 1)  # another Python reference
-    held = torch.randn(4, 6)
+    rope._calibrate_ownership(DEVICE)
+    refs = rope._EXCLUSIVE_REFS[DEVICE.type][0]
+
+    def fresh(*shape, **kwargs):
+        return torch.randn(*shape, **kwargs).to(DEVICE)
+
+    assert rope._owns(fresh(4, 6), refs)
+    assert not rope._owns(fresh(4, 6), refs + 1)  # another Python reference
+    held = fresh(4, 6)
     other = held.view(4, 6)  # another tensor on the same storage
     assert not rope._owns(held, refs) and not rope._owns(other, refs)
     del other
     assert rope._owns(held, refs)
-    assert not rope._owns(torch.randn(4, 6).t(), refs)  # not contiguous
-    assert not rope._owns(torch.randn(4, 6, requires_grad=True), refs)
-    assert not rope._owns(torch.randn(6).expand(4, 6), refs)
-    import numpy as np
+    assert not rope._owns(fresh(4, 6).t(), refs)  # not contiguous
+    assert not rope._owns(fresh(4, 6).requires_grad_(True), refs)
+    assert not rope._owns(fresh(6).expand(4, 6), refs)
+    if DEVICE.type == "cpu":
+        import numpy as np
 
-    assert not rope._owns(torch.from_numpy(np.zeros((4, 6), dtype=np.float32)), refs)
+        assert not rope._owns(torch.from_numpy(np.zeros((4, 6), dtype=np.float32)), refs)
+
+
+def test_forward_without_autograd_bumps_the_version():
+    """Without grad to record the drop-in launches directly, still as an in-place op."""
+    _, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32", seed=47)
+    a = torch.ones_like(t).requires_grad_(True)
+    y = a * t  # saves t for backward
+    fused_apply_mla_rope_for_q(t, cos, sin, 8, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.gpu
+def test_gpu_gradient_ownership(monkeypatch):
+    """The ownership tests above, on the GPU: CUDA backward runs on autograd's device thread."""
+    test_owns()
+    test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch)
+    test_backward_leaves_a_gradient_shared_with_another_branch_alone(monkeypatch)
+    test_backward_leaves_the_callers_gradient_alone()
+    test_backward_leaves_a_gradient_a_hook_kept_alone()
 
 
 def test_backward_leaves_a_gradient_a_hook_kept_alone():
