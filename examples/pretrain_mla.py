@@ -262,6 +262,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--train-iters must be at least 1")
     if args.qkv_format == "thd" and args.thd_pad_multiple < 1:
         parser.error("--thd-pad-multiple must be at least 1")
+    cp = args.context_parallel_size
+    if args.qkv_format == "thd" and cp > 1 and args.thd_pad_multiple % (2 * cp):
+        # The fused RoPE kernels split each padded sequence into 2 * cp chunks; they cannot see
+        # a length that does not split (that check would cost a device sync per call).
+        parser.error(
+            f"--thd-pad-multiple {args.thd_pad_multiple} must be a multiple of 2 * "
+            f"--context-parallel-size = {2 * cp}"
+        )
     if args.mcore_rope_block_h is None:
         args.mcore_rope_block_h = 1 if args.deterministic else 0
     for name in ("mcore_rope_block_h", "ext_rope_block_h"):
@@ -673,6 +681,10 @@ def data_iterator(args: argparse.Namespace, d: Dist) -> Iterator[Dict[str, Any]]
                 loss_mask.append(torch.cat([mask, torch.zeros(pad)]))
                 position_ids.append(torch.arange(plen))
                 actual.append(alen)
+            if d.cp_size > 1:
+                from megatron_ext.fusions.mla_rope.checks import check_cp_sequence_lengths
+
+                check_cp_sequence_lengths(padded, d.cp_size)  # on the host here: no sync
             cu = torch.tensor([0] + actual).cumsum(0).to(torch.int32)
             cu_padded = torch.tensor([0] + padded).cumsum(0).to(torch.int32)
             batch = dict(

@@ -13,51 +13,22 @@ these classes trains as one built without them.
 
 import dis
 import functools
-import importlib
+import operator
 import types
 from typing import Any, Callable, Dict, Tuple
 
 from megatron.core.transformer import multi_latent_attention as _mcore_mla
 
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
+    fused_apply_mla_rope_for_kv,
+    fused_apply_mla_rope_for_q,
+)
+from megatron_ext.fusions.mla_rope.checks import check_cp_sequence_lengths
+
 __all__ = ["ExtMLASelfAttention", "ExtFusedMLASelfAttention", "ROPE_FUNCTION_NAMES"]
 
 # The names megatron-core's MLA module binds at import and looks up, as globals, at call time.
 ROPE_FUNCTION_NAMES: Tuple[str, str] = ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv")
-
-
-_EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
-
-
-def _ext_rope_module() -> types.ModuleType:
-    """megatron_ext's kernels module, imported on first use.
-
-    Importing on use (not at import of this file) keeps Triton out of processes that never run
-    the fused path, and looking the functions up on every call means a replacement installed on
-    that module (a newer kernel, a test double) takes effect at once.
-    """
-    try:
-        return importlib.import_module(_EXT_ROPE_MODULE)
-    except ImportError as exc:
-        raise ImportError(
-            f"megatron_ext's MLA RoPE kernels ({_EXT_ROPE_MODULE}) cannot be imported ({exc}); "
-            "they need triton"
-        ) from exc
-
-
-def fused_apply_mla_rope_for_q(*args: Any, **kwargs: Any):
-    """Forward to megatron_ext's ``fused_apply_mla_rope_for_q`` (same signature as mcore's)."""
-    return _ext_rope_module().fused_apply_mla_rope_for_q(*args, **kwargs)
-
-
-def fused_apply_mla_rope_for_kv(*args: Any, **kwargs: Any):
-    """Forward to megatron_ext's ``fused_apply_mla_rope_for_kv`` (same signature as mcore's)."""
-    return _ext_rope_module().fused_apply_mla_rope_for_kv(*args, **kwargs)
-
-
-_EXT_ROPE_FUNCTIONS: Dict[str, Callable] = {
-    "fused_apply_mla_rope_for_q": fused_apply_mla_rope_for_q,
-    "fused_apply_mla_rope_for_kv": fused_apply_mla_rope_for_kv,
-}
 
 
 def _code_objects(code: types.CodeType):
@@ -66,6 +37,16 @@ def _code_objects(code: types.CodeType):
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _code_objects(const)
+
+
+def _global_loads(func: types.FunctionType):
+    """The names ``func`` (or a closure inside it) reads as globals."""
+    return {
+        ins.argval
+        for code in _code_objects(func.__code__)
+        for ins in dis.get_instructions(code)
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,17 +58,14 @@ def _check_reroutable(func: types.FunctionType) -> None:
     as globals (say, a future release wraps it in a decorator or renames the functions), and it
     would lose writes if the code assigned module globals. Both would be silent, so both raise.
     """
-    codes = list(_code_objects(func.__code__))
-    names = set()
-    for code in codes:
-        names.update(code.co_names)
+    for code in _code_objects(func.__code__):
         for ins in dis.get_instructions(code):
             if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
                 raise RuntimeError(
                     f"{func.__qualname__} assigns the global {ins.argval!r}; megatron_ext cannot "
                     "reroute its RoPE calls safely on this megatron-core release"
                 )
-    missing = [name for name in ROPE_FUNCTION_NAMES if name not in names]
+    missing = [name for name in ROPE_FUNCTION_NAMES if name not in _global_loads(func)]
     if missing:
         raise RuntimeError(
             f"{func.__module__}.{func.__qualname__} does not call {missing} by name; megatron_ext "
@@ -95,24 +73,80 @@ def _check_reroutable(func: types.FunctionType) -> None:
         )
 
 
-def _with_ext_rope(func: types.FunctionType) -> types.FunctionType:
-    """A copy of ``func`` whose global lookups of the RoPE names find megatron_ext's kernels.
+class _Rerouted:
+    """``func`` with its global lookups of the RoPE names finding megatron_ext's kernels.
 
-    Same code object, closure and defaults; only the globals dictionary differs: a copy of the
-    defining module's globals taken now, at each call (so changes made to that module between
-    calls are seen as megatron-core sees them), with the two RoPE names rebound.
+    Built once per megatron-core method: same code object, closure and defaults; only the globals
+    dictionary differs, a copy of the defining module's. Before each call the copy takes the
+    current values of the globals the method reads (one C-level gather, ~1 us), so a change made
+    to megatron-core's module after import is seen as megatron-core sees it, and the two RoPE names
+    take this module's current bindings (tests may replace them here).
     """
-    _check_reroutable(func)
-    module_globals = dict(func.__globals__)
-    module_globals.update(_EXT_ROPE_FUNCTIONS)
-    rerouted = types.FunctionType(
-        func.__code__, module_globals, func.__name__, func.__defaults__, func.__closure__
-    )
-    rerouted.__kwdefaults__ = func.__kwdefaults__
-    rerouted.__qualname__ = func.__qualname__
-    rerouted.__doc__ = func.__doc__
-    rerouted.__module__ = func.__module__
-    return rerouted
+
+    def __init__(self, func: types.FunctionType):
+        _check_reroutable(func)
+        self.source = func.__globals__
+        self.namespace = dict(self.source)
+        names = sorted(
+            n for n in _global_loads(func) if n in self.source and n not in ROPE_FUNCTION_NAMES
+        )
+        self.names = tuple(names)
+        self.gather: Callable = operator.itemgetter(*names) if len(names) > 1 else None
+        self.function = types.FunctionType(
+            func.__code__, self.namespace, func.__name__, func.__defaults__, func.__closure__
+        )
+        self.function.__kwdefaults__ = func.__kwdefaults__
+        self.function.__qualname__ = func.__qualname__
+        self.function.__doc__ = func.__doc__
+        self.function.__module__ = func.__module__
+
+    def sync(self) -> types.FunctionType:
+        """Refresh the copied globals; return the rerouted function."""
+        namespace = self.namespace
+        try:
+            if self.gather is not None:
+                namespace.update(zip(self.names, self.gather(self.source)))
+            elif self.names:
+                namespace[self.names[0]] = self.source[self.names[0]]
+        except KeyError:  # a global was deleted from megatron-core's module: copy it all again
+            namespace.clear()
+            namespace.update(self.source)
+        namespace["fused_apply_mla_rope_for_q"] = fused_apply_mla_rope_for_q
+        namespace["fused_apply_mla_rope_for_kv"] = fused_apply_mla_rope_for_kv
+        return self.function
+
+
+@functools.lru_cache(maxsize=None)
+def _rerouted(func: types.FunctionType) -> _Rerouted:
+    return _Rerouted(func)
+
+
+def _with_ext_rope(func: types.FunctionType) -> types.FunctionType:
+    """The rerouted copy of ``func`` (built once, globals refreshed now)."""
+    return _rerouted(func).sync()
+
+
+def _check_context_parallel_lengths(module, args: Tuple, kwargs: Dict[str, Any]) -> None:
+    """Refuse thd sequence lengths the RoPE kernels would map wrongly under context parallelism.
+
+    Only where the lengths are already on the host (``cu_seqlens`` on the CPU): reading CUDA
+    tensors would cost a device-to-host sync on every forward, so there the kernels' documented
+    precondition stands unchecked.
+    """
+    params = kwargs.get("packed_seq_params", args[3] if len(args) > 3 else None)
+    if params is None or getattr(params, "qkv_format", None) != "thd":
+        return
+    cp_size = module.pg_collection.cp.size() if getattr(module, "pg_collection", None) else 1
+    if cp_size <= 1:
+        return
+    for padded, plain in (
+        ("cu_seqlens_q_padded", "cu_seqlens_q"),
+        ("cu_seqlens_kv_padded", "cu_seqlens_kv"),
+    ):
+        cu = getattr(params, padded, None)
+        cu = cu if cu is not None else getattr(params, plain, None)
+        if cu is not None and cu.device.type == "cpu":
+            check_cp_sequence_lengths((cu[1:] - cu[:-1]).tolist(), cp_size)
 
 
 class _ContiguousLoadRopeMixin:
@@ -129,13 +163,12 @@ class _ContiguousLoadRopeMixin:
 
     Instead the parent method (found through ``super()``, so the MRO is honoured) is called as a
     copy that shares its code, closure and defaults and differs only in the globals dictionary it
-    resolves names in. Nothing shared is mutated, so the change is confined to instances of this
-    class and is thread-safe; the closure created inside the call keeps that dictionary, so the
-    recomputation in backward uses megatron_ext's kernels too; and it works on every release
-    whose method calls the functions by these names (checked, not assumed:
-    :func:`_check_reroutable` raises otherwise). Both megatron-core 0.16 and 0.19 do. The copy
-    of the globals is taken per call, so later changes to megatron-core's module are seen as
-    megatron-core sees them; it costs about a microsecond per layer and step.
+    resolves names in (:class:`_Rerouted`, built once per method). Nothing of megatron-core's is
+    mutated, so the change is confined to instances of this class and is thread-safe; the closure
+    created inside the call keeps that dictionary, so the recomputation in backward uses
+    megatron_ext's kernels too; and it works on every release whose method calls the functions by
+    these names (checked, not assumed: :func:`_check_reroutable` raises otherwise). Both
+    megatron-core 0.16 and 0.19 do.
     """
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
@@ -152,6 +185,7 @@ class _ContiguousLoadRopeMixin:
         if not self.config.apply_rope_fusion:
             # megatron-core does not reach its fused RoPE then: nothing to reroute.
             return parent(*args, **kwargs)
+        _check_context_parallel_lengths(self, args, kwargs)
         return _with_ext_rope(parent.__func__)(self, *args, **kwargs)
 
 

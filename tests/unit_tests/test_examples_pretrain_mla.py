@@ -67,6 +67,14 @@ def test_pin_megatron_core_rope(example, monkeypatch):
         assert config.kwargs == {"BLOCK_H": 1}
 
 
+def test_context_parallel_thd_padding_must_split_into_2cp_chunks(example):
+    ok = ["--qkv-format", "thd", "--context-parallel-size", "2", "--thd-pad-multiple", "8"]
+    assert example.parse_args(ok).thd_pad_multiple == 8
+    with pytest.raises(SystemExit):  # local length 3 of a padded 6: the kernels map it wrongly
+        example.parse_args(ok[:-1] + ["6"])
+    assert example.parse_args(ok[:-1] + ["6"] + ["--context-parallel-size", "1"])
+
+
 def test_argument_errors(example):
     with pytest.raises(SystemExit):
         example.parse_args(["--inference-static-active-slices"])

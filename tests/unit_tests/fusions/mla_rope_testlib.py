@@ -525,9 +525,9 @@ def parallel_compile(threads: int = 8) -> Iterator[None]:
 
 def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, keep=False):
     """Compile megatron_ext's query kernel for these inputs at one config, without launching."""
-    from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+    from megatron_ext.fusions.mla_rope import kernels, ops
 
-    plan = rope._plan_q(
+    _, _, tensors, scalars, meta = ops.q_launch_args(
         x,
         cos,
         sin,
@@ -536,13 +536,20 @@ def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, 
         case.cu_seqlens,
         case.cp_rank,
         case.cp_size,
+        inverse,
+        keep,
         case.position_ids,
+        "t",
     )
-    args, meta = rope._q_args(
-        x, cos, sin, case.qk_head_dim, case.emb_dim, case.cu_seqlens, plan, inverse, keep
+    kernel = kernels.mla_rope_q_bwd_kernel if backward else kernels.mla_rope_q_fwd_kernel
+    kernel.warmup(
+        *tensors,
+        *scalars,
+        grid=(1,),
+        **meta,
+        BLOCK_H=config.block_h,
+        num_warps=config.num_warps,
     )
-    kernel = rope._mla_rope_q_bwd_kernel if backward else rope._mla_rope_q_fwd_kernel
-    kernel.warmup(*args, grid=(1,), **meta, BLOCK_H=config.block_h, num_warps=config.num_warps)
 
 
 def run_two_load(

@@ -3,15 +3,12 @@
 """Fixtures for tests that build megatron-core attention modules."""
 
 import sys
-import types
 from pathlib import Path
 from typing import Dict, List
 
 import mla_rope_reference
 import pytest
 import torch
-
-EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
 
 # The MLA RoPE kernel tests' helpers (mla_rope_testlib) choose megatron-core's reference configs.
 _FUSIONS_TESTS = str(Path(__file__).resolve().parents[1] / "fusions")
@@ -30,8 +27,8 @@ def cpu_current_device(monkeypatch):
 def rope_spies(monkeypatch) -> Dict[str, List[str]]:
     """Record which RoPE functions run; both sides compute with the plain-torch reference.
 
-    megatron_ext's kernels module is replaced by a double (so tests do not depend on Triton
-    running here), and megatron-core's MLA module globals are pointed at a second double.
+    The functions megatron_ext's MLA module routes to are replaced by a double (so tests do not
+    depend on Triton running here), and megatron-core's MLA module globals by a second double.
 
     Returns:
         dict: ``{"ext": [...], "mcore": [...]}``, the names of the functions called, in order.
@@ -45,12 +42,16 @@ def rope_spies(monkeypatch) -> Dict[str, List[str]]:
 
         return wrapper
 
-    fake = types.ModuleType(EXT_ROPE_MODULE)
-    fake.fused_apply_mla_rope_for_q = spy("ext", "q", mla_rope_reference.rope_q)
-    fake.fused_apply_mla_rope_for_kv = spy("ext", "kv", mla_rope_reference.rope_kv)
-    monkeypatch.setitem(sys.modules, EXT_ROPE_MODULE, fake)
-
     from megatron.core.transformer import multi_latent_attention as mcore_mla
+
+    from megatron_ext.transformer import multi_latent_attention as ext_mla
+
+    monkeypatch.setattr(
+        ext_mla, "fused_apply_mla_rope_for_q", spy("ext", "q", mla_rope_reference.rope_q)
+    )
+    monkeypatch.setattr(
+        ext_mla, "fused_apply_mla_rope_for_kv", spy("ext", "kv", mla_rope_reference.rope_kv)
+    )
 
     monkeypatch.setattr(
         mcore_mla, "fused_apply_mla_rope_for_q", spy("mcore", "q", mla_rope_reference.rope_q)

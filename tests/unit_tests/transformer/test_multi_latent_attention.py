@@ -2,8 +2,8 @@
 
 """ExtMLASelfAttention: megatron-core's MLA with megatron_ext's RoPE kernels, nothing else."""
 
-import sys
 import threading
+import types
 
 import mla_rope_reference
 import pytest
@@ -21,8 +21,6 @@ from megatron_ext.transformer.multi_latent_attention import (
     ExtFusedMLASelfAttention,
     ExtMLASelfAttention,
 )
-
-EXT_ROPE_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
 
 
 def make_config(device: str, **overrides) -> MLATransformerConfig:
@@ -234,13 +232,60 @@ def test_instances_do_not_interfere_across_threads(rope_spies, cpu_current_devic
     assert len(rope_spies["ext"]) == 80 and len(rope_spies["mcore"]) == 80
 
 
-def test_missing_kernels_give_a_clear_error(monkeypatch, cpu_current_device):
-    monkeypatch.setitem(sys.modules, EXT_ROPE_MODULE, None)  # makes the import fail
-    config = make_config("cpu")
-    _, ext = build_pair(config)
-    hidden, _ = make_inputs(config, "sbhd")
-    with pytest.raises(ImportError, match="megatron_ext's MLA RoPE kernels"):
-        ext(hidden, None)
+def test_kernels_are_imported_plainly_and_the_method_rerouted_once(cpu_current_device):
+    import importlib
+    import types
+
+    from megatron_ext.fusions import fused_mla_yarn_rope_apply as kernels
+
+    assert not any(
+        isinstance(v, types.ModuleType) and v is importlib for v in vars(ext_mla).values()
+    )
+    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
+    first = ext_mla._with_ext_rope(func)
+    assert ext_mla._with_ext_rope(func) is first  # no function built per forward
+    assert first.__globals__["fused_apply_mla_rope_for_q"] is kernels.fused_apply_mla_rope_for_q
+    assert first.__globals__["fused_apply_mla_rope_for_kv"] is kernels.fused_apply_mla_rope_for_kv
+
+
+def test_rerouted_method_sees_later_changes_to_megatron_core(monkeypatch):
+    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
+    name = next(n for n in ext_mla._rerouted(func).names if n != "torch")
+    marker = object()
+    monkeypatch.setattr(mcore_mla, name, marker)
+    assert ext_mla._with_ext_rope(func).__globals__[name] is marker
+    monkeypatch.undo()
+    assert ext_mla._with_ext_rope(func).__globals__[name] is getattr(mcore_mla, name)
+
+
+def test_context_parallel_thd_lengths_checked_when_on_the_host():
+    class _Group:
+        def __init__(self, size):
+            self._size = size
+
+        def size(self):
+            return self._size
+
+    module = types.SimpleNamespace(pg_collection=types.SimpleNamespace(cp=_Group(2)))
+    odd = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=torch.tensor([0, 8, 14], dtype=torch.int32),
+        cu_seqlens_kv=torch.tensor([0, 8, 14], dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="sequence 1 has length 6"):
+        ext_mla._check_context_parallel_lengths(module, (None, None, None, odd), {})
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
+        ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": odd})
+    padded = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=odd.cu_seqlens_q,
+        cu_seqlens_kv=odd.cu_seqlens_kv,
+        cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
+        cu_seqlens_kv_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
+    )
+    ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": padded})
+    module.pg_collection.cp = _Group(1)
+    ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": odd})
 
 
 def test_rerouted_method_shares_code_and_closure():
@@ -326,19 +371,16 @@ def test_real_kernels_agree_under_interpreter(
 
 @pytest.fixture
 def ext_kernel_calls(monkeypatch):
-    """Count calls into megatron_ext's real kernels module (forwarding to it)."""
-    import importlib
-
-    module = importlib.import_module(EXT_ROPE_MODULE)
+    """Count calls into megatron_ext's real kernels (the names ExtMLASelfAttention routes to)."""
     calls = []
     for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
-        real = getattr(module, name)
+        real = getattr(ext_mla, name)
 
         def counting(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(module, name, counting)
+        monkeypatch.setattr(ext_mla, name, counting)
     return calls
 
 

@@ -1,0 +1,367 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Launch configs, their tuning and pinning, and the cached launch of the MLA RoPE kernels.
+
+Launch configs (``BLOCK_H`` heads per program, ``num_warps``) are autotuned on first use for each
+compiled variant, head count and power-of-two bucket of the token count: every config in
+:data:`AUTOTUNE_CONFIGS` is timed once (the in-place kernels on a scratch copy) and the fastest
+kept. The output is the same for all of them. :func:`pinned_kernel_config` pins one config instead
+(tests, benchmarks, and the Triton interpreter, which cannot time anything). Tune before capturing
+a CUDA graph: a variant first seen during capture runs with ``KernelConfig(16, 4)``.
+
+The launch itself is cached: the drop-ins look up a :class:`CachedLaunch` by everything that
+decides a launch except the data pointers (shapes, strides, dtypes, devices, flags, pointer
+alignment, the pinned config). A miss checks the inputs, picks the config, and launches through
+Triton's JIT, keeping the compiled kernel it returns; a hit launches that compiled kernel directly
+through its C launcher with the pointers and the stored arguments, which costs a few microseconds
+of host time instead of Triton's ~17 us dispatch. The direct launch depends on the compiled
+kernel's internal calling convention, read from Triton 3.6's ``CompiledKernel`` and
+``CudaLauncher``; on any other Triton release, under the interpreter, with Triton's launch hooks
+set (profilers), or when the current CUDA device is not the tensors', every launch takes the plain
+``kernel[grid](...)`` path instead, with the same arguments.
+"""
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+import triton
+
+from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+
+BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Token counts share an autotuning result within a power-of-two bucket up to this size.
+MAX_TUNE_ROWS = 1 << 15
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of the MLA RoPE kernels.
+
+    Args:
+        block_h: heads per program, a power of two from 1 to 128.
+        num_warps: warps per program, a power of two from 1 to 32.
+    """
+
+    block_h: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_h not in BLOCK_H_CHOICES:
+            raise ValueError(f"block_h must be one of {BLOCK_H_CHOICES}, got {self.block_h}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two from 1 to 32, got {self.num_warps}")
+
+
+# The autotuner's search space. The output does not depend on which one it picks.
+AUTOTUNE_CONFIGS: Tuple[KernelConfig, ...] = (
+    KernelConfig(1, 1),
+    KernelConfig(2, 1),
+    KernelConfig(4, 1),
+    KernelConfig(8, 2),
+    KernelConfig(16, 4),
+    KernelConfig(32, 4),
+    KernelConfig(64, 4),
+    KernelConfig(128, 4),
+    KernelConfig(128, 8),
+)
+# What the interpreter runs when nothing is pinned.
+INTERPRETER_DEFAULT = KernelConfig(4, 1)
+
+PINNED: contextvars.ContextVar[Optional[KernelConfig]] = contextvars.ContextVar(
+    "megatron_ext_mla_rope_pinned_config", default=None
+)
+
+
+@contextlib.contextmanager
+def pinned_kernel_config(block_h: int, num_warps: int = 4) -> Iterator[KernelConfig]:
+    """Run every MLA RoPE kernel with one fixed config instead of autotuning.
+
+    The autograd functions record the pinned config in their forward pass, so a backward run later,
+    outside the ``with`` block, uses the same config. Autotuning is impossible under the Triton
+    interpreter (``TRITON_INTERPRET=1``); there, unpinned launches use ``KernelConfig(4, 1)``.
+
+    Args:
+        block_h: heads per program, a power of two from 1 to 128.
+        num_warps: warps per program.
+
+    Returns:
+        A context manager yielding the pinned :class:`KernelConfig`.
+    """
+    config = KernelConfig(block_h, num_warps)
+    token = PINNED.set(config)
+    try:
+        yield config
+    finally:
+        PINNED.reset(token)
+
+
+def current_config() -> Optional[KernelConfig]:
+    """The pinned config, the interpreter's default, or None (autotune)."""
+    pinned = PINNED.get()
+    if pinned is None and INTERPRETED:
+        return INTERPRETER_DEFAULT
+    return pinned
+
+
+# Tuned configs, keyed by kernel, compiled variant (dtypes, flags, None-ness) and problem size.
+TUNED: Dict[tuple, KernelConfig] = {}
+# Used while a CUDA graph is captured and no tuned config exists yet (timing is impossible there).
+CAPTURE_DEFAULT = KernelConfig(16, 4)
+
+
+def clear_autotune_cache() -> None:
+    """Forget every autotuned config and cached launch (benchmarks re-tune per shape with this)."""
+    TUNED.clear()
+    LAUNCHES.clear()
+
+
+def autotuned_configs() -> Dict[tuple, KernelConfig]:
+    """The configs chosen so far: {(kernel name, ..., head_num, token bucket): config}."""
+    return dict(TUNED)
+
+
+def benchmark_us(launch: Callable[[], None]) -> float:
+    """Median time of one call of ``launch`` in microseconds."""
+    return triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def tuned_config(kernel, rows: int, head_num: int, args: tuple, meta: dict, in_place: bool):
+    """Time each config once per (variant, size) and keep the fastest.
+
+    Unlike ``triton.autotune`` with ``restore_value``, which clones and restores the in-place
+    tensor inside every timed call (for a one-token launch that copy costs as much as the kernel
+    and made its choice noise), in-place kernels are timed on a scratch tensor with the same
+    strides, and nothing but the kernel is timed.
+    """
+    variant = tuple(
+        (str(a.dtype), a.stride()) if isinstance(a, torch.Tensor) else a is None for a in args
+    )
+    name = getattr(kernel, "__name__", repr(kernel))
+    key = (name, variant, tuple(sorted((k, str(v)) for k, v in meta.items())))
+    key += (head_num, min(triton.next_power_of_2(max(rows, 1)), MAX_TUNE_ROWS))
+    config = TUNED.get(key)
+    if config is not None:
+        return config
+    if args[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return CAPTURE_DEFAULT
+    if in_place:
+        x = args[0]
+        scratch = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+        args = (scratch.copy_(x),) + tuple(args[1:])
+    # Blocks wider than the head count only add masked lanes.
+    limit = triton.next_power_of_2(max(1, head_num))
+    candidates = [c for c in AUTOTUNE_CONFIGS if c.block_h <= limit] or [AUTOTUNE_CONFIGS[0]]
+    timings = {}
+    for candidate in candidates:
+        grid = (rows, triton.cdiv(head_num, candidate.block_h))
+
+        def launch(c=candidate, grid=grid):
+            kernel[grid](*args, **meta, BLOCK_H=c.block_h, num_warps=c.num_warps)
+
+        timings[candidate] = benchmark_us(launch)
+    config = min(timings, key=timings.get)
+    TUNED[key] = config
+    return config
+
+
+# Integer arguments whose value would otherwise be specialised into extra compiled variants
+
+# --------------------------------------------------------------------------------------------------
+# The cached launch
+# --------------------------------------------------------------------------------------------------
+
+# Direct launches through the compiled kernel's C launcher: only on the Triton release whose
+# calling convention this module was written against (tests switch it off to cover the fallback).
+FAST_LAUNCH = triton.__version__.startswith("3.6.") and not INTERPRETED
+# Launches cached by the drop-ins (key -> CachedLaunch); cleared when it grows past MAX_LAUNCHES.
+LAUNCHES: Dict[tuple, "CachedLaunch"] = {}
+MAX_LAUNCHES = 4096
+
+
+def _hook_active(hook) -> bool:
+    # Triton 3.6 keeps its launch hooks as HookChain objects (a list of calls, often empty).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooks_set() -> bool:
+    """Whether a profiler or tool registered Triton launch hooks (the direct launch skips them)."""
+    runtime = triton.knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+def _direct_launcher(compiled) -> Optional[tuple]:
+    """(C launch function, CUfunction, cooperative, pdl, packed metadata) or None.
+
+    None unless the compiled kernel has Triton 3.6's structure: a ``CudaLauncher`` whose ``launch``
+    is the generated C function, no global or profile scratch memory to allocate per launch.
+    """
+    if not FAST_LAUNCH or compiled is None:
+        return None
+    try:
+        launcher = compiled.run  # loads the module on first use
+        if type(launcher).__name__ != "CudaLauncher":
+            return None
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        return (
+            launcher.launch,
+            compiled.function,
+            launcher.launch_cooperative_grid,
+            launcher.launch_pdl,
+            compiled.packed_metadata,
+        )
+    except AttributeError:
+        return None
+
+
+class CachedLaunch:
+    """One checked, configured launch of a kernel, replayed with new data pointers.
+
+    Args:
+        kernel: the Triton JIT kernel.
+        rows: programs along grid axis 0 (tokens).
+        head_num: heads; grid axis 1 has ``cdiv(head_num, config.block_h)`` programs.
+        config: the launch config.
+        n_pointers: how many leading kernel parameters are tensors (passed per call).
+        scalars: the remaining positional arguments (ints), in the kernel's order.
+        meta: the constexpr arguments other than BLOCK_H.
+        device: the tensors' device.
+        extra: whatever else the caller needs per call (output shapes, say).
+    """
+
+    __slots__ = (
+        "kernel",
+        "grid",
+        "config",
+        "scalars",
+        "meta",
+        "device_index",
+        "direct",
+        "tail",
+        "extra",
+    )
+
+    def __init__(self, kernel, rows, head_num, config, n_pointers, scalars, meta, device, extra):
+        self.kernel = kernel
+        self.grid = (rows, triton.cdiv(head_num, config.block_h), 1) if rows and head_num else None
+        self.config = config
+        self.scalars = tuple(scalars)
+        self.meta = dict(meta)
+        self.device_index = device.index if device.type == "cuda" else None
+        self.direct = None
+        self.extra = extra
+        # Every argument after the pointers, constexprs included, in the kernel's signature order:
+        # what the C launcher parses (it ignores the constexprs' values).
+        values = dict(self.meta, BLOCK_H=config.block_h)
+        names = kernel.arg_names[n_pointers:]
+        positional = dict(zip(names, self.scalars))
+        self.tail = tuple(positional[n] if n in positional else values[n] for n in names)
+
+    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Launch with these pointer arguments (tensors or None, in the kernel's order)."""
+        if self.grid is None:
+            return
+        direct = self.direct
+        if (
+            direct is not None
+            and torch._C._cuda_getDevice() == self.device_index
+            and not _hooks_set()
+        ):
+            c_launch, function, cooperative, pdl, packed = direct
+            gx, gy, gz = self.grid
+            c_launch(
+                gx,
+                gy,
+                gz,
+                torch._C._cuda_getCurrentRawStream(self.device_index),
+                function,
+                cooperative,
+                pdl,
+                None,
+                None,
+                packed,
+                None,
+                None,
+                None,
+                *[None if t is None else t.data_ptr() for t in tensors],
+                *self.tail,
+            )
+            return
+        self.launch_jit(*tensors)
+
+    def launch_jit(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Launch through Triton's JIT (``kernel[grid](...)``); bind the direct path on success."""
+        if self.grid is None:
+            return
+        device = self.device_index
+        guard = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+        with guard:
+            compiled = self.kernel[self.grid[:2]](
+                *tensors,
+                *self.scalars,
+                **self.meta,
+                BLOCK_H=self.config.block_h,
+                num_warps=self.config.num_warps,
+            )
+        if self.direct is None:
+            self.direct = _direct_launcher(compiled)
+
+
+def prepare(
+    key: tuple,
+    kernel,
+    rows: int,
+    head_num: int,
+    tensors: Sequence[Optional[torch.Tensor]],
+    scalars: Sequence,
+    meta: dict,
+    device: torch.device,
+    in_place: bool,
+    extra=None,
+) -> CachedLaunch:
+    """Build the launch for ``key`` (a cache miss): pick the config, cache the result.
+
+    Args:
+        key: the cache key (everything that decides the launch except the data pointers), or
+            None to not cache it.
+        kernel: the Triton JIT kernel.
+        rows: tokens (grid axis 0).
+        head_num: heads.
+        tensors: the pointer arguments of this call (tuning runs on them, or on a scratch copy of
+            the first for an in-place kernel).
+        scalars: the other positional arguments.
+        meta: the constexprs other than BLOCK_H.
+        device: the tensors' device.
+        in_place: whether the kernel writes its first argument.
+        extra: stored as ``CachedLaunch.extra``.
+
+    Returns:
+        CachedLaunch: call it with the pointer arguments to launch.
+    """
+    config = current_config()
+    cacheable = True
+    if config is None and rows and head_num:
+        args = tuple(tensors) + tuple(scalars)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            config = tuned_config(kernel, rows, head_num, args, meta, in_place)
+        # A config chosen during CUDA-graph capture is a stand-in: tune again after capture.
+        cacheable = not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    launch = CachedLaunch(
+        kernel,
+        rows,
+        head_num,
+        config or CAPTURE_DEFAULT,
+        len(tensors),
+        scalars,
+        meta,
+        device,
+        extra,
+    )
+    if cacheable and key is not None:
+        if len(LAUNCHES) >= MAX_LAUNCHES:
+            LAUNCHES.clear()
+        LAUNCHES[key] = launch
+    return launch

@@ -1,0 +1,127 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Input checks that run before any launch: aliasing inputs, devices, context-parallel lengths."""
+
+import pytest
+import torch
+
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+from megatron_ext.fusions.mla_rope import checks, launch, ops
+
+HAVE_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
+
+
+def _tables(rows=8, emb=16):
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.rand(rows, emb, generator=g).to(DEVICE),
+        torch.rand(rows, emb, generator=g).to(DEVICE),
+    )
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything reaches the launch preparation."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a launch was prepared")
+
+    monkeypatch.setattr(ops, "prepare", refuse)
+    rope.clear_autotune_cache()
+    yield
+    rope.clear_autotune_cache()
+
+
+def _aliasing_queries():
+    base = torch.randn(4, 1, 3, 24, device=DEVICE)
+    storage = torch.randn(4 * 2 * 3 * 24, device=DEVICE)
+    return {
+        "stride 0 in tokens": base[:1].expand(4, 1, 3, 24),
+        "stride 0 in batch": base.expand(4, 2, 3, 24),
+        "stride 0 in heads": base[:, :, :1].expand(4, 1, 3, 24),
+        # Heads 12 elements apart with 24 elements each: every head overlaps the next.
+        "overlapping heads": storage.as_strided((4, 2, 3, 24), (144, 72, 12, 1)),
+        # Tokens overlapping the previous token's last head.
+        "overlapping tokens": storage.as_strided((4, 1, 3, 24), (48, 72, 24, 1)),
+    }
+
+
+@pytest.mark.parametrize("what", list(_aliasing_queries()))
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_self_aliasing_query_is_refused_before_launch(what, backward, no_launch):
+    t = _aliasing_queries()[what]
+    cos, sin = _tables()
+    fn = rope.mla_rope_q_bwd_ if backward else rope.mla_rope_q_fwd_
+    before = t.clone()
+    with pytest.raises(ValueError, match="share memory"):
+        fn(t, cos, sin, 8, 16)
+    assert torch.equal(t, before)
+
+
+def test_self_aliasing_query_is_refused_by_the_drop_in(no_launch):
+    t = _aliasing_queries()["stride 0 in heads"]
+    cos, sin = _tables()
+    with pytest.raises(ValueError, match="share memory"):
+        rope.fused_apply_mla_rope_for_q(t, cos, sin, 8, 16)
+
+
+@pytest.mark.parametrize(
+    "shape,strides",
+    [
+        ((4, 2, 3, 24), (144, 72, 24, 1)),  # contiguous
+        ((4, 2, 3, 24), (400, 80, 25, 1)),  # gaps everywhere
+        ((4, 2, 3, 24), (72, 288, 24, 1)),  # batch-major storage (a transposed view)
+        ((4, 1, 3, 24), (72, 0, 24, 1)),  # stride 0 in a dim of size 1 aliases nothing
+    ],
+)
+def test_views_that_do_not_alias_pass(shape, strides):
+    storage = torch.zeros(2000)
+    checks.check_no_overlap("t", storage.as_strided(shape, strides))
+
+
+@pytest.mark.skipif(HAVE_CUDA, reason="checks the CPU error; a GPU machine runs CUDA tensors")
+def test_cpu_tensor_without_the_interpreter_names_the_device_and_the_fix(monkeypatch, no_launch):
+    monkeypatch.setattr(checks, "INTERPRETED", False)
+    t = torch.randn(4, 2, 3, 24)
+    cos, sin = _tables()
+    with pytest.raises(ValueError, match="t is on the CPU") as err:
+        rope.fused_apply_mla_rope_for_q(t, cos, sin, 8, 16)
+    assert "TRITON_INTERPRET=1" in str(err.value) and ".cuda()" in str(err.value)
+    kv, emb = torch.randn(4, 2, 3, 12), torch.randn(4, 2, 1, 16)
+    with pytest.raises(ValueError, match="kv is on the CPU"):
+        rope.fused_apply_mla_rope_for_kv(kv, emb, cos, sin, 16, 8, 4)
+
+
+def test_other_devices_are_refused_with_the_supported_ones_named(no_launch):
+    t = torch.empty(4, 2, 3, 24, device="meta")
+    with pytest.raises(ValueError, match="meta.*CUDA devices"):
+        checks.check_runnable("t", t)
+
+
+def test_context_parallel_lengths():
+    checks.check_cp_sequence_lengths([8, 4, 12], 2)
+    checks.check_cp_sequence_lengths([3, 5], 1)  # no context parallelism: any length
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4; sequence 1 has length 6"):
+        checks.check_cp_sequence_lengths([8, 6, 4], 2)
+    with pytest.raises(ValueError, match="2 of 3 sequences"):
+        checks.check_cp_sequence_lengths([6, 8, 10], 2)
+
+
+def test_odd_local_length_is_what_the_kernels_cannot_see():
+    """cp 2, one sequence of 6: the kernels accept it and map positions wrongly (documented as
+    unchecked); the host-side check refuses the same lengths."""
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    cos = torch.arange(8, dtype=torch.float32, device=DEVICE)[:, None].expand(8, 16).contiguous()
+    sin = torch.zeros(8, 16, device=DEVICE)
+    positions = []
+    for rank in range(2):
+        q = torch.zeros(3, 1, 16, device=DEVICE)
+        q[..., 0::2] = 1.0  # x1 = 1, x2 = 0: the rotated left half is cos, the position
+        with launch.pinned_kernel_config(1, 1):
+            rope.mla_rope_q_fwd_(q, cos, sin, 0, 16, cu, rank, 2)
+        positions.append(q[:, 0, 0].tolist())
+    # Position 4 twice and 2 never: not a split of 0..5.
+    assert positions == [[0.0, 4.0, 5.0], [1.0, 3.0, 4.0]]
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp_size"):
+        checks.check_cp_sequence_lengths(torch.diff(cu).tolist(), 2)
