@@ -8,6 +8,7 @@ Import by file name (pytest puts this folder on sys.path; so does running a scri
 """
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -203,10 +205,33 @@ def _merge_pairs(a: torch.Tensor, b: torch.Tensor, interleaved: bool) -> torch.T
     return torch.cat([a, b], dim=-1)
 
 
+@triton.jit
+def _fma_probe_kernel(out_ptr):
+    a = tl.full((1,), 1.0 + 2.0**-12, tl.float32)
+    tl.store(out_ptr + tl.arange(0, 1), tl.fma(a, a, tl.full((1,), -1.0, tl.float32)))
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_fma_is_fused() -> bool:
+    """Whether the Triton interpreter rounds ``tl.fma(a, b, c)`` once, as the GPU does.
+
+    Triton 3.9's interpreter does; 3.7 and 3.8 evaluate ``a * b + c`` in the operands' dtype and
+    round twice. The kernels' arithmetic is what the CPU tests model, so they model whichever this
+    interpreter does; the GPU tests always compare with a true FMA. Probe: (1 + 2^-12)^2 - 1 is
+    2^-11 + 2^-24 with one rounding and 2^-11 with two.
+    """
+    out = torch.zeros(1, dtype=torch.float32)
+    _fma_probe_kernel[(1,)](out)
+    return out.item() != 2.0**-11
+
+
 def _fma(a, b, c, out_dtype):
     # a * b is exact in float64 for fp16/bf16 and for fp32 operands; the add then rounds once in
     # float64 and once more to out_dtype. For fp16/bf16 that is exact; for fp32 the double rounding
     # can differ from a true FMA, with probability ~2^-29 per element.
+    if a.device.type == "cpu" and INTERPRETED and not interpreter_fma_is_fused():
+        product = (a.double() * b.double()).to(out_dtype)
+        return (product.double() + c.double()).to(out_dtype)
     return (a.double() * b.double() + c.double()).to(out_dtype)
 
 
