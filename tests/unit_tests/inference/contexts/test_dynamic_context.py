@@ -25,7 +25,7 @@ from megatron_ext.inference.contexts.dynamic_context import (
     SamplingRequirements,
     StaticSlicesInferenceContext,
 )
-from megatron_ext.inference.synthetic import build_synthetic_stack, cpu_torch_compat
+from megatron_ext.testing.synthetic import build_synthetic_stack, cpu_torch_compat
 
 # The neutral padding values the issue specifies, spelled out here rather than read from the
 # module so that a change to them fails these tests: a padded row samples from an untouched
@@ -381,7 +381,7 @@ def test_sampling_requirements_track_requests():
     rng = random.Random(0)
     assert ctx.sampling_requirements() == SamplingRequirements()
     ctx.add_request(make_request(0, 3, rng, top_k=1))
-    assert ctx.sampling_requirements() == SamplingRequirements()
+    assert ctx.sampling_requirements() == SamplingRequirements(greedy=True)
     ctx.add_request(make_request(1, 3, rng, top_k=5))
     ctx.add_request(
         make_request(
@@ -389,10 +389,12 @@ def test_sampling_requirements_track_requests():
         )
     )
     assert ctx.sampling_requirements() == SamplingRequirements(
-        sample=True, top_k_cap=8, top_p=True, log_probs=True
+        sample=True, top_k_cap=8, top_p=True, log_probs=True, greedy=True
     )
     ctx.release_request_sampling_state([2])
-    assert ctx.sampling_requirements() == SamplingRequirements(sample=True, top_k_cap=8)
+    assert ctx.sampling_requirements() == SamplingRequirements(
+        sample=True, top_k_cap=8, greedy=True
+    )
     # The chunked-prefill request stays in the context, so it is not released.
     ctx.chunked_prefill_request_id = 1
     ctx.release_request_sampling_state([1])

@@ -2,7 +2,7 @@
 
 """Tests of StaticSlicesTextGenerationController and its graph-safe sampling region.
 
-A deterministic synthetic model (megatron_ext.inference.synthetic) stands in for the network, so
+A deterministic synthetic model (megatron_ext.testing.synthetic) stands in for the network, so
 megatron-core's real DynamicInferenceEngine can run end to end on CPU: the extension must
 generate exactly the tokens and log-probs of megatron-core's own controller. The region's
 sampling rules are checked directly. The ``gpu`` tests capture the region in CUDA graphs and
@@ -20,15 +20,15 @@ from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
-from megatron_ext.inference.synthetic import (
+from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    SamplingPlan,
+    StaticSlicesTextGenerationController,
+)
+from megatron_ext.testing.synthetic import (
     build_engine,
     build_synthetic_stack,
     cpu_torch_compat,
     run_engine,
-)
-from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
-    SamplingPlan,
-    StaticSlicesTextGenerationController,
 )
 
 VOCAB = 64
@@ -198,7 +198,7 @@ def test_region_greedy_log_probs_and_termination_rule():
     logits[0, 5] = 50.0  # request 0 samples its termination id
     rows = prepare_region(stack, logits)
     plan = controller.sampling_plan()
-    assert plan == SamplingPlan(log_probs=True)
+    assert plan == SamplingPlan(log_probs=True, greedy=True)
     controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)
     host = controller.fetch_step_outputs()
 
@@ -254,7 +254,9 @@ def test_sampling_respects_top_k_top_p_and_greedy_rows():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(len(params), VOCAB, generator=gen).to(_device()) * 3
     prepare_region(stack, logits)
-    assert stack.controller.sampling_plan() == SamplingPlan(sample=True, top_k_cap=8, top_p=True)
+    assert stack.controller.sampling_plan() == SamplingPlan(
+        sample=True, top_k_cap=8, top_p=True, greedy=True, full_vocab=True
+    )
     probs = logits.float().softmax(-1).cpu()
     order = probs.argsort(-1, descending=True)
     nucleus = int((probs[2][order[2]].cumsum(0) <= 0.5).sum()) + 1
@@ -306,7 +308,7 @@ def test_plan_violation_is_detected_and_recomputed(caplog):
     context, controller = stack.context, stack.controller
     logits = torch.randn(3, VOCAB, device=_device())
     prepare_region(stack, logits)
-    assert controller.sampling_plan() == SamplingPlan()
+    assert controller.sampling_plan() == SamplingPlan(greedy=True)
     # A row whose parameters the host-side plan does not know about (as if added behind the
     # context's back): top-k sampling where the plan says greedy, and log-probs.
     context.device_active_slices.metadata["top_k"][1] = 2
