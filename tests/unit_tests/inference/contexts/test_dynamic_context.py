@@ -369,6 +369,37 @@ def test_build_active_slices_rejects_out_of_range(bad):
         ctx.build_active_slices(bad)
 
 
+def test_build_active_slices_refuses_fewer_rows_than_active_requests():
+    """A batch below the active request count would leave active rows stale."""
+    ctx = make_context()
+    rng = random.Random(0)
+    for request_id in range(5):
+        ctx.add_request(make_request(request_id, 3, rng))
+    ctx.initialize_attention_state()
+    with pytest.raises(ValueError, match=r"batch_size \(4\) must be in \[5, 16\]"):
+        ctx.build_active_slices(4)
+    ctx.build_active_slices(5)  # the active count itself is fine
+
+
+def test_duplicate_request_id_is_refused():
+    ctx = make_context()
+    rng = random.Random(0)
+    ctx.add_request(make_request(3, 2, rng))
+    with pytest.raises(ValueError, match="request id 3 is already in the context"):
+        ctx.add_request(make_request(3, 2, rng))
+    assert ctx.total_request_count == 1  # refused before megatron-core added a row
+    ctx.release_request_sampling_state([3])
+    ctx.add_request(make_request(3, 2, rng))  # an id that left the context may come back
+
+
+def test_extend_active_padding_names_rows_and_its_limit():
+    ctx = make_context()
+    with pytest.raises(ValueError, match=r"rows \(1000000\) must be in \[0, 16\].*max_requests"):
+        ctx.extend_active_padding(10**6)
+    with pytest.raises(TypeError, match="rows must be an int"):
+        ctx.extend_active_padding(2.0)
+
+
 @pytest.mark.parametrize("bad", [1.0, True, "2", None])
 def test_build_active_slices_rejects_non_int(bad):
     ctx = make_context()
@@ -423,6 +454,9 @@ def test_suspend_and_resume_reallocate_static_slices():
     ctx.deallocate_all_tensors()
     with pytest.raises(RuntimeError):
         _ = ctx.device_active_slices
+    for call in (lambda: ctx.build_active_slices(0), ctx.pad_active_slices):
+        with pytest.raises(RuntimeError, match=r"call allocate_all_tensors\(is_init=False\)"):
+            call()
     ctx.allocate_all_tensors(is_init=False)
     ctx.reset()
     assert ctx.static_slices_generation == generation + 1

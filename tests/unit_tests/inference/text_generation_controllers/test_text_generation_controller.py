@@ -363,6 +363,47 @@ def test_rejects_bad_arguments():
             controller.run_graph_safe_step(4, plan, use_cuda_graph=True)
 
 
+def test_row_counts_below_the_active_requests_are_refused():
+    """Fewer rows than active requests would leave the other rows' tokens stale."""
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [dict(top_k=1)] * 5)
+    controller = stack.controller
+    logits = torch.randn(5, VOCAB, device=_device())
+    prepare_region(stack, logits)
+    with pytest.raises(ValueError, match=r"rows \(1\) must be in \[5, 16\]"):
+        controller.run_sampling_step(rows=1)
+    with pytest.raises(ValueError, match=r"rows \(-1\) must be in \[5, 16\]"):
+        controller.stage_logits(logits.unsqueeze(0), rows=-1)
+    with pytest.raises(TypeError, match="rows must be an int"):
+        controller.stage_logits(logits.unsqueeze(0), rows=2.5)
+    with pytest.raises(TypeError, match="logits must be a Tensor"):
+        controller.stage_logits(logits.tolist())
+    host = controller.run_sampling_step(rows=5)
+    assert host["tokens"][:5].tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_candidate_sampler_keeps_ties_and_respects_k():
+    """The candidate path (every sampling row top-k) draws only among the k largest logits,
+    ties with the k-th included, and uses the temperature."""
+    params = [dict(top_k=2), dict(top_k=4, temperature=0.25), dict(top_k=3)]
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    logits = torch.full((3, VOCAB), -5.0, device=_device())
+    logits[0, [10, 11, 12]] = torch.tensor([3.0, 2.0, 2.0], device=_device())  # tie at k = 2
+    logits[1, [1, 2, 3, 4, 5]] = torch.tensor([4.0, 3.9, 3.8, 3.7, 9.0], device=_device())
+    logits[2, [7, 8, 9, 20]] = torch.tensor([1.0, 1.0, 1.0, 0.5], device=_device())
+    prepare_region(stack, logits)
+    plan = stack.controller.sampling_plan()
+    assert plan == SamplingPlan(sample=True, top_k_cap=4)
+    seen = {i: set() for i in range(3)}
+    for seed in range(80):
+        for row, token in enumerate(_sampling_rows(stack, params, logits, seed).tolist()):
+            seen[row].add(token)
+    assert seen[0] == {10, 11, 12}
+    assert seen[1] == {5}  # temperature 0.25 makes the 9.0 logit all but certain
+    assert seen[2] == {7, 8, 9}
+
+
 def test_requires_the_extension_context():
     stock = make_stack(extension=False)
     with pytest.raises(TypeError):
