@@ -11,6 +11,16 @@ per-request tensor into rows ``[0, padded)`` of its static copy, then
 :meth:`StaticSlicesInferenceContext.pad_active_slices`, which overwrites the padding rows
 ``[active, padded)`` with neutral values.
 
+Every step, ``initialize_attention_state`` does the same work through
+:meth:`StaticSlicesInferenceContext.refresh_active_slices`: the paused and active request counts
+are written to a two-element device tensor (two fills), and one fixed-shape computation over all
+``max_requests`` rows reads them there (a gather at ``paused + row``, neutral values from row
+``active`` on, the last-token indices from a cumulative sum). Nothing in it depends on a host
+value, so on a CUDA device it is captured once in a CUDA graph and replayed every step: the
+host cost is flat in the request count. This is what upstream's note on ``pad_active_slices``
+expects from reordering the request tensors; device-side counts give it without reordering
+megatron-core's tensors.
+
 The static copies, allocated once: ``active_request_metadata[label]`` for every request-metadata
 label; ``active_request_ids``, ``active_request_query_lengths``,
 ``active_request_kv_length_offsets``, ``active_request_output_lengths``; and
@@ -35,6 +45,9 @@ from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
 
 __all__ = ["StaticSlicesInferenceContext"]
 
+# Integer type each field is gathered as, by element width (a bit-for-bit copy).
+_BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceContext):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
@@ -44,13 +57,18 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
 
     All static buffers live on the context's device. ``build_active_slices`` and
     ``pad_active_slices`` are device-only (no host synchronisation) and graph-safe for a fixed
-    ``(paused, batch_size, active)`` triple; their row counts are host integers that change from
-    step to step, so the context runs them eagerly once per step, as batched multi-tensor copies
-    (four kernels and a cumulative sum).
+    ``(paused, batch_size, active)`` triple. The per-step path,
+    :meth:`refresh_active_slices`, is graph-safe for every triple (its counts live on the
+    device) and is replayed from a CUDA graph on CUDA devices unless
+    ``cuda_graph_active_slices`` is set to False.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
+        # Replay refresh_active_slices from a CUDA graph on CUDA devices; a plain attribute so
+        # that the constructor keeps megatron-core's exact signature.
+        self.cuda_graph_active_slices = True
+        self._slices_graph = None
         super().__init__(*args, **kwargs)
 
     # ---------------------------------------------------------------------- allocation
@@ -75,6 +93,8 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
             self.active_request_metadata = None
             self._device_active_slices = None
             self._slice_table = None
+            self._slices_graph = None
+            self._gather_groups = None
 
     def _allocate_static_slices(self) -> None:
         device = self.request_ids.device
@@ -101,6 +121,28 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
         templates.append(torch.zeros_like(self.active_request_last_token_idxs))
         self._slice_table = SliceTable(statics, templates)
         self._slice_table.fill_rows(0, rows)
+
+        # refresh_active_slices' inputs: [paused, active] on the device, the row numbers, and
+        # the copied fields grouped by element width (gathered as raw bits, one gather per
+        # group). The sources are megatron-core's tensors, allocated with ours and never
+        # rebound until the next allocation, which also drops the graph captured over them.
+        self._slice_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
+        copied = list(zip(statics[:-1], templates[:-1], self._slice_sources()))
+        groups = {}
+        for static, template, source in copied:
+            groups.setdefault(static.dtype.itemsize, []).append((static, template, source))
+        self._gather_groups = []
+        for itemsize, members in groups.items():
+            bits = _BITS_BY_ITEMSIZE[itemsize]
+            self._gather_groups.append(
+                (
+                    [static.view(bits) for static, _, _ in members],
+                    torch.stack([template.view(bits) for _, template, _ in members]),
+                    [source.view(bits) for _, _, source in members],
+                )
+            )
+        self._slices_graph = None
 
         self._device_active_slices = ActiveSlices(
             request_ids=self.active_request_ids,
@@ -140,6 +182,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
         """
         self._require_static_slices("build_active_slices")
         self._check_build_batch_size(batch_size)
+        self._slices_neutral_past_active = False
         if batch_size == 0:
             return
         paused = self.paused_request_count
@@ -165,18 +208,73 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
             return
         self._slice_table.fill_rows(active, padded)
 
+    def refresh_active_slices(self) -> None:
+        """This step's static slices, as :meth:`build_active_slices` with the padded count
+        followed by :meth:`pad_active_slices` would leave rows ``[0, padded)``, and neutral
+        values in every row past the active requests.
+
+        Host cost: two fills (the device-side counts) and, on a CUDA device, one graph replay
+        (the graph is captured on first use). Device-only: no host synchronisation.
+
+        Raises:
+            RuntimeError: if the tensor state is deallocated.
+        """
+        self._require_static_slices("refresh_active_slices")
+        self._slice_counts[0].fill_(self.paused_request_count)
+        self._slice_counts[1].fill_(self._active_request_count())
+        self._slices_neutral_past_active = True
+        use_graph = (
+            self.cuda_graph_active_slices
+            and self._slice_counts.is_cuda
+            # Inside someone else's capture the kernels simply join that graph.
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        if not use_graph:
+            self._refresh_from_device_counts()
+            return
+        if self._slices_graph is None:
+            self._slices_graph = self._capture_refresh()
+        self._slices_graph.replay()
+
+    def _refresh_from_device_counts(self) -> None:
+        """GRAPH-SAFE body of :meth:`refresh_active_slices`: every shape is ``max_requests``
+        rows, and the counts are read from ``_slice_counts`` on the device."""
+        paused, active = self._slice_counts[0], self._slice_counts[1]
+        rows = self._row_numbers
+        valid = rows < active
+        # Rows past the active requests read a clamped, in-bounds row and take the neutral value.
+        index = torch.clamp(rows + paused, max=self.max_requests - 1)
+        for statics, templates, sources in self._gather_groups:
+            gathered = torch.stack(sources).index_select(1, index)
+            torch._foreach_copy_(statics, torch.where(valid, gathered, templates).unbind(0))
+        lengths = torch.where(valid, self.request_query_lengths.index_select(0, index), 0)
+        last = torch.cumsum(lengths, dim=0, dtype=torch.int32).sub_(1)
+        self.active_request_last_token_idxs.copy_(torch.where(valid, last, 0))
+
+    def _capture_refresh(self) -> "torch.cuda.CUDAGraph":
+        # One eager run on a side stream first, so that lazy initialisation stays out of the
+        # capture; it writes the same values the replay will.
+        current = torch.cuda.current_stream(self._slice_counts.device)
+        side = torch.cuda.Stream(device=self._slice_counts.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._refresh_from_device_counts()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._refresh_from_device_counts()
+        return graph
+
     def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
-        """megatron-core's attention-state set-up, then this step's active slices.
+        """megatron-core's attention-state set-up, then this step's active slices
+        (:meth:`refresh_active_slices`).
 
         Args:
             *args: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
             **kwargs: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
         """
         super().initialize_attention_state(*args, **kwargs)
-        self.build_active_slices(
-            min(self.padded_active_request_count, self.max_requests - self.paused_request_count)
-        )
-        self.pad_active_slices()
+        self.refresh_active_slices()
 
     # ---------------------------------------------------------------------- logits rows
 

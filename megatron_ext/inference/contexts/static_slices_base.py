@@ -133,6 +133,9 @@ class StaticSlicesContextMixin:
         # graphs over the old addresses know to recapture.
         self.static_slices_generation = 0
         self._device_active_slices: Optional[ActiveSlices] = None
+        # True while every row past the active requests is known to hold neutral values (set by
+        # a context that refreshes all rows each step), so extend_active_padding has no work.
+        self._slices_neutral_past_active = False
 
     def _require_static_slices(self, what: str) -> None:
         if self._device_active_slices is None:
@@ -216,7 +219,7 @@ class StaticSlicesContextMixin:
         check_row_count("rows", rows, 0, self.max_requests, "the context's max_requests")
         self._require_static_slices("extend_active_padding")
         start = max(self.padded_active_request_count, self._active_request_count())
-        if rows <= start:
+        if rows <= start or self._slices_neutral_past_active:
             return
         pad = slice(start, rows)
         slices = self._device_active_slices

@@ -13,7 +13,7 @@ the CPU by ``cpu_torch_compat``); the ``gpu`` variants repeat the sequences on a
 
 import random
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import pytest
 import torch
@@ -133,9 +133,23 @@ class RandomDriver:
     prompt.
     """
 
-    def __init__(self, ctx, seed: int, chunked_prefill: bool = True, sampling=None):
+    def __init__(
+        self,
+        ctx,
+        seed: int,
+        chunked_prefill: bool = True,
+        sampling=None,
+        check: Callable = None,
+        record: Optional[Callable] = None,
+    ):
         self.ctx = ctx
         self.rng = random.Random(seed)
+        # Own generator for the sampled tokens, so that two drivers with one seed make the same
+        # calls whatever else uses torch's global generator.
+        self.gen = torch.Generator().manual_seed(seed)
+        self.check = check or check_active_slices
+        # Called with (ctx, phase) after initialize_attention_state and after update_requests.
+        self.record = record
         self.waiting: Deque[DynamicInferenceRequest] = deque()
         self.next_id = 0
         self.chunked_prefill = chunked_prefill
@@ -192,7 +206,9 @@ class RandomDriver:
             return None
         prefill = ctx.num_prefill_requests
         ctx.initialize_attention_state()
-        counts = check_active_slices(ctx)
+        if self.record is not None:
+            self.record(ctx, "initialize_attention_state")
+        counts = self.check(ctx)
         active = counts["active"]
         if prefill == active:
             self.seen["prefill_only"] += 1
@@ -210,9 +226,11 @@ class RandomDriver:
         seq = ctx.request_kv_length_offsets + ctx.request_query_lengths + 1
         natural = (seq < ctx.request_output_lengths)[ctx.paused_request_count :][:active]
         mask = (mask.to(natural.device) & natural.to(torch.uint8)).to(natural.device)
-        tokens = torch.randint(0, 60, (active,), device=natural.device)
+        tokens = torch.randint(0, 60, (active,), generator=self.gen).to(natural.device)
         paused_before = ctx.paused_request_count
         result = ctx.update_requests(mask, tokens) or {}
+        if self.record is not None:
+            self.record(ctx, "update_requests")
         evicted = result.get("evict_request_ids")
         if evicted is not None and evicted.numel():
             self.seen["evicted"] += evicted.numel()
@@ -225,7 +243,8 @@ class RandomDriver:
                 self.waiting.appendleft(chunked)
         if ctx.paused_request_count < paused_before:
             self.seen["resumed"] += 1
-        ctx.release_request_sampling_state([])
+        if hasattr(ctx, "release_request_sampling_state"):
+            ctx.release_request_sampling_state([])
         return counts
 
 
@@ -485,5 +504,199 @@ def test_build_and_pad_do_not_synchronize_on_gpu():
             min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
         )
         ctx.pad_active_slices()
+        ctx.refresh_active_slices()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # The per-step refresh ran from its CUDA graph (and check_active_slices compared the result
+    # with plain slicing after every step of run_random).
+    assert ctx._slices_graph is not None
+
+
+# ------------------------------------------------- extension against stock megatron-core
+
+
+def _state_snapshot(ctx, phase: str) -> Dict[str, Any]:
+    """megatron-core's own state of a context: counts, per-request tensors, the padded token
+    tensors and the attention metadata. Tensors as raw bits (a float compared bitwise)."""
+
+    def bits(tensor: torch.Tensor) -> List:
+        tensor = tensor.detach().cpu().contiguous()
+        widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return tensor.view(widths[tensor.dtype.itemsize]).tolist()
+
+    snap: Dict[str, Any] = {"phase": phase}
+    # Rows past the requests a context holds are uninitialised memory in megatron-core.
+    held = slice(0, ctx.total_request_count)
+    for name in (
+        "paused_request_count",
+        "total_request_count",
+        "active_token_count",
+        "padded_active_token_count",
+        "padded_active_request_count",
+        "chunked_prefill_request_id",
+    ):
+        snap[name] = getattr(ctx, name, None)
+    for name in (
+        "request_ids",
+        "request_query_lengths",
+        "request_kv_length_offsets",
+        "request_output_lengths",
+        "request_kv_block_counts",
+        "request_last_kv_block_id",
+        "request_last_kv_block_offset",
+        "request_to_kv_block_ids",
+    ):
+        if hasattr(ctx, name):
+            snap[name] = bits(getattr(ctx, name)[held])
+    for label, tensor in ctx.request_metadata.items():
+        snap[f"metadata:{label}"] = bits(tensor[held])
+    if phase == "initialize_attention_state":
+        # megatron-core pads three token tensors up to the padded token count; the others hold
+        # leftovers past the active tokens.
+        padded_tokens = (
+            "token_to_block_idx",
+            "token_to_position_in_request",
+            "token_to_local_position_within_kv_block",
+        )
+        for name in padded_tokens + (
+            "token_to_input_ids",
+            "token_to_pos_ids",
+            "token_to_request_idx",
+        ):
+            if hasattr(ctx, name):
+                stop = ctx.padded_active_token_count if name in padded_tokens else None
+                stop = ctx.active_token_count if stop is None else stop
+                snap[name] = bits(getattr(ctx, name)[:stop])
+        for key, value in ctx.active_attn_metadata["mha_metadata"].state_data.items():
+            snap[f"mha:{key}"] = bits(value) if isinstance(value, torch.Tensor) else value
+    return snap
+
+
+def _counts_only(ctx) -> Dict[str, int]:
+    paused, total = ctx.paused_request_count, ctx.total_request_count
+    return {
+        "active": total - paused,
+        "paused": paused,
+        "padded": min(ctx.padded_active_request_count, ctx.max_requests),
+    }
+
+
+def _check_slices_against(stock_snapshots: List[Dict[str, Any]]) -> Callable:
+    """A check for the extension's driver: its static slices equal the active rows of stock
+    megatron-core's tensors at the same step, neutral values after them."""
+    step = [0]
+
+    def check(ctx) -> Dict[str, int]:
+        stock = [s for s in stock_snapshots if s["phase"] == "initialize_attention_state"]
+        snap = stock[step[0]]
+        step[0] += 1
+        counts = check_active_slices(ctx)
+        paused, total = snap["paused_request_count"], snap["total_request_count"]
+        active, padded = total - paused, counts["padded"]
+        # Rows that the per-step refresh leaves neutral past the padded count too (0.16).
+        neutral_to = ctx.max_requests if not UPSTREAM_HAS_ACTIVE_SLICES else padded
+        for name, (attr, source) in _REQUEST_FIELDS.items():
+            static = _as_list(getattr(ctx, attr).view(torch.int32))
+            assert static[:active] == snap[source][paused:total], name
+            assert static[active:neutral_to] == [NEUTRAL_REQUEST[name]] * (neutral_to - active)
+        for label, static in ctx.active_request_metadata.items():
+            widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            raw = _as_list(static.view(widths[static.dtype.itemsize]))
+            assert raw[:active] == snap[f"metadata:{label}"][paused:total], label
+            assert _as_list(static[active:neutral_to]) == [NEUTRAL_METADATA[label]] * (
+                neutral_to - active
+            ), label
+        if not UPSTREAM_HAS_ACTIVE_SLICES:
+            last = _as_list(ctx.device_active_slices.last_token_idxs)
+            assert last[active:] == [0] * (ctx.max_requests - active)
+        return counts
+
+    return check
+
+
+@pytest.mark.parametrize(
+    "overrides, driver_kwargs, regimes",
+    [
+        (dict(), dict(), ("paused", "resumed", "evicted", "chunked", "decode_only", "mixed")),
+        (
+            dict(num_paused_blocks=0, max_tokens=128, materialize_only_last_token_logits=False),
+            dict(chunked_prefill=False),
+            ("decode_only", "mixed"),
+        ),
+    ],
+    ids=["chunked-prefill", "no-paused-reserve"],
+)
+@pytest.mark.parametrize("seed", [11, 12])
+def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, regimes, seed):
+    """Stock megatron-core's context and the extension's, driven by the same randomized
+    add / pause / resume / evict / finish sequence: megatron-core's own state and attention
+    metadata are bitwise the same after every initialize_attention_state and update_requests,
+    and the extension's static slices equal the active rows of stock's tensors, padded
+    neutrally."""
+    steps = 400
+    stock_snaps: List[Dict[str, Any]] = []
+    stock = make_context(extension=False, **overrides)
+    stock_driver = RandomDriver(
+        stock,
+        seed,
+        check=_counts_only,
+        record=lambda ctx, phase: stock_snaps.append(_state_snapshot(ctx, phase)),
+        **driver_kwargs,
+    )
+    stock_driver.arrive(6)
+    for _ in range(steps):
+        stock_driver.step()
+
+    ext_snaps: List[Dict[str, Any]] = []
+    ext = make_context(**overrides)
+    assert isinstance(ext, StaticSlicesInferenceContext)
+    assert not isinstance(stock, StaticSlicesInferenceContext)
+    ext_driver = RandomDriver(
+        ext,
+        seed,
+        check=_check_slices_against(stock_snaps),
+        record=lambda ctx, phase: ext_snaps.append(_state_snapshot(ctx, phase)),
+        **driver_kwargs,
+    )
+    ext_driver.arrive(6)
+    for _ in range(steps):
+        ext_driver.step()
+
+    assert len(ext_snaps) == len(stock_snaps) > steps
+    for index, (mine, theirs) in enumerate(zip(ext_snaps, stock_snaps)):
+        assert mine == theirs, f"state differs from megatron-core's at record {index}"
+    seen = ext_driver.seen
+    assert seen == stock_driver.seen
+    # The sequence must exercise what it is meant to compare.
+    assert all(seen[regime] > 0 for regime in regimes), seen
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.19 builds the slices host-side with upstream's own methods",
+)
+def test_refresh_equals_build_then_pad():
+    """The per-step device-count refresh leaves rows [0, padded) exactly as the explicit
+    build_active_slices(padded) + pad_active_slices() do, and neutral rows after them."""
+    ctx = make_context()
+    driver = RandomDriver(ctx, 21)
+    driver.arrive(8)
+    compared = 0
+    for _ in range(300):
+        driver.step()
+        if ctx.total_request_count == 0:
+            continue
+        ctx.refresh_active_slices()
+        refreshed = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
+        refreshed.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
+        refreshed["last"] = _as_list(ctx.active_request_last_token_idxs)
+        padded = min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
+        ctx.build_active_slices(padded)
+        ctx.pad_active_slices()
+        built = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
+        built.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
+        built["last"] = _as_list(ctx.active_request_last_token_idxs)
+        for key in built:
+            assert refreshed[key][:padded] == built[key][:padded], key
+        compared += 1
+    assert compared > 100

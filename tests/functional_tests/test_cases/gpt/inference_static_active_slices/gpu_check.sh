@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu_check}
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/../../../../.." && pwd)
-BENCH_ARGS=${BENCH_ARGS:-"--steps 30 --warmup 5"}
+BENCH_ARGS=${BENCH_ARGS:-""}
 for wheel in "$@"; do
   tag=$(basename "$wheel" | sed -E 's/megatron_core-([0-9.]+)-.*/\1/')
   site=/tmp/site-$tag
