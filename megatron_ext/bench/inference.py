@@ -19,7 +19,9 @@ variant) timed separately:
   ``torch.cuda.set_sync_debug_mode`` in a separate, untimed pass.
 
 Variants: ``stock`` (megatron-core's context and controller), ``ext-eager`` (this package's,
-region run eagerly) and ``ext-graphed`` (region replayed from a CUDA graph). The variants of a
+region not graphed: on 0.16 the region runs eagerly; on 0.19 the step samples with
+megatron-core's own sampler, so it has no region time) and ``ext-graphed`` (region replayed
+from a CUDA graph). The variants of a
 configuration are measured interleaved in one process: after the warm-up, ``--repeats`` rounds
 each run ``--steps`` steps of every variant in turn (rotating order). Each row reports the median
 of its per-round medians and their min-max; a speedup is the ratio of the interleaved medians,

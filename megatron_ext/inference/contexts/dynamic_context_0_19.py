@@ -9,7 +9,7 @@ pads every label (upstream pads only the sampling parameters) and publishes its 
 GPU in one copy, next to upstream's own bookkeeping transfer.
 """
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
@@ -39,6 +39,13 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
+        # When False, the additions to upstream's slicing (host copies, padding, the device
+        # copy) wait until device_active_slices is read: a controller that samples with
+        # megatron-core's own sampler reads none of them, and must not pay for them every step.
+        # A plain attribute so that the constructor keeps megatron-core's exact signature.
+        self.publish_static_slices_every_step = True
+        # (paused count, batch size, active count, padded count) of a deferred step.
+        self._pending_static_slices: Optional[Tuple[int, int, int, int]] = None
         super().__init__(*args, **kwargs)
 
     def initialize_all_tensors(self) -> None:
@@ -95,6 +102,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
         """Upstream's slicing (metadata and last-token indices), plus the request ids and
         lengths. Host-side on this release (the bookkeeping lives in pinned host memory).
 
+        With ``publish_static_slices_every_step`` False, the request ids and lengths are copied
+        when ``device_active_slices`` is next read, before ``update_requests``.
+
         Args:
             batch_size (int): rows to copy: at least the active request count.
 
@@ -106,34 +116,65 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
         self._require_static_slices("build_active_slices")
         self._check_build_batch_size(batch_size)
         super().build_active_slices(batch_size)
-        src = slice(self.paused_request_count, self.paused_request_count + batch_size)
+        if not self.publish_static_slices_every_step:
+            self._pending_static_slices = (self.paused_request_count, batch_size, 0, 0)
+            return
+        self._copy_request_slices(self.paused_request_count, batch_size)
+
+    def _copy_request_slices(self, paused: int, batch_size: int) -> None:
+        src = slice(paused, paused + batch_size)
         for _, attr, source in REQUEST_SLICE_FIELDS:
             getattr(self, attr)[:batch_size] = getattr(self, source)[src]
 
     def pad_active_slices(self) -> None:
         """Upstream's padding of the sampling parameters, plus every other label and the request
-        ids and lengths (see ``ACTIVE_METADATA_PAD_VALUES``)."""
+        ids and lengths (see ``ACTIVE_METADATA_PAD_VALUES``); deferred like
+        ``build_active_slices``."""
         self._require_static_slices("pad_active_slices")
         super().pad_active_slices()
         active = self._active_request_count()
         padded = min(self.padded_active_request_count, self.max_requests)
+        pending = self._pending_static_slices
+        if pending is not None:
+            self._pending_static_slices = (pending[0], pending[1], active, padded)
+            return
         if padded > active:
             self._pad_rows(slice(active, padded))
 
+    def _publish_pending_static_slices(self) -> None:
+        """Do a deferred step's additions now: the same host copies and padding as
+        ``build_active_slices``/``pad_active_slices``, then the device copy."""
+        pending, self._pending_static_slices = self._pending_static_slices, None
+        if pending is None:
+            return
+        paused, batch_size, active, padded = pending
+        self._copy_request_slices(paused, batch_size)
+        if padded > active:
+            self._pad_rows(slice(active, padded))
+        self._ext_device.buffer.copy_(self._ext_host.buffer)
+
     def transfer_bookkeeping_to_gpu(self, *args: Any, **kwargs: Any) -> Any:
-        """Publish the static slices to the device, then upstream's bookkeeping.
+        """Publish the static slices to the device (unless deferred), then upstream's
+        bookkeeping.
 
         Our copy is enqueued first so that the event upstream may record after its own transfer
         also covers it.
         """
-        if self.config.async_sched_mode == AsyncScheduleMode.LEGACY:
+        deferred = self._pending_static_slices is not None
+        if not deferred and self.config.async_sched_mode == AsyncScheduleMode.LEGACY:
             # The pinned source is rewritten only by the next step's build_active_slices, which
             # runs after this step's sampled tokens were read back (a stream sync).
             self._ext_device.buffer.copy_(self._ext_host.buffer, non_blocking=True)
-        else:
+        elif not deferred:
             # Async scheduling re-stages the host buffers while copies are in flight.
             self._ext_device.buffer.copy_(self._ext_host.buffer)
         return super().transfer_bookkeeping_to_gpu(*args, **kwargs)
+
+    def update_requests(self, *args: Any, **kwargs: Any) -> Any:
+        """megatron-core's ``update_requests`` (see the mixin); a deferred step's additions are
+        dropped, since the request tensors they would copy from change here."""
+        self._pending_static_slices = None
+        return super().update_requests(*args, **kwargs)
 
     def last_token_logits(self, logits: Tensor) -> Tensor:
         """Upstream's last-token gather, with bad shapes rejected by ValueError.
@@ -150,6 +191,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceCon
     def reset(self, *args: Any, **kwargs: Any) -> None:
         """megatron-core's ``reset``, then forget every request and re-pad the slices."""
         super().reset(*args, **kwargs)
+        self._pending_static_slices = None
         self._sampling_registry.clear()
         if self._device_active_slices is not None:
             self._pad_all_rows()

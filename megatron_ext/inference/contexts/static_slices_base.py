@@ -149,11 +149,18 @@ class StaticSlicesContextMixin:
     def device_active_slices(self) -> ActiveSlices:
         """Device-resident static buffers of the active requests (see :class:`ActiveSlices`).
 
+        A context that defers publishing them (0.19, ``publish_static_slices_every_step``
+        False) completes them here; read them before ``update_requests``.
+
         Raises:
             RuntimeError: if the tensor state is deallocated.
         """
         self._require_static_slices("device_active_slices")
+        self._publish_pending_static_slices()
         return self._device_active_slices
+
+    def _publish_pending_static_slices(self) -> None:
+        """Hook: complete slices whose publication a context defers (0.19); no-op here."""
 
     @property
     def max_logit_rows(self) -> int:
@@ -218,6 +225,7 @@ class StaticSlicesContextMixin:
         """
         check_row_count("rows", rows, 0, self.max_requests, "the context's max_requests")
         self._require_static_slices("extend_active_padding")
+        self._publish_pending_static_slices()
         start = max(self.padded_active_request_count, self._active_request_count())
         if rows <= start or self._slices_neutral_past_active:
             return

@@ -5,13 +5,20 @@
 megatron-core 0.19 already reads request metadata from host-side active slices, keeps logits in
 a static buffer when it captures the model, and does its bookkeeping on the host after one
 read-back of the sampled tokens. Here the controller replaces only the sampling kernels
-(``_dynamic_step_sample_logits``) with the graph-safe region, for the legacy (non-overlapped)
-scheduling mode without speculative decoding, reads the plan from those host slices (exact for
-the active rows, no synchronisation), and leaves log-probs and bookkeeping to upstream; other
-modes run upstream's sampler unchanged.
+(``_dynamic_step_sample_logits``) with the graph-safe region replayed from a CUDA graph, for the
+legacy (non-overlapped) scheduling mode without speculative decoding, reads the plan from those
+host slices (exact for the active rows, no synchronisation), and leaves log-probs and bookkeeping
+to upstream.
+
+Every other step runs upstream's sampler unchanged, including steps of a controller whose region
+is not graphed (``cuda_graph_sampling=False``, or a context off CUDA): run eagerly, the region
+launches its kernels one by one (sampling, plus the termination mask, the request-id copies and
+the plan check that only the 0.16 step and the public ``run_sampling_step`` read), after a copy
+of the logits into its static buffer; upstream's bucketed sampler does less launch work for the
+same tokens, so an eager step of this controller is megatron-core's step.
 """
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
@@ -62,10 +69,34 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         )
         return self._clamped_plan(plan)
 
+    def region_samples_this_step(self) -> bool:
+        """Whether this step samples with the graph-safe region: only when it is replayed from a
+        CUDA graph, in legacy scheduling, without speculative decoding (megatron-core's sampler
+        otherwise; see the module docstring). Host-only.
+
+        Returns:
+            bool: True when the region replaces megatron-core's sampler this step.
+        """
+        context = self.inference_wrapped_model.inference_context
+        return (
+            self.use_cuda_graphs
+            and not self.num_speculative_tokens
+            and context.config.async_sched_mode == AsyncScheduleMode.LEGACY
+        )
+
+    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
+        """megatron-core's step initialisation; the context's additions to upstream's slices
+        are published this step only if the region samples (otherwise on first read)."""
+        context = self.inference_wrapped_model.inference_context
+        context.publish_static_slices_every_step = self.region_samples_this_step()
+        return super()._dynamic_step_context_init(*args, **kwargs)
+
     def _dynamic_step_forward_logits(self, input_ids: Tensor, position_ids: Tensor):
-        """megatron-core's forward step, then this step's logits rows copied into the static
-        buffer."""
+        """megatron-core's forward step, then, when the region samples this step, this step's
+        logits rows copied into the static buffer."""
         logits = super()._dynamic_step_forward_logits(input_ids, position_ids)
+        if not self.region_samples_this_step():
+            return logits
         rows = self._region_rows()
         context = self.inference_wrapped_model.inference_context
         context.extend_active_padding(rows)
@@ -79,13 +110,9 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         return logits
 
     def _dynamic_step_sample_logits(self) -> None:
-        """Sample with the graph-safe region (legacy scheduling, no speculative decoding);
+        """Sample with the graph-safe region's CUDA graph (see ``region_samples_this_step``);
         megatron-core's sampler otherwise."""
-        context = self.inference_wrapped_model.inference_context
-        if (
-            self.num_speculative_tokens
-            or context.config.async_sched_mode != AsyncScheduleMode.LEGACY
-        ):
+        if not self.region_samples_this_step():
             return super()._dynamic_step_sample_logits()
         plan = self.sampling_plan()
         # Upstream computes log-probs itself (raw or processed, per its config).

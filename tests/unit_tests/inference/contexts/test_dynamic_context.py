@@ -13,7 +13,7 @@ the CPU by ``cpu_torch_compat``); the ``gpu`` variants repeat the sequences on a
 
 import random
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from megatron_ext.inference.contexts.dynamic_context import (
     SamplingRequirements,
     StaticSlicesInferenceContext,
 )
+from megatron_ext.inference.contexts.static_slices_base import REQUEST_SLICE_FIELDS
 from megatron_ext.testing.synthetic import build_synthetic_stack, cpu_torch_compat
 
 # The neutral padding values the issue specifies, spelled out here rather than read from the
@@ -581,6 +582,25 @@ def _counts_only(ctx) -> Dict[str, int]:
     }
 
 
+def _run_stock(
+    seed: int, steps: int, overrides: Dict[str, Any], driver_kwargs: Dict[str, Any]
+) -> Tuple[Any, "RandomDriver", List[Dict[str, Any]]]:
+    """Stock megatron-core's context driven by the randomized sequence; its state snapshots."""
+    snaps: List[Dict[str, Any]] = []
+    stock = make_context(extension=False, **overrides)
+    driver = RandomDriver(
+        stock,
+        seed,
+        check=_counts_only,
+        record=lambda ctx, phase: snaps.append(_state_snapshot(ctx, phase)),
+        **driver_kwargs,
+    )
+    driver.arrive(6)
+    for _ in range(steps):
+        driver.step()
+    return stock, driver, snaps
+
+
 def _check_slices_against(stock_snapshots: List[Dict[str, Any]]) -> Callable:
     """A check for the extension's driver: its static slices equal the active rows of stock
     megatron-core's tensors at the same step, neutral values after them."""
@@ -634,18 +654,7 @@ def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, r
     and the extension's static slices equal the active rows of stock's tensors, padded
     neutrally."""
     steps = 400
-    stock_snaps: List[Dict[str, Any]] = []
-    stock = make_context(extension=False, **overrides)
-    stock_driver = RandomDriver(
-        stock,
-        seed,
-        check=_counts_only,
-        record=lambda ctx, phase: stock_snaps.append(_state_snapshot(ctx, phase)),
-        **driver_kwargs,
-    )
-    stock_driver.arrive(6)
-    for _ in range(steps):
-        stock_driver.step()
+    stock, stock_driver, stock_snaps = _run_stock(seed, steps, overrides, driver_kwargs)
 
     ext_snaps: List[Dict[str, Any]] = []
     ext = make_context(**overrides)
@@ -669,6 +678,52 @@ def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, r
     assert seen == stock_driver.seen
     # The sequence must exercise what it is meant to compare.
     assert all(seen[regime] > 0 for regime in regimes), seen
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's deferred publication only"
+)
+@pytest.mark.parametrize("seed", [13, 14])
+def test_deferred_publication_adds_no_step_work_and_reads_the_same(seed):
+    """With publish_static_slices_every_step False, initialize_attention_state does upstream's
+    work only (the extension's host slices and device buffer stay untouched), megatron-core's
+    state stays bitwise stock's, and reading device_active_slices then gives the slices that
+    publishing every step gives."""
+    _, _, stock_snaps = _run_stock(seed, 200, {}, {})
+
+    ext = make_context()
+    ext.publish_static_slices_every_step = False
+    check_against_stock = _check_slices_against(stock_snaps)
+    untouched = {"steps": 0}
+
+    def check(ctx) -> Dict[str, int]:
+        device = ctx._ext_device.buffer
+        # Upstream's own metadata slices share the host buffer and are written by upstream;
+        # the extension's request slices and the device copy must be as the last read left them.
+        for name, attr, _ in REQUEST_SLICE_FIELDS:
+            assert torch.equal(getattr(ctx, attr), last[name]), name
+        assert torch.equal(device, last["device"])
+        untouched["steps"] += 1
+        counts = check_against_stock(ctx)  # reads device_active_slices: publishes
+        for name, attr, _ in REQUEST_SLICE_FIELDS:
+            last[name] = getattr(ctx, attr).clone()
+        last["device"] = device.clone()
+        return counts
+
+    last = {name: getattr(ext, attr).clone() for name, attr, _ in REQUEST_SLICE_FIELDS}
+    last["device"] = ext._ext_device.buffer.clone()
+    ext_snaps: List[Dict[str, Any]] = []
+    driver = RandomDriver(
+        ext,
+        seed,
+        check=check,
+        record=lambda ctx, phase: ext_snaps.append(_state_snapshot(ctx, phase)),
+    )
+    driver.arrive(6)
+    for _ in range(200):
+        driver.step()
+    assert ext_snaps == stock_snaps
+    assert untouched["steps"] > 100
 
 
 @pytest.mark.skipif(

@@ -159,10 +159,10 @@ def test_engine_stop_words_and_top_n_log_probs_identical_to_megatron_core():
     assert stopped, "no request finished on its stop word"
 
 
-def test_engine_runs_every_sampling_mode():
-    """Greedy, top-k, top-p and temperature requests together, through the engine."""
-    requests = random_requests(24, seed=5)
-    rng = random.Random(3)
+def _mixed_sampling_requests(seed: int, mix_seed: int):
+    """Requests whose sampling is greedy, top-k, top-p or plain temperature, at random."""
+    requests = random_requests(24, seed=seed)
+    rng = random.Random(mix_seed)
     mixed = []
     for prompt, params in requests:
         choice = rng.randrange(4)
@@ -170,12 +170,74 @@ def test_engine_runs_every_sampling_mode():
         params.top_p = [0.0, 0.0, 0.8, 0.0][choice]
         params.temperature = [1.0, 0.7, 1.0, 1.5][choice]
         mixed.append((prompt, params))
+    return mixed
+
+
+def test_engine_runs_every_sampling_mode():
+    """Greedy, top-k, top-p and temperature requests together, through the engine."""
+    mixed = _mixed_sampling_requests(5, 3)
     outputs, _ = engine_outputs(True, mixed)
     assert sorted(outputs) == list(range(len(mixed)))
     for request_id, (_, params) in enumerate(mixed):
         generated = outputs[request_id]["generated_tokens"]
         assert 1 <= len(generated) <= params.num_tokens_to_generate
         assert all(0 <= tok < VOCAB for tok in generated)
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.16's controller step is replaced whole (its sampler syncs per bucket)",
+)
+def test_eager_steps_are_megatron_cores_own_sampler(monkeypatch):
+    """0.19, region not graphed: megatron-core's sampler samples every step and the region
+    adds no work (no logits staging, no region run), so every sampling mode, drawn from the
+    same generator, gives stock's tokens and log-probs bit for bit."""
+    requests = _mixed_sampling_requests(7, 8)
+    stock, _ = engine_outputs(False, requests)
+    stack = make_stack(controller_kwargs=dict(cuda_graph_sampling=False))
+    controller = stack.controller
+    assert not controller.region_samples_this_step()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager step ran the region's work")
+
+    monkeypatch.setattr(controller, "run_graph_safe_step", refuse)
+    monkeypatch.setattr(controller, "stage_logits", refuse)
+    ours, _ = run_engine(build_engine(stack), requests)
+    assert ours == stock
+    # The context's additions to upstream's slices were deferred (nobody read them).
+    assert not stack.context.publish_static_slices_every_step
+    # The comparison covers sampled (not only greedy) rows.
+    assert any(
+        params.top_k != 1 and len(ours[i]["generated_tokens"]) > 1
+        for i, (_, params) in enumerate(requests)
+    )
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's sampler dispatch only"
+)
+def test_graphed_step_samples_with_the_region():
+    """0.19, region graphed: the step stages the logits and samples with the region. On CPU the
+    region runs eagerly in place of its graph (the GPU tests check replay == eager bitwise);
+    greedy tokens and log-probs equal megatron-core's."""
+    requests = random_requests(40, seed=23)
+    stock, _ = engine_outputs(False, requests)
+    stack = make_stack()
+    controller = stack.controller
+    controller.use_cuda_graphs = True
+    assert controller.region_samples_this_step()
+    original = controller.run_graph_safe_step
+    calls = []
+
+    def eager_stand_in(rows, plan, use_cuda_graph=None):
+        calls.append(rows)
+        original(rows, plan, use_cuda_graph=False)
+
+    controller.run_graph_safe_step = eager_stand_in
+    ours, _ = run_engine(build_engine(stack), requests)
+    assert ours == stock
+    assert calls, "the region never sampled"
 
 
 # ------------------------------------------------------------------------------ region rules
@@ -476,6 +538,11 @@ def test_engine_graphed_equals_eager_and_megatron_core():
     for mode in ("top_k", "top_p_log_probs"):
         requests = random_requests(40, seed=32, **_plans()[mode])
         eager, _ = engine_outputs(True, requests, controller_kwargs=dict(cuda_graph_sampling=False))
+        if UPSTREAM_HAS_ACTIVE_SLICES:
+            # 0.19: an eager step is megatron-core's own sampler (replay == eager region is
+            # checked inside the engine by test_graph_captured_once_replays_bitwise_equal_to_eager).
+            assert eager == engine_outputs(False, requests)[0], mode
+            continue
         graphed, _ = engine_outputs(
             True, requests, controller_kwargs=dict(cuda_graph_sampling=True)
         )
