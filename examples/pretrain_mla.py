@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -76,6 +75,7 @@ from megatron_ext.arguments import (
     undo_megatron_ext,
 )
 from megatron_ext.models.gpt.gpt_layer_specs import to_megatron_ext_spec
+from megatron_ext.testing.network import free_port
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # Small enough that 50 steps take well under a second on an H200; every MLA code path the
@@ -296,12 +296,6 @@ class Dist:
     cp_size: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(args: argparse.Namespace) -> Dist:
     """Start torch.distributed (world size 1 without torchrun) and megatron's parallel state.
 
@@ -319,7 +313,7 @@ def init_distributed(args: argparse.Namespace) -> Dist:
             WORLD_SIZE="1",
             LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())),
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())),
         )
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

@@ -27,14 +27,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def mcore_parallel_state():
     """torch.distributed (gloo, world size 1) and megatron's parallel state, once per session.
@@ -45,9 +37,11 @@ def mcore_parallel_state():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_ext.testing.network import free_port
+
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)

@@ -1,33 +1,53 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Benchmark: per-step bookkeeping of dynamic inference, megatron-core vs static active slices.
+"""Benchmark: per-step bookkeeping of dynamic inference, megatron-core vs static active slices,
+and decode throughput through megatron-core's engine.
 
     python -m megatron_ext.bench inference [--out DIR] [--quick] [--max-requests 256 1024]
+        [--sampling greedy top_k] [--engine-requests 256 1024]
 
-Each configuration fills a dynamic inference context with ``max_requests`` decoding requests and
-runs decode steps through the controller's real step method, with a synthetic model in place of
-the network (megatron_ext.inference.synthetic). Per step it measures, with the model forward and
-megatron-core's ``update_requests`` (the same code in every variant) timed separately:
+Bookkeeping rows: each configuration fills a dynamic inference context with ``max_requests``
+decoding requests and runs decode steps through the controller's real step method, with a
+synthetic model in place of the network (``megatron_ext.testing.synthetic``). Per step it
+measures, with the model forward and megatron-core's ``update_requests`` (the same code in every
+variant) timed separately:
 
 * ``bookkeeping``: context initialisation plus sampling bookkeeping, i.e. everything in the step
   except the forward and ``update_requests``: host (wall) time and GPU time (CUDA events);
+* ``region``: host time of the sampling region (graph replay, or the eager kernels);
 * the number of device-to-host synchronisations per step, counted with
-  ``torch.cuda.set_sync_debug_mode`` in a separate, untimed pass, split into the graph-safe
-  region, the rest of the bookkeeping, and ``update_requests``.
+  ``torch.cuda.set_sync_debug_mode`` in a separate, untimed pass.
 
 Variants: ``stock`` (megatron-core's context and controller), ``ext-eager`` (this package's,
-region run eagerly) and ``ext-graphed`` (region replayed from a CUDA graph). Without a GPU the
-benchmark says so and runs a small CPU sanity pass: extension and megatron-core must generate the
-same tokens through megatron-core's engine.
+region not graphed: on 0.16 the region runs eagerly; on 0.19 the step samples with
+megatron-core's own sampler, so it has no region time) and ``ext-graphed`` (region replayed
+from a CUDA graph). The variants of a
+configuration are measured interleaved in one process: after the warm-up, ``--repeats`` rounds
+each run ``--steps`` steps of every variant in turn (rotating order). Each row reports the median
+of its per-round medians and their min-max; a speedup is the ratio of the interleaved medians,
+with the min-max of the per-round ratios, and the summary says whether it is outside that
+spread.
+
+Engine rows: megatron-core's ``DynamicInferenceEngine`` with the small GPT of the inference
+functional case (``megatron_ext.testing.small_gpt``; plain-torch paged-KV attention, since
+flash-attn is not required), ``N`` concurrent greedy requests, extension off and on: decode
+tokens per second (median decode step of a batch), off and on alternating for
+``--engine-repeats`` rounds after one discarded warm-up batch each.
+
+Without a GPU the run is a correctness check, not a benchmark: extension and megatron-core must
+generate the same tokens through megatron-core's engine, and the bookkeeping configurations run
+(with the ``--max-requests`` and ``--sampling`` given) to check that they work; no timing or
+speedup is printed.
 """
 
 import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,18 +58,62 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.bench inference")
     parser.add_argument("--out", default=None, help="directory for bench_inference.json")
     parser.add_argument("--quick", action="store_true", help="fewer steps, greedy only")
-    parser.add_argument("--max-requests", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=None, help="timed decode steps")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decoding requests per bookkeeping configuration (default: 256 1024 on a GPU, 32 on "
+        "the CPU correctness check)",
+    )
+    parser.add_argument("--vocab-size", type=int, default=None, help="default 32000 (GPU), 1024")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed decode steps per variant per round (default 15 on a GPU, 2 on the CPU check)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved rounds per configuration (default 7 on a GPU, 2 on the CPU check)",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed decode steps first")
+    parser.add_argument(
+        "--engine-repeats",
+        type=int,
+        default=None,
+        help="interleaved off/on rounds of the engine rows (default 4; 2 with --quick)",
+    )
     parser.add_argument(
         "--sampling",
         nargs="+",
         default=None,
         choices=["greedy", "top_k"],
-        help="request sampling parameters (default: greedy and top_k; greedy with --quick)",
+        help="request sampling parameters (default: greedy and top_k; greedy with --quick or "
+        "on the CPU correctness check)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--engine-requests",
+        type=int,
+        nargs="*",
+        default=None,
+        help="concurrent requests of the engine rows (default: 256 1024 on a GPU; none on CPU; "
+        "give no value to skip them)",
+    )
+    args = parser.parse_args(argv)
+    for name in ("steps", "repeats", "engine_repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    for name in ("max_requests", "engine_requests"):
+        values = getattr(args, name) or []
+        if any(v < 1 for v in values):
+            parser.error(f"--{name.replace('_', '-')} values must be >= 1")
+    return args
 
 
 class _StepProbe:
@@ -107,6 +171,8 @@ class _StepProbe:
         host["bookkeeping_host_ms"] = (
             host["step_host_ms"] - host["forward_host_ms"] - host["update_host_ms"]
         )
+        if "region_start" in m:
+            host["region_host_ms"] = (m["region_end"] - m["region_start"]) * 1e3
         if self.cuda:
             torch.cuda.synchronize()
             e = self.events
@@ -175,46 +241,97 @@ def _fill_decode(stack: Any, max_requests: int, steps: int, sampling: str, seed:
         raise RuntimeError("benchmark set-up did not reach an all-decode batch")
 
 
-def _run_config(
+def _build_variant(
     variant: str, max_requests: int, sampling: str, args: argparse.Namespace, cuda: bool
-) -> Dict[str, Any]:
-    from megatron_ext.inference.synthetic import build_synthetic_stack
+) -> Tuple[Any, "_StepProbe"]:
+    """A filled, all-decode stack for one variant, with its step probe."""
+    from megatron_ext.testing.synthetic import build_synthetic_stack
 
-    steps, warmup = args.steps, args.warmup
     extension = variant != "stock"
     controller_kwargs = dict(cuda_graph_sampling=variant == "ext-graphed") if extension else None
     block = 64
-    blocks_per_request = (4 + warmup + steps + 8) // block + 2
+    steps = args.warmup + args.repeats * args.block_steps + 2
+    blocks_per_request = (4 + steps + 8) // block + 2
     stack = build_synthetic_stack(
         extension=extension,
         max_requests=max_requests,
         # Room for the all-prefill set-up step (4 prompt tokens per request).
         max_tokens=4 * max_requests // 64 * 64 + 128,
-        max_sequence_length=4 + warmup + steps + 128,
+        max_sequence_length=4 + steps + 128,
         block_size_tokens=block,
         num_blocks=max_requests * blocks_per_request + 8,
         vocab_size=args.vocab_size,
         params_dtype=torch.bfloat16 if cuda else torch.float32,
         controller_kwargs=controller_kwargs,
     )
-    _fill_decode(stack, max_requests, warmup + steps + 2, sampling, seed=0)
-    probe = _StepProbe(stack.controller, cuda)
-    for _ in range(warmup):
-        probe.run_step()
-    samples = [probe.run_step() for _ in range(steps)]
-    syncs = probe.count_syncs() if cuda else {}
-    row: Dict[str, Any] = {
-        "variant": variant,
-        "max_requests": max_requests,
-        "sampling": sampling,
-        "steps": steps,
+    _fill_decode(stack, max_requests, steps, sampling, seed=0)
+    return stack, _StepProbe(stack.controller, cuda)
+
+
+def _spread(values: List[float]) -> Dict[str, float]:
+    """Median, min, max and interquartile range of per-block values."""
+    ordered = sorted(values)
+    if len(ordered) >= 4:
+        q1, _, q3 = statistics.quantiles(ordered, n=4)
+    else:
+        q1, q3 = ordered[0], ordered[-1]
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": q1,
+        "q3": q3,
     }
-    for key in samples[0]:
-        row[key] = statistics.median(s[key] for s in samples)
-    row.update(syncs)
-    if extension:
-        row["cuda_graphs"] = len(getattr(stack.controller, "_graphs", {}))
-    return row
+
+
+def _run_config(
+    max_requests: int,
+    sampling: str,
+    args: argparse.Namespace,
+    cuda: bool,
+    variants: Tuple[str, ...],
+) -> List[Dict[str, Any]]:
+    """All variants of one configuration, measured interleaved in one process.
+
+    Every variant gets its own stack, filled before any timing. Warm-up steps are discarded;
+    then ``repeats`` rounds each run ``block_steps`` steps of every variant in turn (the order
+    rotates from round to round), so that drifts of the machine (clocks, other tenants) fall on
+    every variant alike. Each row keeps the median of every block; its figures are the median
+    of those block medians, with their min, max and interquartile range.
+    """
+    probes = {v: _build_variant(v, max_requests, sampling, args, cuda)[1] for v in variants}
+    for _ in range(args.warmup):
+        for variant in variants:
+            probes[variant].run_step()
+    blocks: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
+    for round_index in range(args.repeats):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            samples = [probes[variant].run_step() for _ in range(args.block_steps)]
+            blocks[variant].append(
+                {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+            )
+    rows = []
+    for variant in variants:
+        row: Dict[str, Any] = {
+            "variant": variant,
+            "max_requests": max_requests,
+            "sampling": sampling,
+            "repeats": args.repeats,
+            "block_steps": args.block_steps,
+        }
+        for key in blocks[variant][0]:
+            values = [b[key] for b in blocks[variant]]
+            stats = _spread(values)
+            row[key] = stats["median"]
+            row[f"{key}_spread"] = stats
+            row[f"{key}_blocks"] = values
+        if cuda:
+            row.update(probes[variant].count_syncs())
+        if variant != "stock":
+            row["cuda_graphs"] = len(getattr(probes[variant].controller, "_graphs", {}))
+        rows.append(row)
+    return rows
 
 
 def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
@@ -223,7 +340,7 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
 
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from megatron_ext.inference.synthetic import build_engine, build_synthetic_stack, run_engine
+    from megatron_ext.testing.synthetic import build_engine, build_synthetic_stack, run_engine
 
     rng = random.Random(0)
     requests = []
@@ -255,37 +372,220 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-def _table(rows: List[Dict[str, Any]]) -> str:
-    header = (
-        f"{'max_req':>7} {'sampling':>8} {'variant':>12} {'bk host us':>11} {'bk gpu us':>10} "
-        f"{'upd host us':>11} {'syncs bk/region/upd':>20} {'graphs':>6} {'speedup':>8}"
+def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Decode tokens per second of megatron-core's engine around the small GPT, extension off
+    and on, ``requests`` concurrent greedy requests, measured interleaved.
+
+    Both engines are built first (the same weights: one seed); then each round runs one batch of
+    ``requests`` requests to completion on each engine in turn (the order alternates), after one
+    discarded warm-up batch per engine (it captures the extension's graphs). A batch's figure is
+    its median decode step; a row's is the median over rounds, with min and max.
+    """
+    from types import SimpleNamespace
+
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    import megatron_ext.inference as ext_inference
+    from megatron_ext.testing.small_gpt import build_small_gpt, build_small_gpt_engine
+    from megatron_ext.testing.torch_paged_attention import (
+        allow_dynamic_inference_without_flash_attn,
     )
-    lines = [header, "-" * len(header)]
-    stock = {
-        (r["max_requests"], r["sampling"]): r["bookkeeping_host_ms"]
-        for r in rows
-        if r["variant"] == "stock"
-    }
+
+    prompt, generate, block = 8, 24 if args.quick else 48, 16
+    blocks_per_request = (prompt + generate + block) // block + 1
+    sizes = SimpleNamespace(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=512,
+        vocab_size=2048,
+        max_sequence_length=512,
+        seed=1234,
+        device="cuda",
+        max_requests=requests,
+        max_tokens=max(512, min(requests * prompt, 8192)),
+        block_size_tokens=block,
+        kv_blocks=requests * blocks_per_request + 16,
+        paused_kv_blocks=16,
+    )
+    dtype = torch.bfloat16
+    engines = {}
+    for mode in ("off", "on"):
+        torch.manual_seed(0)
+        model, _ = build_small_gpt(sizes, dtype)
+        ext_inference.apply_inference_extension(mode == "on")
+        try:
+            engines[mode] = build_small_gpt_engine(model, sizes, dtype)
+        finally:
+            ext_inference.apply_inference_extension(False)
+    next_id = [0]
+
+    def run_batch(mode: str) -> Tuple[float, float, int]:
+        engine, context, _ = engines[mode]
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(requests):
+            tokens = torch.randint(0, sizes.vocab_size - 1, (prompt,), generator=gen).tolist()
+            params = SamplingParams(num_tokens_to_generate=generate, termination_id=-1, top_k=1)
+            engine.add_request(next_id[0], tokens, params)
+            next_id[0] += 1
+        decode: List[Tuple[float, int]] = []
+        with allow_dynamic_inference_without_flash_attn():
+            while engine.has_unfinished_requests():
+                is_decode = not engine.waiting_request_ids and context.is_decode_only()
+                active = context.total_request_count - context.paused_request_count
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.step_modern()
+                torch.cuda.synchronize()
+                if is_decode and active > 0:
+                    decode.append((time.perf_counter() - start, active))
+        step = statistics.median(t for t, _ in decode)
+        active = statistics.median(n for _, n in decode)
+        return step, active, len(decode)
+
+    for mode in ("off", "on"):
+        run_batch(mode)  # warm-up, discarded
+    runs: Dict[str, List[Tuple[float, float, int]]] = {"off": [], "on": []}
+    for round_index in range(args.engine_repeats):
+        order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
+        for mode in order:
+            runs[mode].append(run_batch(mode))
+    rows = []
+    for mode in ("off", "on"):
+        _, context, controller = engines[mode]
+        tokens_per_s = [active / step for step, active, _ in runs[mode]]
+        rows.append(
+            {
+                "mode": mode,
+                "requests": requests,
+                "rounds": args.engine_repeats,
+                "decode_steps_per_round": statistics.median(n for _, _, n in runs[mode]),
+                "median_decode_step_ms": statistics.median(s for s, _, _ in runs[mode]) * 1e3,
+                "decode_tokens_per_s": statistics.median(tokens_per_s),
+                "decode_tokens_per_s_spread": _spread(tokens_per_s),
+                "decode_tokens_per_s_rounds": tokens_per_s,
+                "context_class": type(context).__name__,
+                "controller_class": type(controller).__name__,
+                "attention": "TorchPagedSelfAttention (plain-torch paged KV, megatron_ext.testing)",
+            }
+        )
+    return rows
+
+
+def _speedups(rows: List[Dict[str, Any]]) -> Dict[Tuple[int, str, str], Dict[str, float]]:
+    """Bookkeeping host-time speedup of each extension row over stock in the same configuration:
+    the ratio of the interleaved medians, and the min/max of the per-round ratios (round ``i``
+    of stock against round ``i`` of the variant, measured back to back)."""
+    stock = {(r["max_requests"], r["sampling"]): r for r in rows if r["variant"] == "stock"}
+    result = {}
     for r in rows:
         base = stock.get((r["max_requests"], r["sampling"]))
-        speedup = f"{base / r['bookkeeping_host_ms']:.2f}x" if base else "-"
+        if r["variant"] == "stock" or base is None:
+            continue
+        key = "bookkeeping_host_ms"
+        per_round = [a / b for a, b in zip(base[f"{key}_blocks"], r[f"{key}_blocks"])]
+        result[(r["max_requests"], r["sampling"], r["variant"])] = {
+            "speedup": base[key] / r[key],
+            "round_min": min(per_round),
+            "round_max": max(per_round),
+        }
+    return result
+
+
+def _verdict(value: Dict[str, float]) -> str:
+    """Whether a speedup differs from parity by more than its per-round spread."""
+    if value["round_min"] > 1.0:
+        return "faster in every round"
+    if value["round_max"] < 1.0:
+        return "slower in every round"
+    return "within the measured spread of parity"
+
+
+def _us(stats: Dict[str, float]) -> str:
+    return f"{stats['median'] * 1e3:.1f} [{stats['min'] * 1e3:.1f}-{stats['max'] * 1e3:.1f}]"
+
+
+def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
+    """Markdown table of the bookkeeping rows; timings and speedups only with a GPU."""
+    if not cuda:
+        lines = [
+            "| max requests | sampling | variant | rounds x steps run |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['max_requests']} | {r['sampling']} | {r['variant']} | "
+                f"{r['repeats']} x {r['block_steps']} |"
+            )
+        return "\n".join(lines)
+    speedups = _speedups(rows)
+    lines = [
+        "| max requests | sampling | variant | bk host us | region host us | bk GPU us | "
+        "syncs bk/region/upd | graphs | speedup [round min-max] |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        value = speedups.get((r["max_requests"], r["sampling"], r["variant"]))
+        region = r.get("region_host_ms_spread")
+        gpu = r.get("bookkeeping_gpu_ms_spread")
         syncs = (
             f"{r.get('syncs_bookkeeping', '-')}/{r.get('syncs_region', '-')}/"
             f"{r.get('syncs_update_requests', '-')}"
         )
-        gpu = r.get("bookkeeping_gpu_ms")
+        speedup = (
+            "1.00x"
+            if value is None
+            else f"{value['speedup']:.2f}x [{value['round_min']:.2f}-{value['round_max']:.2f}]"
+        )
         lines.append(
-            f"{r['max_requests']:>7} {r['sampling']:>8} {r['variant']:>12} "
-            f"{r['bookkeeping_host_ms'] * 1e3:>11.1f} "
-            f"{(gpu * 1e3 if gpu is not None else float('nan')):>10.1f} "
-            f"{r['update_host_ms'] * 1e3:>11.1f} {syncs:>20} "
-            f"{r.get('cuda_graphs', '-'):>6} {speedup:>8}"
+            f"| {r['max_requests']} | {r['sampling']} | {r['variant']} | "
+            f"{_us(r['bookkeeping_host_ms_spread'])} | {'-' if region is None else _us(region)} | "
+            f"{'-' if gpu is None else _us(gpu)} | {syncs} | {r.get('cuda_graphs', '-')} | "
+            f"{speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def _engine_ratio(rows: List[Dict[str, Any]], requests: int) -> Optional[Dict[str, float]]:
+    pair = {r["mode"]: r for r in rows if r["requests"] == requests}
+    if "off" not in pair or "on" not in pair:
+        return None
+    off, on = pair["off"], pair["on"]
+    per_round = [
+        b / a for a, b in zip(off["decode_tokens_per_s_rounds"], on["decode_tokens_per_s_rounds"])
+    ]
+    return {
+        "speedup": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+        "round_min": min(per_round),
+        "round_max": max(per_round),
+    }
+
+
+def _engine_table(rows: List[Dict[str, Any]]) -> str:
+    lines = [
+        "| concurrent requests | extension | median decode step ms | decode tokens/s "
+        "[round min-max] | speedup [round min-max] |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        value = _engine_ratio(rows, r["requests"]) if r["mode"] == "on" else None
+        spread = r["decode_tokens_per_s_spread"]
+        speedup = (
+            "-"
+            if value is None
+            else f"{value['speedup']:.2f}x [{value['round_min']:.2f}-{value['round_max']:.2f}]"
+        )
+        lines.append(
+            f"| {r['requests']} | {r['mode']} | {r['median_decode_step_ms']:.2f} | "
+            f"{r['decode_tokens_per_s']:.0f} [{spread['min']:.0f}-{spread['max']:.0f}] | "
+            f"{speedup} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the benchmark.
+    """Run the benchmark (on a GPU) or the correctness check (without one).
 
     Args:
         argv: command-line arguments (see ``--help``).
@@ -296,70 +596,140 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(argv)
     cuda = torch.cuda.is_available()
     if args.steps is None:
-        args.steps = 20 if args.quick else 100
+        args.steps = 15 if cuda else 2
+    args.block_steps = args.steps
+    if args.repeats is None:
+        args.repeats = (3 if args.quick else 7) if cuda else 2
+    if args.engine_repeats is None:
+        args.engine_repeats = 2 if args.quick else 4
     if args.warmup is None:
-        args.warmup = 5 if args.quick else 20
+        args.warmup = (5 if args.quick else 20) if cuda else 1
     if args.sampling is None:
-        args.sampling = ["greedy"] if args.quick else ["greedy", "top_k"]
+        args.sampling = ["greedy"] if args.quick or not cuda else ["greedy", "top_k"]
+    if args.max_requests is None:
+        args.max_requests = [256, 1024] if cuda else [32]
+    if args.vocab_size is None:
+        args.vocab_size = 32000 if cuda else 1024
+    if args.engine_requests is None:
+        args.engine_requests = [256, 1024] if cuda else []
+    if args.engine_requests and not cuda:
+        print(
+            "inference benchmark: --engine-requests needs a CUDA GPU (the small GPT's engine "
+            "run is a GPU benchmark); refused",
+            file=sys.stderr,
+        )
+        return 2
 
-    from megatron_ext.inference.synthetic import cpu_torch_compat
+    from megatron.core import package_info
 
-    report: Dict[str, Any] = {"cuda": cuda, "device": None, "rows": []}
+    from megatron_ext.testing.synthetic import cpu_torch_compat
+
+    report: Dict[str, Any] = {
+        "cuda": cuda,
+        "device": torch.cuda.get_device_name() if cuda else None,
+        "megatron_core": package_info.__version__,
+        "torch": torch.__version__,
+        "rows": [],
+        "engine_rows": [],
+    }
+    variants = VARIANTS if cuda else ("stock", "ext-eager")
     with cpu_torch_compat():
         if not cuda:
-            print("inference benchmark: no CUDA GPU; timings are skipped. CPU sanity pass:")
-            sanity = _cpu_sanity(args)
-            report["cpu_sanity"] = sanity
-            args.max_requests, args.steps, args.warmup = [32], 5, 2
-            args.vocab_size = min(args.vocab_size, 1024)
-            args.sampling = ["greedy"]
-        else:
-            report["device"] = torch.cuda.get_device_name()
+            print(
+                "inference benchmark: no CUDA GPU. This is a correctness check, not a benchmark: "
+                "no timing or speedup is reported."
+            )
+            report["cpu_sanity"] = _cpu_sanity(args)
         for max_requests in args.max_requests:
             for sampling in args.sampling:
-                for variant in VARIANTS:
-                    if variant == "ext-graphed" and not cuda:
-                        continue
-                    report["rows"].append(_run_config(variant, max_requests, sampling, args, cuda))
+                report["rows"] += _run_config(max_requests, sampling, args, cuda, variants)
+        for requests in args.engine_requests:
+            report["engine_rows"] += _engine_rows(requests, args)
 
+    failed = False
+    summary: List[str] = []
+    if not cuda:
+        sanity = report["cpu_sanity"]
+        failed = not sanity["identical_outputs"]
+        summary.append(
+            f"CPU correctness check: {sanity['requests']} requests through megatron-core's "
+            f"engine, extension and megatron-core outputs "
+            f"{'identical' if sanity['identical_outputs'] else 'DIFFER'} "
+            f"({sanity['engine_steps']} steps, up to {sanity['max_paused']} paused); "
+            f"{len(report['rows'])} bookkeeping configurations ran"
+        )
+    else:
+        for row in report["rows"]:
+            if row["variant"] != "stock" and row.get("syncs_region", 0) != 0:
+                summary.append(f"FAIL: {row['variant']} synchronised inside the graph-safe region")
+                failed = True
+        speedups = _speedups(report["rows"])
+        report["speedups"] = [
+            {"max_requests": k[0], "sampling": k[1], "variant": k[2], **v}
+            for k, v in speedups.items()
+        ]
+        if speedups:
+            worst = min(speedups, key=lambda k: speedups[k]["speedup"])
+            value = speedups[worst]
+            report["worst_row"] = {"row": list(worst), **value}
+            summary.append(
+                f"worst bookkeeping row: {worst[0]} requests {worst[1]} {worst[2]}: "
+                f"{value['speedup']:.2f}x stock (rounds {value['round_min']:.2f}-"
+                f"{value['round_max']:.2f}x; {_verdict(value)}; floor 1.00x)"
+            )
+            for (requests, sampling, variant), value in sorted(speedups.items()):
+                if variant == "ext-graphed":
+                    target = " (goal 2x)" if requests >= 1024 else ""
+                    summary.append(
+                        f"ext-graphed at {requests} {sampling}: {value['speedup']:.2f}x "
+                        f"(rounds {value['round_min']:.2f}-{value['round_max']:.2f}x; "
+                        f"{_verdict(value)}){target}"
+                    )
+        engine = report["engine_rows"]
+        ratios = {
+            requests: _engine_ratio(engine, requests)
+            for requests in sorted({r["requests"] for r in engine})
+        }
+        ratios = {k: v for k, v in ratios.items() if v is not None}
+        if ratios:
+            worst_engine = min(ratios, key=lambda k: ratios[k]["speedup"])
+            report["worst_engine_row"] = {"requests": worst_engine, **ratios[worst_engine]}
+        for requests, value in ratios.items():
+            summary.append(
+                f"engine, {requests} concurrent requests: decode {value['speedup']:.2f}x "
+                f"tokens/s with the extension (rounds {value['round_min']:.2f}-"
+                f"{value['round_max']:.2f}x; {_verdict(value)}; target >= 1.2x, floor 1.0x)"
+                + (" <- worst engine row" if requests == worst_engine else "")
+            )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
             json.dump(report, f, indent=2)
-    failed = False
-    if not cuda:
-        print(json.dumps(report["cpu_sanity"]))
-        failed = not report["cpu_sanity"]["identical_outputs"]
-        print("(CPU host times below are a sanity check, not a benchmark.)")
-    else:
-        for row in report["rows"]:
-            if row["variant"] != "stock" and row.get("syncs_region", 0) != 0:
-                print(f"FAIL: {row['variant']} synchronised inside the graph-safe region")
-                failed = True
-    if cuda:
-        for row in report["rows"]:
-            if row["variant"] != "ext-graphed":
-                continue
-            base = next(
-                r["bookkeeping_host_ms"]
-                for r in report["rows"]
-                if r["variant"] == "stock"
-                and (r["max_requests"], r["sampling"]) == (row["max_requests"], row["sampling"])
-            )
-            speedup = base / row["bookkeeping_host_ms"]
-            verdict = "meets" if speedup >= 2.0 else "misses"
-            print(
-                f"ext-graphed at {row['max_requests']} {row['sampling']} requests: {speedup:.2f}x "
-                f"stock bookkeeping ({verdict} the 2x target); "
-                f"{row.get('syncs_region', '?')} syncs in the graph-safe region"
-            )
+    for line in summary:
+        print(line)
     print(
-        "=== table: dynamic-inference bookkeeping per decode step (medians; bk = context "
-        "initialisation + sampling bookkeeping, i.e. the step minus the forward and "
-        "update_requests; syncs = device-to-host synchronisations per step; speedup = stock / "
-        "variant bk host time)"
+        f"=== table: dynamic-inference bookkeeping per decode step, megatron-core "
+        f"{report['megatron_core']}"
+        + (
+            f" (interleaved: {args.repeats} rounds x {args.block_steps} steps per variant after "
+            f"{args.warmup} warm-up steps; median of the per-round medians [min-max over rounds];"
+            " bk = context initialisation + sampling bookkeeping, i.e. the step minus "
+            "the forward and update_requests; region = the sampling region's host time; syncs = "
+            "device-to-host synchronisations per step; speedup = ratio of the interleaved "
+            "medians [min-max of the per-round ratios])"
+            if cuda
+            else " (CPU correctness check: configurations run, nothing timed)"
+        )
     )
-    print(_table(report["rows"]))
+    print(_table(report["rows"], cuda))
+    if report["engine_rows"]:
+        print(
+            "=== table: decode throughput through megatron-core's DynamicInferenceEngine, small "
+            "GPT (2 layers, hidden 128, vocab 2048, bf16), greedy, attention "
+            "TorchPagedSelfAttention (plain torch, paged KV); off/on interleaved, "
+            f"{args.engine_repeats} rounds after one discarded warm-up batch per engine"
+        )
+        print(_engine_table(report["engine_rows"]))
     return 1 if failed else 0
 
 

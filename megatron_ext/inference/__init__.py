@@ -58,8 +58,8 @@ def _class_pairs() -> Tuple[Tuple[type, type], ...]:
         TextGenerationController,
     )
 
-    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
-    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    from megatron_ext.inference.static_slices import (
+        StaticSlicesInferenceContext,
         StaticSlicesTextGenerationController,
     )
 

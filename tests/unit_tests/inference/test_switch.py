@@ -15,14 +15,14 @@ from megatron_ext.inference.contexts.dynamic_context import (
     UPSTREAM_HAS_ACTIVE_SLICES,
     StaticSlicesInferenceContext,
 )
-from megatron_ext.inference.synthetic import (
+from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    StaticSlicesTextGenerationController,
+)
+from megatron_ext.testing.synthetic import (
     SyntheticInferenceWrapper,
     SyntheticTokenizer,
     build_synthetic_stack,
     cpu_torch_compat,
-)
-from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
-    StaticSlicesTextGenerationController,
 )
 
 

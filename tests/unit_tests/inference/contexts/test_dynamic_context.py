@@ -13,7 +13,7 @@ the CPU by ``cpu_torch_compat``); the ``gpu`` variants repeat the sequences on a
 
 import random
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -25,7 +25,8 @@ from megatron_ext.inference.contexts.dynamic_context import (
     SamplingRequirements,
     StaticSlicesInferenceContext,
 )
-from megatron_ext.inference.synthetic import build_synthetic_stack, cpu_torch_compat
+from megatron_ext.inference.contexts.static_slices_base import REQUEST_SLICE_FIELDS
+from megatron_ext.testing.synthetic import build_synthetic_stack, cpu_torch_compat
 
 # The neutral padding values the issue specifies, spelled out here rather than read from the
 # module so that a change to them fails these tests: a padded row samples from an untouched
@@ -133,9 +134,23 @@ class RandomDriver:
     prompt.
     """
 
-    def __init__(self, ctx, seed: int, chunked_prefill: bool = True, sampling=None):
+    def __init__(
+        self,
+        ctx,
+        seed: int,
+        chunked_prefill: bool = True,
+        sampling=None,
+        check: Callable = None,
+        record: Optional[Callable] = None,
+    ):
         self.ctx = ctx
         self.rng = random.Random(seed)
+        # Own generator for the sampled tokens, so that two drivers with one seed make the same
+        # calls whatever else uses torch's global generator.
+        self.gen = torch.Generator().manual_seed(seed)
+        self.check = check or check_active_slices
+        # Called with (ctx, phase) after initialize_attention_state and after update_requests.
+        self.record = record
         self.waiting: Deque[DynamicInferenceRequest] = deque()
         self.next_id = 0
         self.chunked_prefill = chunked_prefill
@@ -192,7 +207,9 @@ class RandomDriver:
             return None
         prefill = ctx.num_prefill_requests
         ctx.initialize_attention_state()
-        counts = check_active_slices(ctx)
+        if self.record is not None:
+            self.record(ctx, "initialize_attention_state")
+        counts = self.check(ctx)
         active = counts["active"]
         if prefill == active:
             self.seen["prefill_only"] += 1
@@ -210,9 +227,11 @@ class RandomDriver:
         seq = ctx.request_kv_length_offsets + ctx.request_query_lengths + 1
         natural = (seq < ctx.request_output_lengths)[ctx.paused_request_count :][:active]
         mask = (mask.to(natural.device) & natural.to(torch.uint8)).to(natural.device)
-        tokens = torch.randint(0, 60, (active,), device=natural.device)
+        tokens = torch.randint(0, 60, (active,), generator=self.gen).to(natural.device)
         paused_before = ctx.paused_request_count
         result = ctx.update_requests(mask, tokens) or {}
+        if self.record is not None:
+            self.record(ctx, "update_requests")
         evicted = result.get("evict_request_ids")
         if evicted is not None and evicted.numel():
             self.seen["evicted"] += evicted.numel()
@@ -225,7 +244,8 @@ class RandomDriver:
                 self.waiting.appendleft(chunked)
         if ctx.paused_request_count < paused_before:
             self.seen["resumed"] += 1
-        ctx.release_request_sampling_state([])
+        if hasattr(ctx, "release_request_sampling_state"):
+            ctx.release_request_sampling_state([])
         return counts
 
 
@@ -369,6 +389,37 @@ def test_build_active_slices_rejects_out_of_range(bad):
         ctx.build_active_slices(bad)
 
 
+def test_build_active_slices_refuses_fewer_rows_than_active_requests():
+    """A batch below the active request count would leave active rows stale."""
+    ctx = make_context()
+    rng = random.Random(0)
+    for request_id in range(5):
+        ctx.add_request(make_request(request_id, 3, rng))
+    ctx.initialize_attention_state()
+    with pytest.raises(ValueError, match=r"batch_size \(4\) must be in \[5, 16\]"):
+        ctx.build_active_slices(4)
+    ctx.build_active_slices(5)  # the active count itself is fine
+
+
+def test_duplicate_request_id_is_refused():
+    ctx = make_context()
+    rng = random.Random(0)
+    ctx.add_request(make_request(3, 2, rng))
+    with pytest.raises(ValueError, match="request id 3 is already in the context"):
+        ctx.add_request(make_request(3, 2, rng))
+    assert ctx.total_request_count == 1  # refused before megatron-core added a row
+    ctx.release_request_sampling_state([3])
+    ctx.add_request(make_request(3, 2, rng))  # an id that left the context may come back
+
+
+def test_extend_active_padding_names_rows_and_its_limit():
+    ctx = make_context()
+    with pytest.raises(ValueError, match=r"rows \(1000000\) must be in \[0, 16\].*max_requests"):
+        ctx.extend_active_padding(10**6)
+    with pytest.raises(TypeError, match="rows must be an int"):
+        ctx.extend_active_padding(2.0)
+
+
 @pytest.mark.parametrize("bad", [1.0, True, "2", None])
 def test_build_active_slices_rejects_non_int(bad):
     ctx = make_context()
@@ -381,7 +432,7 @@ def test_sampling_requirements_track_requests():
     rng = random.Random(0)
     assert ctx.sampling_requirements() == SamplingRequirements()
     ctx.add_request(make_request(0, 3, rng, top_k=1))
-    assert ctx.sampling_requirements() == SamplingRequirements()
+    assert ctx.sampling_requirements() == SamplingRequirements(greedy=True)
     ctx.add_request(make_request(1, 3, rng, top_k=5))
     ctx.add_request(
         make_request(
@@ -389,10 +440,12 @@ def test_sampling_requirements_track_requests():
         )
     )
     assert ctx.sampling_requirements() == SamplingRequirements(
-        sample=True, top_k_cap=8, top_p=True, log_probs=True
+        sample=True, top_k_cap=8, top_p=True, log_probs=True, greedy=True
     )
     ctx.release_request_sampling_state([2])
-    assert ctx.sampling_requirements() == SamplingRequirements(sample=True, top_k_cap=8)
+    assert ctx.sampling_requirements() == SamplingRequirements(
+        sample=True, top_k_cap=8, greedy=True
+    )
     # The chunked-prefill request stays in the context, so it is not released.
     ctx.chunked_prefill_request_id = 1
     ctx.release_request_sampling_state([1])
@@ -421,6 +474,9 @@ def test_suspend_and_resume_reallocate_static_slices():
     ctx.deallocate_all_tensors()
     with pytest.raises(RuntimeError):
         _ = ctx.device_active_slices
+    for call in (lambda: ctx.build_active_slices(0), ctx.pad_active_slices):
+        with pytest.raises(RuntimeError, match=r"call allocate_all_tensors\(is_init=False\)"):
+            call()
     ctx.allocate_all_tensors(is_init=False)
     ctx.reset()
     assert ctx.static_slices_generation == generation + 1
@@ -449,5 +505,253 @@ def test_build_and_pad_do_not_synchronize_on_gpu():
             min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
         )
         ctx.pad_active_slices()
+        ctx.refresh_active_slices()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # The per-step refresh ran from its CUDA graph (and check_active_slices compared the result
+    # with plain slicing after every step of run_random).
+    assert ctx._slices_graph is not None
+
+
+# ------------------------------------------------- extension against stock megatron-core
+
+
+def _state_snapshot(ctx, phase: str) -> Dict[str, Any]:
+    """megatron-core's own state of a context: counts, per-request tensors, the padded token
+    tensors and the attention metadata. Tensors as raw bits (a float compared bitwise)."""
+
+    def bits(tensor: torch.Tensor) -> List:
+        tensor = tensor.detach().cpu().contiguous()
+        widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return tensor.view(widths[tensor.dtype.itemsize]).tolist()
+
+    snap: Dict[str, Any] = {"phase": phase}
+    # Rows past the requests a context holds are uninitialised memory in megatron-core.
+    held = slice(0, ctx.total_request_count)
+    for name in (
+        "paused_request_count",
+        "total_request_count",
+        "active_token_count",
+        "padded_active_token_count",
+        "padded_active_request_count",
+        "chunked_prefill_request_id",
+    ):
+        snap[name] = getattr(ctx, name, None)
+    for name in (
+        "request_ids",
+        "request_query_lengths",
+        "request_kv_length_offsets",
+        "request_output_lengths",
+        "request_kv_block_counts",
+        "request_last_kv_block_id",
+        "request_last_kv_block_offset",
+        "request_to_kv_block_ids",
+    ):
+        if hasattr(ctx, name):
+            snap[name] = bits(getattr(ctx, name)[held])
+    for label, tensor in ctx.request_metadata.items():
+        snap[f"metadata:{label}"] = bits(tensor[held])
+    if phase == "initialize_attention_state":
+        # megatron-core pads three token tensors up to the padded token count; the others hold
+        # leftovers past the active tokens.
+        padded_tokens = (
+            "token_to_block_idx",
+            "token_to_position_in_request",
+            "token_to_local_position_within_kv_block",
+        )
+        for name in padded_tokens + (
+            "token_to_input_ids",
+            "token_to_pos_ids",
+            "token_to_request_idx",
+        ):
+            if hasattr(ctx, name):
+                stop = ctx.padded_active_token_count if name in padded_tokens else None
+                stop = ctx.active_token_count if stop is None else stop
+                snap[name] = bits(getattr(ctx, name)[:stop])
+        for key, value in ctx.active_attn_metadata["mha_metadata"].state_data.items():
+            snap[f"mha:{key}"] = bits(value) if isinstance(value, torch.Tensor) else value
+    return snap
+
+
+def _counts_only(ctx) -> Dict[str, int]:
+    paused, total = ctx.paused_request_count, ctx.total_request_count
+    return {
+        "active": total - paused,
+        "paused": paused,
+        "padded": min(ctx.padded_active_request_count, ctx.max_requests),
+    }
+
+
+def _run_stock(
+    seed: int, steps: int, overrides: Dict[str, Any], driver_kwargs: Dict[str, Any]
+) -> Tuple[Any, "RandomDriver", List[Dict[str, Any]]]:
+    """Stock megatron-core's context driven by the randomized sequence; its state snapshots."""
+    snaps: List[Dict[str, Any]] = []
+    stock = make_context(extension=False, **overrides)
+    driver = RandomDriver(
+        stock,
+        seed,
+        check=_counts_only,
+        record=lambda ctx, phase: snaps.append(_state_snapshot(ctx, phase)),
+        **driver_kwargs,
+    )
+    driver.arrive(6)
+    for _ in range(steps):
+        driver.step()
+    return stock, driver, snaps
+
+
+def _check_slices_against(stock_snapshots: List[Dict[str, Any]]) -> Callable:
+    """A check for the extension's driver: its static slices equal the active rows of stock
+    megatron-core's tensors at the same step, neutral values after them."""
+    step = [0]
+
+    def check(ctx) -> Dict[str, int]:
+        stock = [s for s in stock_snapshots if s["phase"] == "initialize_attention_state"]
+        snap = stock[step[0]]
+        step[0] += 1
+        counts = check_active_slices(ctx)
+        paused, total = snap["paused_request_count"], snap["total_request_count"]
+        active, padded = total - paused, counts["padded"]
+        # Rows that the per-step refresh leaves neutral past the padded count too (0.16).
+        neutral_to = ctx.max_requests if not UPSTREAM_HAS_ACTIVE_SLICES else padded
+        for name, (attr, source) in _REQUEST_FIELDS.items():
+            static = _as_list(getattr(ctx, attr).view(torch.int32))
+            assert static[:active] == snap[source][paused:total], name
+            assert static[active:neutral_to] == [NEUTRAL_REQUEST[name]] * (neutral_to - active)
+        for label, static in ctx.active_request_metadata.items():
+            widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            raw = _as_list(static.view(widths[static.dtype.itemsize]))
+            assert raw[:active] == snap[f"metadata:{label}"][paused:total], label
+            assert _as_list(static[active:neutral_to]) == [NEUTRAL_METADATA[label]] * (
+                neutral_to - active
+            ), label
+        if not UPSTREAM_HAS_ACTIVE_SLICES:
+            last = _as_list(ctx.device_active_slices.last_token_idxs)
+            assert last[active:] == [0] * (ctx.max_requests - active)
+        return counts
+
+    return check
+
+
+@pytest.mark.parametrize(
+    "overrides, driver_kwargs, regimes",
+    [
+        (dict(), dict(), ("paused", "resumed", "evicted", "chunked", "decode_only", "mixed")),
+        (
+            dict(num_paused_blocks=0, max_tokens=128, materialize_only_last_token_logits=False),
+            dict(chunked_prefill=False),
+            ("decode_only", "mixed"),
+        ),
+    ],
+    ids=["chunked-prefill", "no-paused-reserve"],
+)
+@pytest.mark.parametrize("seed", [11, 12])
+def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, regimes, seed):
+    """Stock megatron-core's context and the extension's, driven by the same randomized
+    add / pause / resume / evict / finish sequence: megatron-core's own state and attention
+    metadata are bitwise the same after every initialize_attention_state and update_requests,
+    and the extension's static slices equal the active rows of stock's tensors, padded
+    neutrally."""
+    steps = 400
+    stock, stock_driver, stock_snaps = _run_stock(seed, steps, overrides, driver_kwargs)
+
+    ext_snaps: List[Dict[str, Any]] = []
+    ext = make_context(**overrides)
+    assert isinstance(ext, StaticSlicesInferenceContext)
+    assert not isinstance(stock, StaticSlicesInferenceContext)
+    ext_driver = RandomDriver(
+        ext,
+        seed,
+        check=_check_slices_against(stock_snaps),
+        record=lambda ctx, phase: ext_snaps.append(_state_snapshot(ctx, phase)),
+        **driver_kwargs,
+    )
+    ext_driver.arrive(6)
+    for _ in range(steps):
+        ext_driver.step()
+
+    assert len(ext_snaps) == len(stock_snaps) > steps
+    for index, (mine, theirs) in enumerate(zip(ext_snaps, stock_snaps)):
+        assert mine == theirs, f"state differs from megatron-core's at record {index}"
+    seen = ext_driver.seen
+    assert seen == stock_driver.seen
+    # The sequence must exercise what it is meant to compare.
+    assert all(seen[regime] > 0 for regime in regimes), seen
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's deferred publication only"
+)
+@pytest.mark.parametrize("seed", [13, 14])
+def test_deferred_publication_adds_no_step_work_and_reads_the_same(seed):
+    """With publish_static_slices_every_step False, initialize_attention_state does upstream's
+    work only (the extension's host slices and device buffer stay untouched), megatron-core's
+    state stays bitwise stock's, and reading device_active_slices then gives the slices that
+    publishing every step gives."""
+    _, _, stock_snaps = _run_stock(seed, 200, {}, {})
+
+    ext = make_context()
+    ext.publish_static_slices_every_step = False
+    check_against_stock = _check_slices_against(stock_snaps)
+    untouched = {"steps": 0}
+
+    def check(ctx) -> Dict[str, int]:
+        device = ctx._ext_device.buffer
+        # Upstream's own metadata slices share the host buffer and are written by upstream;
+        # the extension's request slices and the device copy must be as the last read left them.
+        for name, attr, _ in REQUEST_SLICE_FIELDS:
+            assert torch.equal(getattr(ctx, attr), last[name]), name
+        assert torch.equal(device, last["device"])
+        untouched["steps"] += 1
+        counts = check_against_stock(ctx)  # reads device_active_slices: publishes
+        for name, attr, _ in REQUEST_SLICE_FIELDS:
+            last[name] = getattr(ctx, attr).clone()
+        last["device"] = device.clone()
+        return counts
+
+    last = {name: getattr(ext, attr).clone() for name, attr, _ in REQUEST_SLICE_FIELDS}
+    last["device"] = ext._ext_device.buffer.clone()
+    ext_snaps: List[Dict[str, Any]] = []
+    driver = RandomDriver(
+        ext,
+        seed,
+        check=check,
+        record=lambda ctx, phase: ext_snaps.append(_state_snapshot(ctx, phase)),
+    )
+    driver.arrive(6)
+    for _ in range(200):
+        driver.step()
+    assert ext_snaps == stock_snaps
+    assert untouched["steps"] > 100
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.19 builds the slices host-side with upstream's own methods",
+)
+def test_refresh_equals_build_then_pad():
+    """The per-step device-count refresh leaves rows [0, padded) exactly as the explicit
+    build_active_slices(padded) + pad_active_slices() do, and neutral rows after them."""
+    ctx = make_context()
+    driver = RandomDriver(ctx, 21)
+    driver.arrive(8)
+    compared = 0
+    for _ in range(300):
+        driver.step()
+        if ctx.total_request_count == 0:
+            continue
+        ctx.refresh_active_slices()
+        refreshed = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
+        refreshed.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
+        refreshed["last"] = _as_list(ctx.active_request_last_token_idxs)
+        padded = min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
+        ctx.build_active_slices(padded)
+        ctx.pad_active_slices()
+        built = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
+        built.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
+        built["last"] = _as_list(ctx.active_request_last_token_idxs)
+        for key in built:
+            assert refreshed[key][:padded] == built[key][:padded], key
+        compared += 1
+    assert compared > 100

@@ -2,7 +2,7 @@
 
 """Tests of StaticSlicesTextGenerationController and its graph-safe sampling region.
 
-A deterministic synthetic model (megatron_ext.inference.synthetic) stands in for the network, so
+A deterministic synthetic model (megatron_ext.testing.synthetic) stands in for the network, so
 megatron-core's real DynamicInferenceEngine can run end to end on CPU: the extension must
 generate exactly the tokens and log-probs of megatron-core's own controller. The region's
 sampling rules are checked directly. The ``gpu`` tests capture the region in CUDA graphs and
@@ -20,15 +20,15 @@ from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
-from megatron_ext.inference.synthetic import (
+from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    SamplingPlan,
+    StaticSlicesTextGenerationController,
+)
+from megatron_ext.testing.synthetic import (
     build_engine,
     build_synthetic_stack,
     cpu_torch_compat,
     run_engine,
-)
-from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
-    SamplingPlan,
-    StaticSlicesTextGenerationController,
 )
 
 VOCAB = 64
@@ -159,10 +159,10 @@ def test_engine_stop_words_and_top_n_log_probs_identical_to_megatron_core():
     assert stopped, "no request finished on its stop word"
 
 
-def test_engine_runs_every_sampling_mode():
-    """Greedy, top-k, top-p and temperature requests together, through the engine."""
-    requests = random_requests(24, seed=5)
-    rng = random.Random(3)
+def _mixed_sampling_requests(seed: int, mix_seed: int):
+    """Requests whose sampling is greedy, top-k, top-p or plain temperature, at random."""
+    requests = random_requests(24, seed=seed)
+    rng = random.Random(mix_seed)
     mixed = []
     for prompt, params in requests:
         choice = rng.randrange(4)
@@ -170,12 +170,74 @@ def test_engine_runs_every_sampling_mode():
         params.top_p = [0.0, 0.0, 0.8, 0.0][choice]
         params.temperature = [1.0, 0.7, 1.0, 1.5][choice]
         mixed.append((prompt, params))
+    return mixed
+
+
+def test_engine_runs_every_sampling_mode():
+    """Greedy, top-k, top-p and temperature requests together, through the engine."""
+    mixed = _mixed_sampling_requests(5, 3)
     outputs, _ = engine_outputs(True, mixed)
     assert sorted(outputs) == list(range(len(mixed)))
     for request_id, (_, params) in enumerate(mixed):
         generated = outputs[request_id]["generated_tokens"]
         assert 1 <= len(generated) <= params.num_tokens_to_generate
         assert all(0 <= tok < VOCAB for tok in generated)
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.16's controller step is replaced whole (its sampler syncs per bucket)",
+)
+def test_eager_steps_are_megatron_cores_own_sampler(monkeypatch):
+    """0.19, region not graphed: megatron-core's sampler samples every step and the region
+    adds no work (no logits staging, no region run), so every sampling mode, drawn from the
+    same generator, gives stock's tokens and log-probs bit for bit."""
+    requests = _mixed_sampling_requests(7, 8)
+    stock, _ = engine_outputs(False, requests)
+    stack = make_stack(controller_kwargs=dict(cuda_graph_sampling=False))
+    controller = stack.controller
+    assert not controller.region_samples_this_step()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager step ran the region's work")
+
+    monkeypatch.setattr(controller, "run_graph_safe_step", refuse)
+    monkeypatch.setattr(controller, "stage_logits", refuse)
+    ours, _ = run_engine(build_engine(stack), requests)
+    assert ours == stock
+    # The context's additions to upstream's slices were deferred (nobody read them).
+    assert not stack.context.publish_static_slices_every_step
+    # The comparison covers sampled (not only greedy) rows.
+    assert any(
+        params.top_k != 1 and len(ours[i]["generated_tokens"]) > 1
+        for i, (_, params) in enumerate(requests)
+    )
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's sampler dispatch only"
+)
+def test_graphed_step_samples_with_the_region():
+    """0.19, region graphed: the step stages the logits and samples with the region. On CPU the
+    region runs eagerly in place of its graph (the GPU tests check replay == eager bitwise);
+    greedy tokens and log-probs equal megatron-core's."""
+    requests = random_requests(40, seed=23)
+    stock, _ = engine_outputs(False, requests)
+    stack = make_stack()
+    controller = stack.controller
+    controller.use_cuda_graphs = True
+    assert controller.region_samples_this_step()
+    original = controller.run_graph_safe_step
+    calls = []
+
+    def eager_stand_in(rows, plan, use_cuda_graph=None):
+        calls.append(rows)
+        original(rows, plan, use_cuda_graph=False)
+
+    controller.run_graph_safe_step = eager_stand_in
+    ours, _ = run_engine(build_engine(stack), requests)
+    assert ours == stock
+    assert calls, "the region never sampled"
 
 
 # ------------------------------------------------------------------------------ region rules
@@ -198,7 +260,7 @@ def test_region_greedy_log_probs_and_termination_rule():
     logits[0, 5] = 50.0  # request 0 samples its termination id
     rows = prepare_region(stack, logits)
     plan = controller.sampling_plan()
-    assert plan == SamplingPlan(log_probs=True)
+    assert plan == SamplingPlan(log_probs=True, greedy=True)
     controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)
     host = controller.fetch_step_outputs()
 
@@ -254,7 +316,9 @@ def test_sampling_respects_top_k_top_p_and_greedy_rows():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(len(params), VOCAB, generator=gen).to(_device()) * 3
     prepare_region(stack, logits)
-    assert stack.controller.sampling_plan() == SamplingPlan(sample=True, top_k_cap=8, top_p=True)
+    assert stack.controller.sampling_plan() == SamplingPlan(
+        sample=True, top_k_cap=8, top_p=True, greedy=True, full_vocab=True
+    )
     probs = logits.float().softmax(-1).cpu()
     order = probs.argsort(-1, descending=True)
     nucleus = int((probs[2][order[2]].cumsum(0) <= 0.5).sum()) + 1
@@ -306,7 +370,7 @@ def test_plan_violation_is_detected_and_recomputed(caplog):
     context, controller = stack.context, stack.controller
     logits = torch.randn(3, VOCAB, device=_device())
     prepare_region(stack, logits)
-    assert controller.sampling_plan() == SamplingPlan()
+    assert controller.sampling_plan() == SamplingPlan(greedy=True)
     # A row whose parameters the host-side plan does not know about (as if added behind the
     # context's back): top-k sampling where the plan says greedy, and log-probs.
     context.device_active_slices.metadata["top_k"][1] = 2
@@ -359,6 +423,47 @@ def test_rejects_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError):
             controller.run_graph_safe_step(4, plan, use_cuda_graph=True)
+
+
+def test_row_counts_below_the_active_requests_are_refused():
+    """Fewer rows than active requests would leave the other rows' tokens stale."""
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [dict(top_k=1)] * 5)
+    controller = stack.controller
+    logits = torch.randn(5, VOCAB, device=_device())
+    prepare_region(stack, logits)
+    with pytest.raises(ValueError, match=r"rows \(1\) must be in \[5, 16\]"):
+        controller.run_sampling_step(rows=1)
+    with pytest.raises(ValueError, match=r"rows \(-1\) must be in \[5, 16\]"):
+        controller.stage_logits(logits.unsqueeze(0), rows=-1)
+    with pytest.raises(TypeError, match="rows must be an int"):
+        controller.stage_logits(logits.unsqueeze(0), rows=2.5)
+    with pytest.raises(TypeError, match="logits must be a Tensor"):
+        controller.stage_logits(logits.tolist())
+    host = controller.run_sampling_step(rows=5)
+    assert host["tokens"][:5].tolist() == logits.argmax(-1).tolist()
+
+
+def test_top_k_candidate_sampler_keeps_ties_and_respects_k():
+    """The candidate path (every sampling row top-k) draws only among the k largest logits,
+    ties with the k-th included, and uses the temperature."""
+    params = [dict(top_k=2), dict(top_k=4, temperature=0.25), dict(top_k=3)]
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    logits = torch.full((3, VOCAB), -5.0, device=_device())
+    logits[0, [10, 11, 12]] = torch.tensor([3.0, 2.0, 2.0], device=_device())  # tie at k = 2
+    logits[1, [1, 2, 3, 4, 5]] = torch.tensor([4.0, 3.9, 3.8, 3.7, 9.0], device=_device())
+    logits[2, [7, 8, 9, 20]] = torch.tensor([1.0, 1.0, 1.0, 0.5], device=_device())
+    prepare_region(stack, logits)
+    plan = stack.controller.sampling_plan()
+    assert plan == SamplingPlan(sample=True, top_k_cap=4)
+    seen = {i: set() for i in range(3)}
+    for seed in range(80):
+        for row, token in enumerate(_sampling_rows(stack, params, logits, seed).tolist()):
+            seen[row].add(token)
+    assert seen[0] == {10, 11, 12}
+    assert seen[1] == {5}  # temperature 0.25 makes the 9.0 logit all but certain
+    assert seen[2] == {7, 8, 9}
 
 
 def test_requires_the_extension_context():
@@ -433,6 +538,11 @@ def test_engine_graphed_equals_eager_and_megatron_core():
     for mode in ("top_k", "top_p_log_probs"):
         requests = random_requests(40, seed=32, **_plans()[mode])
         eager, _ = engine_outputs(True, requests, controller_kwargs=dict(cuda_graph_sampling=False))
+        if UPSTREAM_HAS_ACTIVE_SLICES:
+            # 0.19: an eager step is megatron-core's own sampler (replay == eager region is
+            # checked inside the engine by test_graph_captured_once_replays_bitwise_equal_to_eager).
+            assert eager == engine_outputs(False, requests)[0], mode
+            continue
         graphed, _ = engine_outputs(
             True, requests, controller_kwargs=dict(cuda_graph_sampling=True)
         )

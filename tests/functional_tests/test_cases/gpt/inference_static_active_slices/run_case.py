@@ -11,7 +11,7 @@ and builds megatron-core's class names). The KV buffer is small, so requests pau
 get evicted. Both runs must produce bit-identical tokens and log-probs.
 
 megatron-core's dynamic-batching attention needs flash-attn, which this environment may not
-have. The model therefore uses ``TorchPagedSelfAttention`` (megatron_ext.inference.
+have. The model therefore uses ``TorchPagedSelfAttention`` (megatron_ext.testing.
 torch_paged_attention): megatron-core's ``SelfAttention`` with ``flash_decode_and_prefill``
 overridden by a plain-torch paged-KV attention (fixed shapes, graph-capturable). Both runs use
 it, so the comparison isolates the extension.
@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 # Deterministic cuBLAS workspaces; must be set before CUDA initialises.
@@ -98,123 +97,22 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> List[Tuple[List[
     return requests
 
 
-def build_model(args: argparse.Namespace, dtype: torch.dtype):
-    """A small GPT whose attention runs megatron_ext's plain-torch paged-KV attention."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    from megatron_ext.inference.torch_paged_attention import TorchPagedSelfAttention
-
-    config = TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        apply_rope_fusion=False,
-        use_cpu_initialization=True,
-        inference_sampling_seed=args.seed,
-    )
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.module = TorchPagedSelfAttention
-    torch.manual_seed(args.seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=args.vocab_size,
-        max_sequence_length=args.max_sequence_length,
-        position_embedding_type="rope",
-    )
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else "cpu"
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, config
-
-
-def build_engine(model, config, args: argparse.Namespace, dtype: torch.dtype):
-    """Context, controller and engine built with megatron-core's class names."""
-    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
-        TextGenerationController,
-    )
-
-    from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
-    from megatron_ext.inference.synthetic import SyntheticTokenizer
-    from megatron_ext.inference.synthetic import build_engine as make_engine
-
-    heads_kv = args.num_query_groups
-    head_dim = args.hidden_size // args.num_attention_heads
-    block_bytes = dtype.itemsize * 2 * args.num_layers * args.block_size_tokens * heads_kv
-    block_bytes *= head_dim
-    sizes = dict(
-        max_sequence_length=args.max_sequence_length,
-        buffer_size_gb=(args.kv_blocks + 0.5) * block_bytes / 1024**3,
-        paused_buffer_size_gb=(args.paused_kv_blocks + 0.5) * block_bytes / 1024**3,
-        max_requests=args.max_requests,
-        max_tokens=args.max_tokens,
-        block_size_tokens=args.block_size_tokens,
-        materialize_only_last_token_logits=True,
-    )
-    if UPSTREAM_HAS_ACTIVE_SLICES:
-        from megatron.core.inference.config import InferenceConfig
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-            GPTInferenceWrapper,
-        )
-
-        context = DynamicInferenceContext(
-            config, InferenceConfig(enable_chunked_prefill=True, **sizes)
-        )
-        wrapper = GPTInferenceWrapper(model, context)
-    else:
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-            GPTInferenceWrapper,
-        )
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-            InferenceWrapperConfig,
-        )
-
-        context = DynamicInferenceContext(
-            params_dtype=dtype,
-            num_layers=args.num_layers,
-            kv_channels=head_dim,
-            num_attention_heads=heads_kv,
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            **sizes,
-        )
-        wrapper_config = InferenceWrapperConfig(
-            hidden_size=args.hidden_size,
-            params_dtype=dtype,
-            inference_batch_times_seqlen_threshold=-1,
-            padded_vocab_size=args.vocab_size,
-            inference_max_requests=args.max_requests,
-            inference_max_seq_length=args.max_sequence_length,
-        )
-        wrapper = GPTInferenceWrapper(model, wrapper_config, context)
-    controller = TextGenerationController(wrapper, SyntheticTokenizer(args.vocab_size))
-    engine = make_engine(SimpleNamespace(controller=controller, context=context), seed=args.seed)
-    return engine, context, controller
-
-
-def run_mode(mode: str, model, config, args: argparse.Namespace, dtype: torch.dtype, requests):
+def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, requests):
     """Generate every request with the extension ``mode`` ("off"/"on")."""
     import megatron_ext.inference as ext_inference
-    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
-    from megatron_ext.inference.synthetic import run_engine
-    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    from megatron_ext.inference.static_slices import (
+        StaticSlicesInferenceContext,
         StaticSlicesTextGenerationController,
     )
-    from megatron_ext.inference.torch_paged_attention import (
+    from megatron_ext.testing.small_gpt import build_small_gpt_engine
+    from megatron_ext.testing.synthetic import run_engine
+    from megatron_ext.testing.torch_paged_attention import (
         allow_dynamic_inference_without_flash_attn,
     )
 
     ext_inference.apply_inference_extension(mode == "on")
     try:
-        engine, context, controller = build_engine(model, config, args, dtype)
+        engine, context, controller = build_small_gpt_engine(model, args, dtype)
     finally:
         ext_inference.apply_inference_extension(False)
     extended = isinstance(context, StaticSlicesInferenceContext) and isinstance(
@@ -264,7 +162,8 @@ def run_mode(mode: str, model, config, args: argparse.Namespace, dtype: torch.dt
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the case; 0 when every mode generated the same output, else 1."""
     args = parse_args(argv)
-    from megatron_ext.inference.synthetic import cpu_torch_compat, ensure_model_parallel
+    from megatron_ext.testing.small_gpt import build_small_gpt
+    from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("run_case: --device cuda but no CUDA GPU is visible", file=sys.stderr)
@@ -280,9 +179,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ensure_model_parallel()
         from megatron.core import package_info
 
-        model, config = build_model(args, dtype)
+        model, _ = build_small_gpt(args, dtype)
         requests = make_requests(args, args.vocab_size)
-        runs = [run_mode(mode, model, config, args, dtype, requests) for mode in args.modes]
+        runs = [run_mode(mode, model, args, dtype, requests) for mode in args.modes]
 
     problems: List[str] = []
     for run in runs[1:]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.inference.torch_paged_attention import paged_attention
+from megatron_ext.testing.torch_paged_attention import paged_attention
 
 
 def _layout(specs, block_size, num_blocks, heads_kv, dim, seed):

@@ -14,7 +14,6 @@ pinned host memory and CUDA events unconditionally, which such builds refuse.
 
 import contextlib
 import functools
-import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -23,7 +22,8 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.inference.contexts.static_slices_base import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.testing.network import free_port
 
 
 class _CPUEvent:
@@ -91,12 +91,6 @@ def cpu_torch_compat() -> Iterator[None]:
         yield
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_model_parallel() -> None:
     """Initialise a one-process ``torch.distributed`` group and megatron-core's model-parallel
     state (tensor and pipeline parallel size 1), unless already initialised."""
@@ -107,7 +101,7 @@ def ensure_model_parallel() -> None:
             torch.cuda.set_device(0)
         # Sizes of 1 never communicate, so gloo serves CPU and CUDA tensors alike.
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -274,8 +268,8 @@ def build_synthetic_stack(
     )
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
-    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+    from megatron_ext.inference.static_slices import (
+        StaticSlicesInferenceContext,
         StaticSlicesTextGenerationController,
     )
 

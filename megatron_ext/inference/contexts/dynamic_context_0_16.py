@@ -1,0 +1,314 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""``StaticSlicesInferenceContext`` for megatron-core 0.16.x.
+
+megatron-core 0.16's ``DynamicInferenceContext`` keeps per-request state on the device in
+tensors of ``max_requests`` rows laid out as ``[paused | active | finished]``; it has no active
+slices. This class adds fixed-address device copies of the active window: every step,
+``initialize_attention_state`` calls :meth:`StaticSlicesInferenceContext.build_active_slices`
+with the padded active request count, which copies rows ``[paused, paused + padded)`` of every
+per-request tensor into rows ``[0, padded)`` of its static copy, then
+:meth:`StaticSlicesInferenceContext.pad_active_slices`, which overwrites the padding rows
+``[active, padded)`` with neutral values.
+
+Every step, ``initialize_attention_state`` does the same work through
+:meth:`StaticSlicesInferenceContext.refresh_active_slices`: the paused and active request counts
+are written to a two-element device tensor (two fills), and one fixed-shape computation over all
+``max_requests`` rows reads them there (a gather at ``paused + row``, neutral values from row
+``active`` on, the last-token indices from a cumulative sum). Nothing in it depends on a host
+value, so on a CUDA device it is captured once in a CUDA graph and replayed every step: the
+host cost is flat in the request count. This is what upstream's note on ``pad_active_slices``
+expects from reordering the request tensors; device-side counts give it without reordering
+megatron-core's tensors.
+
+The static copies, allocated once: ``active_request_metadata[label]`` for every request-metadata
+label; ``active_request_ids``, ``active_request_query_lengths``,
+``active_request_kv_length_offsets``, ``active_request_output_lengths``; and
+``active_request_last_token_idxs``, the row of each request's last token in the packed token
+batch, computed on the device.
+"""
+
+from typing import Any, List
+
+import torch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from torch import Tensor
+
+from megatron_ext.inference.contexts.static_slices_base import (
+    ACTIVE_REQUEST_PAD_VALUES,
+    REQUEST_SLICE_FIELDS,
+    ActiveSlices,
+    StaticSlicesContextMixin,
+    pad_value,
+)
+from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
+
+__all__ = ["StaticSlicesInferenceContext"]
+
+# Integer type each field is gathered as, by element width (a bit-for-bit copy).
+_BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceContext):
+    """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
+
+    Takes exactly the arguments of megatron-core's ``DynamicInferenceContext``. See the module
+    docstring for the buffers and the per-step protocol.
+
+    All static buffers live on the context's device. ``build_active_slices`` and
+    ``pad_active_slices`` are device-only (no host synchronisation) and graph-safe for a fixed
+    ``(paused, batch_size, active)`` triple. The per-step path,
+    :meth:`refresh_active_slices`, is graph-safe for every triple (its counts live on the
+    device) and is replayed from a CUDA graph on CUDA devices unless
+    ``cuda_graph_active_slices`` is set to False.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._init_static_slices_state()
+        # Replay refresh_active_slices from a CUDA graph on CUDA devices; a plain attribute so
+        # that the constructor keeps megatron-core's exact signature.
+        self.cuda_graph_active_slices = True
+        self._slices_graph = None
+        super().__init__(*args, **kwargs)
+
+    # ---------------------------------------------------------------------- allocation
+
+    def allocate_all_tensors(self, *, is_init: bool) -> None:
+        """Allocate megatron-core's tensors, then the static active slices.
+
+        Args:
+            is_init (bool): True when called from ``__init__``.
+        """
+        was_allocated = self.is_tensor_state_allocated
+        super().allocate_all_tensors(is_init=is_init)
+        if self.is_tensor_state_allocated and not was_allocated:
+            self._allocate_static_slices()
+
+    def deallocate_all_tensors(self) -> None:
+        """Release megatron-core's tensors and the static active slices."""
+        super().deallocate_all_tensors()
+        if not self.is_tensor_state_allocated:
+            # The base class deletes tensor attributes only; drop the containers too so that a
+            # suspended engine actually frees the memory.
+            self.active_request_metadata = None
+            self._device_active_slices = None
+            self._slice_table = None
+            self._slices_graph = None
+            self._gather_groups = None
+
+    def _allocate_static_slices(self) -> None:
+        device = self.request_ids.device
+        rows = self.max_requests
+        self.active_request_metadata = {
+            label: torch.empty(rows, dtype=dtype, device=device)
+            for label, dtype, *_ in self.request_metadata_types
+        }
+        for _, attr, _ in REQUEST_SLICE_FIELDS:
+            setattr(self, attr, torch.empty(rows, dtype=torch.int32, device=device))
+        self.active_request_last_token_idxs = torch.zeros(rows, dtype=torch.int32, device=device)
+
+        # The static copies in a fixed order, with their neutral values; the last-token indices
+        # are computed, not copied, so they are padded but have no source.
+        statics: List[Tensor] = [getattr(self, attr) for _, attr, _ in REQUEST_SLICE_FIELDS]
+        templates = [
+            torch.full_like(static, ACTIVE_REQUEST_PAD_VALUES[name])
+            for (name, _, _), static in zip(REQUEST_SLICE_FIELDS, statics)
+        ]
+        for label, static in self.active_request_metadata.items():
+            statics.append(static)
+            templates.append(torch.full_like(static, pad_value(label, static.dtype)))
+        statics.append(self.active_request_last_token_idxs)
+        templates.append(torch.zeros_like(self.active_request_last_token_idxs))
+        self._slice_table = SliceTable(statics, templates)
+        self._slice_table.fill_rows(0, rows)
+
+        # refresh_active_slices' inputs: [paused, active] on the device, the row numbers, and
+        # the copied fields grouped by element width (gathered as raw bits, one gather per
+        # group). The sources are megatron-core's tensors, allocated with ours and never
+        # rebound until the next allocation, which also drops the graph captured over them.
+        self._slice_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
+        copied = list(zip(statics[:-1], templates[:-1], self._slice_sources()))
+        groups = {}
+        for static, template, source in copied:
+            groups.setdefault(static.dtype.itemsize, []).append((static, template, source))
+        self._gather_groups = []
+        for itemsize, members in groups.items():
+            bits = _BITS_BY_ITEMSIZE[itemsize]
+            self._gather_groups.append(
+                (
+                    [static.view(bits) for static, _, _ in members],
+                    torch.stack([template.view(bits) for _, template, _ in members]),
+                    [source.view(bits) for _, _, source in members],
+                )
+            )
+        self._slices_graph = None
+
+        self._device_active_slices = ActiveSlices(
+            request_ids=self.active_request_ids,
+            query_lengths=self.active_request_query_lengths,
+            kv_length_offsets=self.active_request_kv_length_offsets,
+            output_lengths=self.active_request_output_lengths,
+            last_token_idxs=self.active_request_last_token_idxs,
+            metadata=self.active_request_metadata,
+        )
+        self.static_slices_generation += 1
+
+    def _slice_sources(self) -> List[Tensor]:
+        # Looked up on every call rather than kept: megatron-core owns these attributes.
+        sources = [getattr(self, source) for _, _, source in REQUEST_SLICE_FIELDS]
+        sources += [self.request_metadata[label] for label in self.active_request_metadata]
+        return sources
+
+    # ---------------------------------------------------------------------- per-step slices
+
+    def build_active_slices(self, batch_size: int) -> None:
+        """Copy rows ``[paused, paused + batch_size)`` of every per-request tensor into rows
+        ``[0, batch_size)`` of its static copy, and compute the last-token indices.
+
+        Device-only: no host synchronisation. Run every step by ``initialize_attention_state``
+        with the padded active request count, clamped to ``max_requests - paused_request_count``;
+        rows past the active requests hold stale data until :meth:`pad_active_slices`
+        overwrites them.
+
+        Args:
+            batch_size (int): rows to copy: at least the active request count.
+
+        Raises:
+            TypeError: if batch_size is not an int.
+            ValueError: if batch_size is below the active request count or reads past the
+                request tensors.
+            RuntimeError: if the tensor state is deallocated.
+        """
+        self._require_static_slices("build_active_slices")
+        self._check_build_batch_size(batch_size)
+        self._slices_neutral_past_active = False
+        if batch_size == 0:
+            return
+        paused = self.paused_request_count
+        self._slice_table.copy_rows(self._slice_sources(), paused, batch_size)
+        src = slice(paused, paused + batch_size)
+        last_token_idxs = self.active_request_last_token_idxs[:batch_size]
+        torch.cumsum(self.request_query_lengths[src], dim=0, dtype=torch.int32, out=last_token_idxs)
+        last_token_idxs.sub_(1)
+
+    def pad_active_slices(self) -> None:
+        """Fill rows ``[active, padded_active)`` of every static copy with neutral values.
+
+        Device-only: no host synchronisation. See ``ACTIVE_METADATA_PAD_VALUES`` and
+        ``ACTIVE_REQUEST_PAD_VALUES`` for the values.
+
+        Raises:
+            RuntimeError: if the tensor state is deallocated.
+        """
+        self._require_static_slices("pad_active_slices")
+        active = self._active_request_count()
+        padded = min(self.padded_active_request_count, self.max_requests)
+        if padded <= active:
+            return
+        self._slice_table.fill_rows(active, padded)
+
+    def refresh_active_slices(self) -> None:
+        """This step's static slices, as :meth:`build_active_slices` with the padded count
+        followed by :meth:`pad_active_slices` would leave rows ``[0, padded)``, and neutral
+        values in every row past the active requests.
+
+        Host cost: two fills (the device-side counts) and, on a CUDA device, one graph replay
+        (the graph is captured on first use). Device-only: no host synchronisation.
+
+        Raises:
+            RuntimeError: if the tensor state is deallocated.
+        """
+        self._require_static_slices("refresh_active_slices")
+        self._slice_counts[0].fill_(self.paused_request_count)
+        self._slice_counts[1].fill_(self._active_request_count())
+        self._slices_neutral_past_active = True
+        use_graph = (
+            self.cuda_graph_active_slices
+            and self._slice_counts.is_cuda
+            # Inside someone else's capture the kernels simply join that graph.
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        if not use_graph:
+            self._refresh_from_device_counts()
+            return
+        if self._slices_graph is None:
+            self._slices_graph = self._capture_refresh()
+        self._slices_graph.replay()
+
+    def _refresh_from_device_counts(self) -> None:
+        """GRAPH-SAFE body of :meth:`refresh_active_slices`: every shape is ``max_requests``
+        rows, and the counts are read from ``_slice_counts`` on the device."""
+        paused, active = self._slice_counts[0], self._slice_counts[1]
+        rows = self._row_numbers
+        valid = rows < active
+        # Rows past the active requests read a clamped, in-bounds row and take the neutral value.
+        index = torch.clamp(rows + paused, max=self.max_requests - 1)
+        for statics, templates, sources in self._gather_groups:
+            gathered = torch.stack(sources).index_select(1, index)
+            torch._foreach_copy_(statics, torch.where(valid, gathered, templates).unbind(0))
+        lengths = torch.where(valid, self.request_query_lengths.index_select(0, index), 0)
+        last = torch.cumsum(lengths, dim=0, dtype=torch.int32).sub_(1)
+        self.active_request_last_token_idxs.copy_(torch.where(valid, last, 0))
+
+    def _capture_refresh(self) -> "torch.cuda.CUDAGraph":
+        # One eager run on a side stream first, so that lazy initialisation stays out of the
+        # capture; it writes the same values the replay will.
+        current = torch.cuda.current_stream(self._slice_counts.device)
+        side = torch.cuda.Stream(device=self._slice_counts.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._refresh_from_device_counts()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._refresh_from_device_counts()
+        return graph
+
+    def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's attention-state set-up, then this step's active slices
+        (:meth:`refresh_active_slices`).
+
+        Args:
+            *args: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
+            **kwargs: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
+        """
+        super().initialize_attention_state(*args, **kwargs)
+        self.refresh_active_slices()
+
+    # ---------------------------------------------------------------------- logits rows
+
+    @property
+    def num_last_token_logits(self) -> int:
+        """Rows returned by :meth:`last_token_logits` this step: one per active request.
+
+        On 0.16.x the model forward is not captured past the decoder layers, so the logits keep
+        megatron-core's active-request row count.
+        """
+        return self._active_request_count()
+
+    def last_token_logits(self, logits: Tensor) -> Tensor:
+        """Rows of ``logits`` at each active request's last token.
+
+        Same values as megatron-core's version, gathered with the device-computed
+        ``active_request_last_token_idxs`` instead of a fresh cumulative sum.
+
+        Args:
+            logits (Tensor): ``[1, padded_active_token_count, H]``.
+
+        Returns:
+            Tensor: ``[num_last_token_logits, H]``.
+        """
+        self._check_logits_shape(logits)
+        self._require_static_slices("last_token_logits")
+        rows = self.active_request_last_token_idxs[: self.num_last_token_logits]
+        return logits.squeeze(0).index_select(0, rows)
+
+    # ---------------------------------------------------------------------- requests
+
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's ``reset``, then forget every request and re-pad the slices."""
+        super().reset(*args, **kwargs)
+        self._sampling_registry.clear()
+        if self._device_active_slices is not None:
+            self._slice_table.fill_rows(0, self.max_requests)

@@ -1,0 +1,134 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Host-side record of what the requests in a context need from a sampling step, so that a
+sampler picks its kernels without reading request metadata back from the device."""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Tuple
+
+__all__ = ["RequestSamplingRegistry", "SamplingRequirements", "top_k_cap_for"]
+
+
+@dataclass(frozen=True)
+class SamplingRequirements:
+    """What the requests currently held by a context need from a sampling step.
+
+    The defaults describe a context that holds no request.
+
+    Attributes:
+        sample (bool): some request samples (``top_k != 1``); otherwise every request is greedy.
+        top_k_cap (int): a power of two >= every ``top_k > 1`` in use; 0 when none is in use.
+        top_p (bool): some request uses nucleus (top-p) filtering.
+        log_probs (bool): some request wants log-probs (or top-n log-probs).
+        greedy (bool): some request is greedy (``top_k == 1``).
+        full_vocab (bool): some request samples from the whole vocabulary (``top_k < 1`` and
+            ``top_p == 0``).
+    """
+
+    sample: bool = False
+    top_k_cap: int = 0
+    top_p: bool = False
+    log_probs: bool = False
+    greedy: bool = False
+    full_vocab: bool = False
+
+
+def top_k_cap_for(max_top_k: int) -> int:
+    """The power of two >= ``max_top_k`` (0 when no request uses top-k filtering).
+
+    Args:
+        max_top_k (int): the largest ``top_k > 1`` in use, or <= 1 for none.
+
+    Returns:
+        int: the cap.
+    """
+    return 0 if max_top_k <= 1 else 1 << (max_top_k - 1).bit_length()
+
+
+def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
+    """(top_k, uses top-p, wants log-probs, samples the whole vocabulary) of one request,
+    following megatron-core's rule: greedy for ``top_k == 1``, top-k filtering for ``top_k > 1``,
+    top-p filtering only when ``top_k < 1``."""
+    top_k = int(sampling_params.top_k)
+    top_p = float(sampling_params.top_p)
+    uses_top_p = top_k < 1 and top_p > 0.0
+    full_vocab = top_k < 1 and top_p <= 0.0
+    wants_log_probs = bool(sampling_params.return_log_probs) or (
+        int(getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
+    )
+    return top_k, uses_top_p, wants_log_probs, full_vocab
+
+
+class RequestSamplingRegistry:
+    """Host-side index of the sampling features of the requests held by a context.
+
+    Entries are added when a request is added to the context and removed when the request
+    leaves it (finished or evicted); counters keep :meth:`requirements` O(number of distinct
+    top_k values).
+    """
+
+    def __init__(self) -> None:
+        self._features: Dict[int, Tuple[int, bool, bool, bool]] = {}
+        self._top_k_counts: Counter = Counter()
+        self._counts = Counter()
+
+    def __len__(self) -> int:
+        return len(self._features)
+
+    def __contains__(self, request_id: int) -> bool:
+        return int(request_id) in self._features
+
+    def add(self, request_id: int, sampling_params: Any) -> None:
+        """Record (or replace) a request's sampling features.
+
+        Args:
+            request_id (int): the request id.
+            sampling_params: its ``SamplingParams``.
+        """
+        features = request_features(sampling_params)
+        self.discard((request_id,))
+        self._features[int(request_id)] = features
+        self._update(features, +1)
+
+    def _update(self, features: Tuple[int, bool, bool, bool], sign: int) -> None:
+        top_k, uses_top_p, wants_log_probs, full_vocab = features
+        self._top_k_counts[top_k] += sign
+        if self._top_k_counts[top_k] == 0:
+            del self._top_k_counts[top_k]
+        self._counts["non_greedy"] += sign * (top_k != 1)
+        self._counts["greedy"] += sign * (top_k == 1)
+        self._counts["top_p"] += sign * uses_top_p
+        self._counts["log_probs"] += sign * wants_log_probs
+        self._counts["full_vocab"] += sign * full_vocab
+
+    def discard(self, request_ids: Iterable[int]) -> None:
+        """Forget requests; unknown ids are ignored.
+
+        Args:
+            request_ids (Iterable[int]): ids that left the context.
+        """
+        for request_id in request_ids:
+            features = self._features.pop(int(request_id), None)
+            if features is not None:
+                self._update(features, -1)
+
+    def clear(self) -> None:
+        """Forget every request."""
+        self.__init__()
+
+    def requirements(self) -> SamplingRequirements:
+        """Aggregate the recorded features.
+
+        Returns:
+            SamplingRequirements: what the recorded requests need.
+        """
+        max_top_k = max((k for k in self._top_k_counts if k > 1), default=0)
+        return SamplingRequirements(
+            sample=self._counts["non_greedy"] > 0,
+            top_k_cap=top_k_cap_for(max_top_k),
+            top_p=self._counts["top_p"] > 0,
+            log_probs=self._counts["log_probs"] > 0,
+            greedy=self._counts["greedy"] > 0,
+            full_vocab=self._counts["full_vocab"] > 0,
+        )

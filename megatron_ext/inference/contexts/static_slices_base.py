@@ -1,0 +1,295 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""What the static-active-slices contexts of every megatron-core line share: the neutral padding
+values, the :class:`ActiveSlices` view of the device buffers, input checks and
+:class:`StaticSlicesContextMixin` (sampling registry, request checks, extra padding).
+
+The release-specific classes live in ``dynamic_context_0_16`` and ``dynamic_context_0_19``;
+``megatron_ext.inference.static_slices`` picks one for the installed megatron-core.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_ext.inference.contexts.sampling_registry import (
+    RequestSamplingRegistry,
+    SamplingRequirements,
+)
+from megatron_ext.utils import is_megatron_core_min_version
+
+__all__ = [
+    "ACTIVE_METADATA_PAD_VALUES",
+    "ACTIVE_REQUEST_PAD_VALUES",
+    "ActiveSlices",
+    "StaticSlicesContextMixin",
+    "UPSTREAM_HAS_ACTIVE_SLICES",
+    "check_row_count",
+]
+
+# megatron-core 0.19 keeps request bookkeeping in pinned host memory and already has
+# build_active_slices/pad_active_slices; earlier releases keep it on the device and have neither.
+UPSTREAM_HAS_ACTIVE_SLICES = is_megatron_core_min_version("0.19.0")
+
+INT32_MAX = torch.iinfo(torch.int32).max
+
+# Neutral values for the padding rows [active, padded_active) of the active metadata slices. A
+# padded row must never change real state: it samples from an untouched distribution, its
+# termination id cannot match a sampled token (token ids are >= 0), and it asks for no log-probs.
+ACTIVE_METADATA_PAD_VALUES: Dict[str, Any] = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 0.0,
+    "termination_id": -1,
+    "return_log_probs": False,
+    "skip_prompt_log_probs": False,
+    "top_n_logprobs": 0,
+}
+
+# Neutral values for the request tensors. With a query length and kv offset of 0 and an output
+# length of INT32_MAX, a padded row's sequence length never reaches its output length, so it can
+# never be marked finished; its request id of -1 matches no request.
+ACTIVE_REQUEST_PAD_VALUES: Dict[str, int] = {
+    "request_ids": -1,
+    "query_lengths": 0,
+    "kv_length_offsets": 0,
+    "output_lengths": INT32_MAX,
+    "last_token_idxs": 0,
+}
+
+# (name, static attribute, source attribute) for the request tensors sliced on every release.
+REQUEST_SLICE_FIELDS: Tuple[Tuple[str, str, str], ...] = (
+    ("request_ids", "active_request_ids", "request_ids"),
+    ("query_lengths", "active_request_query_lengths", "request_query_lengths"),
+    ("kv_length_offsets", "active_request_kv_length_offsets", "request_kv_length_offsets"),
+    ("output_lengths", "active_request_output_lengths", "request_output_lengths"),
+)
+
+
+@dataclass(frozen=True)
+class ActiveSlices:
+    """Device-resident static buffers of the active requests.
+
+    Every tensor has ``max_requests`` rows and a fixed address for the lifetime of the context's
+    tensor state; rows ``[0, padded_active_request_count)`` are valid after
+    ``initialize_attention_state`` (active rows first, then neutral padding rows).
+
+    Attributes:
+        request_ids (Tensor): int32 request ids; -1 in padding rows.
+        query_lengths (Tensor): int32 tokens each request feeds this step.
+        kv_length_offsets (Tensor): int32 tokens already in each request's KV cache.
+        output_lengths (Tensor): int32 length at which each request finishes.
+        last_token_idxs (Tensor): int32 row of each request's last token in the packed batch.
+        metadata (Dict[str, Tensor]): one tensor per request-metadata label.
+    """
+
+    request_ids: Tensor
+    query_lengths: Tensor
+    kv_length_offsets: Tensor
+    output_lengths: Tensor
+    last_token_idxs: Tensor
+    metadata: Dict[str, Tensor]
+
+
+def pad_value(label: str, dtype: torch.dtype) -> Any:
+    """Neutral padding value for a metadata label (0 / False for labels we do not know)."""
+    value = ACTIVE_METADATA_PAD_VALUES.get(label, 0)
+    return bool(value) if dtype == torch.bool else value
+
+
+def check_row_count(name: str, value: Any, low: int, high: int, why: str) -> int:
+    """Validate a row count: an int (not a bool) in ``[low, high]``.
+
+    Args:
+        name (str): the argument's name, for the message.
+        value: the value given.
+        low (int): smallest allowed value.
+        high (int): largest allowed value.
+        why (str): what the bounds are, for the message.
+
+    Returns:
+        int: ``value``.
+
+    Raises:
+        TypeError: if value is not an int.
+        ValueError: if value is outside ``[low, high]``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} ({value}) must be in [{low}, {high}] ({why})")
+    return value
+
+
+class StaticSlicesContextMixin:
+    """Release-independent part of ``StaticSlicesInferenceContext``."""
+
+    def _init_static_slices_state(self) -> None:
+        """Host-side state; set before megatron-core's constructor allocates tensors."""
+        self._sampling_registry = RequestSamplingRegistry()
+        # Bumped whenever the static buffers are (re)allocated, so that consumers holding CUDA
+        # graphs over the old addresses know to recapture.
+        self.static_slices_generation = 0
+        self._device_active_slices: Optional[ActiveSlices] = None
+        # True while every row past the active requests is known to hold neutral values (set by
+        # a context that refreshes all rows each step), so extend_active_padding has no work.
+        self._slices_neutral_past_active = False
+
+    def _require_static_slices(self, what: str) -> None:
+        if self._device_active_slices is None:
+            raise RuntimeError(
+                f"{what}: the context's tensor state is not allocated (deallocate_all_tensors() "
+                "was called, e.g. by a suspended engine); call allocate_all_tensors(is_init=False) "
+                "or resume the engine first"
+            )
+
+    @property
+    def device_active_slices(self) -> ActiveSlices:
+        """Device-resident static buffers of the active requests (see :class:`ActiveSlices`).
+
+        A context that defers publishing them (0.19, ``publish_static_slices_every_step``
+        False) completes them here; read them before ``update_requests``.
+
+        Raises:
+            RuntimeError: if the tensor state is deallocated.
+        """
+        self._require_static_slices("device_active_slices")
+        self._publish_pending_static_slices()
+        return self._device_active_slices
+
+    def _publish_pending_static_slices(self) -> None:
+        """Hook: complete slices whose publication a context defers (0.19); no-op here."""
+
+    @property
+    def max_logit_rows(self) -> int:
+        """Most last-token logit rows a step can produce: one per request slot."""
+        return self.max_requests
+
+    @property
+    def materializes_only_last_token_logits(self) -> bool:
+        """Whether the forward pass returns only last-token logits (the setting moved into
+        ``context.config`` in megatron-core 0.19)."""
+        config = getattr(self, "config", None)
+        if config is not None and hasattr(config, "materialize_only_last_token_logits"):
+            return bool(config.materialize_only_last_token_logits)
+        return bool(self.materialize_only_last_token_logits)
+
+    def sampling_requirements(self) -> SamplingRequirements:
+        """Sampling features needed by the requests now in the context (active or paused).
+
+        Host-only: no device access.
+
+        Returns:
+            SamplingRequirements: the aggregate over every request added and not yet released.
+        """
+        return self._sampling_registry.requirements()
+
+    def release_request_sampling_state(self, request_ids: Iterable[int]) -> None:
+        """Tell the context that requests have left it (finished), for
+        :meth:`sampling_requirements`. Ids still held (e.g. the chunked-prefill request) are kept.
+
+        Args:
+            request_ids (Iterable[int]): ids of requests that left the context.
+        """
+        keep = self.chunked_prefill_request_id
+        self._sampling_registry.discard(rid for rid in request_ids if int(rid) != keep)
+
+    def _check_build_batch_size(self, batch_size: Any) -> int:
+        """build_active_slices' argument: every active row, and no row past the tensors."""
+        paused = self.paused_request_count
+        return check_row_count(
+            "batch_size",
+            batch_size,
+            self._active_request_count(),
+            self.max_requests - paused,
+            "at least the active request count, at most max_requests - paused_request_count; "
+            "a smaller batch leaves active rows stale",
+        )
+
+    def extend_active_padding(self, rows: int) -> None:
+        """Pad the device slices' rows ``[padded_active, rows)`` with neutral values too.
+
+        For consumers that process a fixed number of rows every step (one CUDA graph for all
+        batch sizes) rather than the padded active request count. Device-only: no host
+        synchronisation. A no-op when ``rows`` does not exceed the padded count.
+
+        Args:
+            rows (int): rows that must be valid (active or neutral).
+
+        Raises:
+            TypeError: if rows is not an int.
+            ValueError: if rows is outside [0, max_requests].
+            RuntimeError: if the tensor state is deallocated.
+        """
+        check_row_count("rows", rows, 0, self.max_requests, "the context's max_requests")
+        self._require_static_slices("extend_active_padding")
+        self._publish_pending_static_slices()
+        start = max(self.padded_active_request_count, self._active_request_count())
+        if rows <= start or self._slices_neutral_past_active:
+            return
+        pad = slice(start, rows)
+        slices = self._device_active_slices
+        for name, _, _ in REQUEST_SLICE_FIELDS:
+            getattr(slices, name)[pad].fill_(ACTIVE_REQUEST_PAD_VALUES[name])
+        slices.last_token_idxs[pad].fill_(ACTIVE_REQUEST_PAD_VALUES["last_token_idxs"])
+        for label, tensor in slices.metadata.items():
+            tensor[pad].fill_(pad_value(label, tensor.dtype))
+
+    def _check_logits_shape(self, logits: Tensor) -> None:
+        if not isinstance(logits, Tensor):
+            raise TypeError(f"logits must be a Tensor, got {type(logits).__name__}")
+        if logits.dim() != 3 or logits.size(0) != 1:
+            raise ValueError(f"expected logits of shape [1, S, H], got {tuple(logits.shape)}")
+        if logits.size(1) != self.padded_active_token_count:
+            raise ValueError(
+                f"logits.size(1) ({logits.size(1)}) != padded_active_token_count "
+                f"({self.padded_active_token_count})"
+            )
+
+    def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's ``add_request``, then record the request's sampling features.
+
+        Args:
+            req (DynamicInferenceRequest): the request.
+            *args: forwarded to megatron-core (the prefill chunk length).
+            **kwargs: forwarded to megatron-core.
+
+        Raises:
+            ValueError: if a request with the same id is already in the context (megatron-core
+                would hold two rows with one id; finishing either would then be ambiguous),
+                except for a later chunk of a chunked-prefill request.
+        """
+        request_id = int(req.request_id)
+        # A later chunk of a chunked prefill comes back under its id (finished_chunk_token_count
+        # counts the chunks already added).
+        continuing = int(getattr(req, "finished_chunk_token_count", 0) or 0) > 0
+        if request_id in self._sampling_registry and not continuing:
+            raise ValueError(
+                f"request id {request_id} is already in the context; request ids must be unique "
+                "among the requests a context holds"
+            )
+        super().add_request(req, *args, **kwargs)
+        self._sampling_registry.add(request_id, req.sampling_params)
+
+    def update_requests(self, *args: Any, **kwargs: Any) -> Any:
+        """megatron-core's ``update_requests``; evicted requests leave the sampling registry
+        (the engine adds them again later, under the same id).
+
+        Args:
+            *args: forwarded to megatron-core.
+            **kwargs: forwarded to megatron-core.
+
+        Returns:
+            megatron-core's result.
+        """
+        result = super().update_requests(*args, **kwargs)
+        evicted = result.get("evict_request_ids") if isinstance(result, dict) else None
+        if evicted is not None and len(evicted):
+            # Eviction is rare and megatron-core's engine reads these ids back itself.
+            self._sampling_registry.discard(evicted.tolist())
+        return result
+
+    def _active_request_count(self) -> int:
+        return self.total_request_count - self.paused_request_count

@@ -1,0 +1,130 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""``StaticSlicesTextGenerationController`` for megatron-core 0.19.x.
+
+megatron-core 0.19 already reads request metadata from host-side active slices, keeps logits in
+a static buffer when it captures the model, and does its bookkeeping on the host after one
+read-back of the sampled tokens. Here the controller replaces only the sampling kernels
+(``_dynamic_step_sample_logits``) with the graph-safe region replayed from a CUDA graph, for the
+legacy (non-overlapped) scheduling mode without speculative decoding, reads the plan from those
+host slices (exact for the active rows, no synchronisation), and leaves log-probs and bookkeeping
+to upstream.
+
+Every other step runs upstream's sampler unchanged, including steps of a controller whose region
+is not graphed (``cuda_graph_sampling=False``, or a context off CUDA): run eagerly, the region
+launches its kernels one by one (sampling, plus the termination mask, the request-id copies and
+the plan check that only the 0.16 step and the public ``run_sampling_step`` read), after a copy
+of the logits into its static buffer; upstream's bucketed sampler does less launch work for the
+same tokens, so an eager step of this controller is megatron-core's step.
+"""
+
+from typing import Any, Dict, Tuple
+
+import torch
+from megatron.core.inference.config import AsyncScheduleMode
+from torch import Tensor
+
+from megatron_ext.inference.contexts.sampling_registry import top_k_cap_for
+from megatron_ext.inference.text_generation_controllers.static_slices_base import (
+    SamplingPlan,
+    StaticSlicesControllerBase,
+)
+
+__all__ = ["StaticSlicesTextGenerationController"]
+
+
+class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
+    """``TextGenerationController`` with a graph-safe, sync-free sampler (megatron-core 0.19.x).
+    Takes megatron-core's arguments plus ``cuda_graph_sampling`` and ``sampling_rows`` (see
+    :class:`StaticSlicesControllerBase`)."""
+
+    # Upstream owns the sampled-token buffer's address (its bookkeeping reads it).
+    _OWNS_SAMPLED_TOKENS = False
+
+    def _expected_logits_shape(self) -> Tuple[int, torch.dtype]:
+        return self.vocab_size, self.inference_wrapped_model.config.params_dtype
+
+    def sampling_plan(self) -> SamplingPlan:
+        """The sampling plan for this step, read from upstream's host-side active slices (exact
+        for the active rows; reading pinned host memory needs no synchronisation).
+
+        Returns:
+            SamplingPlan: hashable plan; part of the CUDA graph cache key.
+        """
+        context = self.inference_wrapped_model.inference_context
+        n = self._active_request_count()
+        meta = context.active_request_metadata
+        top_k = meta["top_k"][:n]
+        top_p = meta["top_p"][:n]
+        unfiltered = top_k < 1
+        plan = SamplingPlan(
+            sample=bool((top_k != 1).any()),
+            top_k_cap=top_k_cap_for(int(top_k.max()) if n else 0),
+            top_p=bool((unfiltered & (top_p > 0)).any()),
+            log_probs=bool(
+                meta["return_log_probs"][:n].any() or (meta["top_n_logprobs"][:n] > 0).any()
+            ),
+            greedy=bool((top_k == 1).any()),
+            full_vocab=bool((unfiltered & (top_p <= 0)).any()),
+        )
+        return self._clamped_plan(plan)
+
+    def region_samples_this_step(self) -> bool:
+        """Whether this step samples with the graph-safe region: only when it is replayed from a
+        CUDA graph, in legacy scheduling, without speculative decoding (megatron-core's sampler
+        otherwise; see the module docstring). Host-only.
+
+        Returns:
+            bool: True when the region replaces megatron-core's sampler this step.
+        """
+        context = self.inference_wrapped_model.inference_context
+        return (
+            self.use_cuda_graphs
+            and not self.num_speculative_tokens
+            and context.config.async_sched_mode == AsyncScheduleMode.LEGACY
+        )
+
+    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
+        """megatron-core's step initialisation; the context's additions to upstream's slices
+        are published this step only if the region samples (otherwise on first read)."""
+        context = self.inference_wrapped_model.inference_context
+        context.publish_static_slices_every_step = self.region_samples_this_step()
+        return super()._dynamic_step_context_init(*args, **kwargs)
+
+    def _dynamic_step_forward_logits(self, input_ids: Tensor, position_ids: Tensor):
+        """megatron-core's forward step, then, when the region samples this step, this step's
+        logits rows copied into the static buffer."""
+        logits = super()._dynamic_step_forward_logits(input_ids, position_ids)
+        if not self.region_samples_this_step():
+            return logits
+        rows = self._region_rows()
+        context = self.inference_wrapped_model.inference_context
+        context.extend_active_padding(rows)
+        # 0.19 leaves the logits in self._all_logits_cuda, which may be its own [1, max_rows, V]
+        # buffer; only the leading rows belong to this step.
+        if context.materializes_only_last_token_logits:
+            count = context.num_last_token_logits
+        else:
+            count = context.padded_active_token_count
+        self.stage_logits(self._all_logits_cuda[:, :count], rows=rows)
+        return logits
+
+    def _dynamic_step_sample_logits(self) -> None:
+        """Sample with the graph-safe region's CUDA graph (see ``region_samples_this_step``);
+        megatron-core's sampler otherwise."""
+        if not self.region_samples_this_step():
+            return super()._dynamic_step_sample_logits()
+        plan = self.sampling_plan()
+        # Upstream computes log-probs itself (raw or processed, per its config).
+        plan = SamplingPlan(**{**plan.__dict__, "log_probs": False})
+        self.run_graph_safe_step(self._region_rows(), plan)
+
+    def _dynamic_step_context_bookkeeping(self) -> Dict[str, Tensor]:
+        """megatron-core's bookkeeping, then release finished requests' sampling state."""
+        result = super()._dynamic_step_context_bookkeeping()
+        finished = result.get("finished_request_ids")
+        if finished is not None:
+            # A host tensor on 0.19: no synchronisation.
+            context = self.inference_wrapped_model.inference_context
+            context.release_request_sampling_state(finished.tolist())
+        return result

@@ -1,0 +1,42 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ext.inference.contexts.sampling_registry import (
+    RequestSamplingRegistry,
+    SamplingRequirements,
+    top_k_cap_for,
+)
+
+
+def params(top_k=1, top_p=0.0, return_log_probs=False, top_n_logprobs=0):
+    return SimpleNamespace(
+        top_k=top_k, top_p=top_p, return_log_probs=return_log_probs, top_n_logprobs=top_n_logprobs
+    )
+
+
+@pytest.mark.parametrize("max_top_k,cap", [(0, 0), (1, 0), (2, 2), (3, 4), (50, 64), (64, 64)])
+def test_top_k_cap_is_the_next_power_of_two(max_top_k, cap):
+    assert top_k_cap_for(max_top_k) == cap
+
+
+def test_requirements_follow_megatron_core_rules_and_counts():
+    registry = RequestSamplingRegistry()
+    assert registry.requirements() == SamplingRequirements()
+    registry.add(0, params(top_k=1))
+    registry.add(1, params(top_k=50))
+    registry.add(2, params(top_k=0, top_p=0.9))  # nucleus
+    registry.add(3, params(top_k=0, top_p=0.0, top_n_logprobs=2))  # whole vocabulary
+    registry.add(4, params(top_k=5, top_p=0.9))  # top-k wins over top-p in megatron-core
+    assert registry.requirements() == SamplingRequirements(
+        sample=True, top_k_cap=64, top_p=True, log_probs=True, greedy=True, full_vocab=True
+    )
+    registry.discard([2, 3, 99])  # unknown ids are ignored
+    assert registry.requirements() == SamplingRequirements(sample=True, top_k_cap=64, greedy=True)
+    registry.add(1, params(top_k=1))  # replacing a request's features
+    assert registry.requirements() == SamplingRequirements(sample=True, top_k_cap=8, greedy=True)
+    assert 4 in registry and 2 not in registry and len(registry) == 3
+    registry.clear()
+    assert len(registry) == 0 and registry.requirements() == SamplingRequirements()
