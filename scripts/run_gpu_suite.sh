@@ -6,6 +6,7 @@
 #   bash scripts/run_gpu_suite.sh [--wheels DIR] [--results DIR] [--generate-golden]
 #                                 [--skip-unit] [--skip-survey] [--skip-sanitizer]
 #                                 [--skip-functional] [--skip-bench] [--quick-bench]
+#                                 [--repeat-unit N] [--unit-paths "PATH..."] [--bench NAME]
 #
 #   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
 #                      site directory first, for machines without network access
@@ -13,6 +14,10 @@
 #   --generate-golden  write the functional cases' golden values for this machine instead of
 #                      comparing with them
 #   --skip-survey      leave out the survey of megatron-core's kernels for launch-to-launch races
+#   --repeat-unit N    run the GPU unit tests N times in a row (a race shows as a flaky failure)
+#   --unit-paths P     run only these test paths (default: tests/unit_tests), e.g. while iterating
+#                      on one component: "tests/unit_tests/inference tests/unit_tests/testing"
+#   --bench NAME       rope, inference or all (default): which benchmarks to run
 #
 # Each step runs even when an earlier one failed; the exit code is non-zero if any failed. The
 # last thing printed is a summary table (also written to RESULTS/summary.md), with the counts of
@@ -23,6 +28,7 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 wheels="" results="$repo/results" golden="" quick=""
+repeat_unit=1 unit_paths="tests/unit_tests" bench="all"
 skip_unit="" skip_survey="" skip_san="" skip_func="" skip_bench=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,7 +41,10 @@ while [ $# -gt 0 ]; do
     --skip-functional) skip_func=1 ;;
     --skip-bench) skip_bench=1 ;;
     --quick-bench) quick="--quick" ;;
-    -h|--help) sed -n '3,22p' "$0"; exit 0 ;;
+    --repeat-unit) repeat_unit="$2"; shift ;;
+    --unit-paths) unit_paths="$2"; shift ;;
+    --bench) bench="$2"; shift ;;
+    -h|--help) sed -n '3,26p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -86,10 +95,15 @@ step() {  # step NAME LOGFILE CMD...
 if [ -z "$skip_unit" ]; then
   # pytest-xdist, where installed, overlaps the Triton compiles of the many kernel configs.
   xdist=""
-  python3 -c 'import xdist' 2>/dev/null && xdist="-n 4"
-  step "GPU unit tests" unit.log \
-    python3 -m pytest tests/unit_tests -m gpu -q -rs -p no:cacheprovider $xdist \
-      --junitxml="$results/unit.xml"
+  python3 -c 'import xdist' 2>/dev/null && xdist="-n 6"
+  for i in $(seq 1 "$repeat_unit"); do
+    tag=""
+    [ "$repeat_unit" -gt 1 ] && tag=" (run $i of $repeat_unit)"
+    # shellcheck disable=SC2086
+    step "GPU unit tests$tag" "unit$i.log" \
+      python3 -m pytest $unit_paths -m gpu -q -rs -p no:cacheprovider $xdist \
+        --junitxml="$results/unit$i.xml"
+  done
 fi
 
 if [ -z "$skip_survey" ]; then
@@ -109,9 +123,13 @@ if [ -z "$skip_func" ]; then
 fi
 
 if [ -z "$skip_bench" ]; then
-  step "benchmark rope" bench_rope.log python3 -m megatron_ext.bench rope --out "$results" $quick
-  step "benchmark inference" bench_inference.log \
-    python3 -m megatron_ext.bench inference --out "$results" $quick
+  if [ "$bench" = all ] || [ "$bench" = rope ]; then
+    step "benchmark rope" bench_rope.log python3 -m megatron_ext.bench rope --out "$results" $quick
+  fi
+  if [ "$bench" = all ] || [ "$bench" = inference ]; then
+    step "benchmark inference" bench_inference.log \
+      python3 -m megatron_ext.bench inference --out "$results" $quick
+  fi
 fi
 
 if [ -z "$skip_san" ]; then
