@@ -42,7 +42,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_ext.fusions.mla_rope import checks
-from megatron_ext.fusions.mla_rope.kernels import mla_rope_q_bwd_kernel, mla_rope_q_fwd_kernel
 from megatron_ext.fusions.mla_rope.launch import (  # noqa: F401 (re-exported)
     AUTOTUNE_CONFIGS,
     BLOCK_H_CHOICES,
@@ -58,7 +57,6 @@ from megatron_ext.fusions.mla_rope.ops import (  # noqa: F401 (re-exported)
     mla_rope_q_bwd,
     mla_rope_q_bwd_,
     mla_rope_q_fwd_,
-    run_q,
 )
 
 __all__ = [
@@ -160,8 +158,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
         position_ids,
     ):
         """Rotate ``t`` in place and return it. Args: as :func:`fused_apply_mla_rope_for_q`."""
-        run_q(
-            mla_rope_q_fwd_kernel,
+        mla_rope_q_fwd_(
             t,
             cos,
             sin,
@@ -170,9 +167,9 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             cu_seqlens_q,
             cp_rank,
             cp_size,
-            inverse,
-            remove_interleaving,
-            position_ids,
+            inverse=inverse,
+            remove_interleaving=remove_interleaving,
+            position_ids=position_ids,
         )
         # Autograd must know t changed: anything that saved it for backward then fails loudly
         # instead of silently using rotated values.
@@ -192,8 +189,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             grad = grad.clone(memory_format=torch.contiguous_format)
         token = PINNED.set(ctx.config)
         try:
-            run_q(
-                mla_rope_q_bwd_kernel,
+            mla_rope_q_bwd_(
                 grad,
                 cos,
                 sin,
@@ -202,10 +198,9 @@ class _FusedMLARoPEQ(torch.autograd.Function):
                 cu_seqlens_q,
                 cp_rank,
                 cp_size,
-                inverse,
-                keep,
-                position_ids,
-                "grad",
+                inverse=inverse,
+                remove_interleaving=keep,
+                position_ids=position_ids,
             )
         finally:
             PINNED.reset(token)

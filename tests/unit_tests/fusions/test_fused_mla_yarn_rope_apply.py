@@ -45,7 +45,7 @@ from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     mla_rope_q_fwd_,
     pinned_kernel_config,
 )
-from megatron_ext.fusions.mla_rope import kernels
+from megatron_ext.fusions.mla_rope import kernels, ops
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
@@ -203,14 +203,14 @@ def test_q_marks_input_dirty():
 def _bwd_launch_addresses(monkeypatch):
     """Record the address of every tensor the query backward kernel is launched on."""
     addresses = []
-    run_q = rope.run_q
+    run_q = ops.run_q
 
     def spy(kernel, t, *args, **kwargs):
         if kernel is kernels.mla_rope_q_bwd_kernel:
             addresses.append(t.data_ptr())
         return run_q(kernel, t, *args, **kwargs)
 
-    monkeypatch.setattr(rope, "run_q", spy)
+    monkeypatch.setattr(ops, "run_q", spy)
     return addresses
 
 
