@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_ext import extension_state
+from megatron_ext import patches
 from megatron_ext.utils import check_megatron_core_version
 
 __all__ = [
@@ -47,8 +47,8 @@ INFERENCE_STATIC_ACTIVE_SLICES_FLAG = "--inference-static-active-slices"
 
 # flag -> the namespace attribute (argparse ``dest``) it sets.
 _FLAG_DESTS = {
-    MLA_ROPE_CONTIGUOUS_LOAD_FLAG: extension_state.MLA_ROPE_CONTIGUOUS_LOAD,
-    INFERENCE_STATIC_ACTIVE_SLICES_FLAG: extension_state.INFERENCE_STATIC_ACTIVE_SLICES,
+    MLA_ROPE_CONTIGUOUS_LOAD_FLAG: patches.MLA_ROPE_CONTIGUOUS_LOAD,
+    INFERENCE_STATIC_ACTIVE_SLICES_FLAG: patches.INFERENCE_STATIC_ACTIVE_SLICES,
 }
 # Marks the parser actions add_megatron_ext_args created, to tell them from a script's own.
 _OWN_ACTION = "_megatron_ext_flag"
@@ -214,12 +214,12 @@ def apply_megatron_ext(
 ) -> Dict[str, bool]:
     """Apply the megatron_ext extensions requested by parsed args and/or keywords.
 
-    For ``mla_rope_contiguous_load`` the configuration is checked
-    (:func:`check_mla_rope_config`), the kernels are imported, and every megatron-core spec
-    builder that can produce MLA self-attention is made to build ``ExtMLASelfAttention``
-    (:func:`megatron_ext.models.gpt.gpt_layer_specs.patch_megatron_core_gpt_specs`); call it
-    before the model's layer spec is built. For ``inference_static_active_slices``,
-    :func:`megatron_ext.inference.enable_static_active_slices`. Calling it again with the same
+    Each requested flag is checked against the configuration (:func:`check_mla_rope_config`) and
+    then its patches of megatron-core are applied, all of them listed in
+    :data:`megatron_ext.patches.PATCHES`: for ``mla_rope_contiguous_load`` megatron-core's MLA
+    RoPE kernels and every spec builder that can produce MLA self-attention (call it before the
+    model's layer spec is built); for ``inference_static_active_slices`` the constructors of the
+    dynamic inference context and text generation controller. Calling it again with the same
     request is harmless; a flag that is off changes nothing (use :func:`undo_megatron_ext`).
 
     Args:
@@ -246,8 +246,8 @@ def apply_megatron_ext(
     )
     _check_object_with_fields("config", config, "a megatron-core TransformerConfig")
     requested = {
-        extension_state.MLA_ROPE_CONTIGUOUS_LOAD: mla_rope_contiguous_load,
-        extension_state.INFERENCE_STATIC_ACTIVE_SLICES: inference_static_active_slices,
+        patches.MLA_ROPE_CONTIGUOUS_LOAD: mla_rope_contiguous_load,
+        patches.INFERENCE_STATIC_ACTIVE_SLICES: inference_static_active_slices,
     }
     if (
         args is not None
@@ -264,76 +264,54 @@ def apply_megatron_ext(
             requested[name] = value = _from(args, name, False)
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    mla = requested[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
-    static_slices = requested[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
+    mla = requested[patches.MLA_ROPE_CONTIGUOUS_LOAD]
+    static_slices = requested[patches.INFERENCE_STATIC_ACTIVE_SLICES]
 
-    with extension_state.LOCK:
-        if mla or static_slices:
-            check_megatron_core_version()
-        if mla:
-            check_mla_rope_config(args, config)
-            _import_kernels()
-        # Every check passed: only now change process state, so a failure leaves none behind.
-        before = extension_state.applied()
-        try:
-            if mla:
-                from megatron_ext.models.gpt.gpt_layer_specs import patch_megatron_core_gpt_specs
-
-                patch_megatron_core_gpt_specs()
-            if static_slices:
-                from megatron_ext.inference import enable_static_active_slices
-
-                enable_static_active_slices()
-        except BaseException:
-            _restore(before)
-            raise
-        return extension_state.applied()
-
-
-def _restore(state: Dict[str, bool]) -> None:
-    """Switch off what was switched on since ``state`` was read (a failed apply's partial work)."""
-    now = extension_state.applied()
-    if (
-        now[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
-        and not state[extension_state.MLA_ROPE_CONTIGUOUS_LOAD]
-    ):
-        from megatron_ext.models.gpt.gpt_layer_specs import unpatch_megatron_core_gpt_specs
-
-        unpatch_megatron_core_gpt_specs()
-    if (
-        now[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
-        and not state[extension_state.INFERENCE_STATIC_ACTIVE_SLICES]
-    ):
-        from megatron_ext.inference import disable_static_active_slices
-
-        disable_static_active_slices()
+    if mla or static_slices:
+        check_megatron_core_version()
+    if mla:
+        check_mla_rope_config(args, config)
+        _import_kernels()
+    if static_slices:
+        # Imports the release's subclasses, so that a failure shows before anything is patched.
+        import megatron_ext.inference.static_slices  # noqa: F401
+    # Every check passed: only now patch megatron-core, so that a failure leaves nothing behind.
+    done = []
+    try:
+        for name, on in requested.items():
+            if on and patches.apply_patches(name):
+                done.append(name)
+    except BaseException:
+        for name in done:
+            patches.undo_patches(name)
+        raise
+    return applied_megatron_ext()
 
 
 def undo_megatron_ext() -> Dict[str, bool]:
-    """Undo every megatron_ext extension in effect: megatron-core's classes are built again.
+    """Undo every megatron_ext patch of megatron-core in effect, however it was applied.
 
-    This includes extensions switched on directly
-    (:func:`megatron_ext.models.gpt.gpt_layer_specs.patch_megatron_core_gpt_specs`,
-    :func:`megatron_ext.inference.enable_static_active_slices`), not only through
-    :func:`apply_megatron_ext`. Models built while an extension was in effect keep their
-    modules. A no-op when nothing is applied.
+    That includes the direct switches (``patch_megatron_core_gpt_specs``,
+    ``enable_static_active_slices``) and the Transformer-Engine-free MLA fix that building
+    ``SDPADotProductAttention`` applies. Models built meanwhile keep their modules; an
+    ``ExtMLASelfAttention`` then refuses to run until the flag is applied again.
 
     Returns:
         Dict[str, bool]: which extensions are applied afterwards (all False).
     """
-    with extension_state.LOCK:
-        _restore(dict.fromkeys(extension_state.EXTENSIONS, False))
-        return extension_state.applied()
+    for name in patches.EXTENSIONS:
+        patches.undo_patches(name)
+    return applied_megatron_ext()
 
 
 def applied_megatron_ext() -> Dict[str, bool]:
-    """Which extensions are in effect, however they were switched on.
+    """Which flags are in effect, however they were switched on.
 
     Returns:
-        Dict[str, bool]: extension name -> applied (read from
-        :mod:`megatron_ext.extension_state`).
+        Dict[str, bool]: ``mla_rope_contiguous_load`` and ``inference_static_active_slices`` ->
+        applied (what each patches: ``megatron_ext.patches.applied_extensions()``).
     """
-    return extension_state.applied()
+    return {name: patches.is_applied(name) for name in _FLAG_DESTS.values()}
 
 
 def _mla_attention_classes() -> tuple:
@@ -368,7 +346,7 @@ def check_model_uses_megatron_ext(model: Any) -> int:
         MegatronExtConfigError: if the extension is applied and the model has no megatron_ext MLA
             module, or has a megatron-core MLA attention module it did not replace.
     """
-    from megatron_ext.transformer.multi_latent_attention import _ContiguousLoadRopeMixin
+    from megatron_ext.transformer.multi_latent_attention import EXT_MLA_CLASSES
 
     chunks = model if isinstance(model, (list, tuple)) else [model]
     found = 0
@@ -378,11 +356,11 @@ def check_model_uses_megatron_ext(model: Any) -> int:
         if not isinstance(chunk, torch.nn.Module):
             raise TypeError(f"expected torch.nn.Module(s), got {type(chunk).__name__}")
         for name, module in chunk.named_modules():
-            if isinstance(module, _ContiguousLoadRopeMixin):
+            if isinstance(module, EXT_MLA_CLASSES):
                 found += 1
             elif isinstance(module, mla_classes):
                 plain.append(f"{name or '<model>'} ({type(module).__name__})")
-    if not extension_state.is_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD):
+    if not patches.is_applied(patches.MLA_ROPE_CONTIGUOUS_LOAD):
         return found
     if plain:
         raise MegatronExtConfigError(

@@ -2,6 +2,10 @@
 
 """Helpers shared across megatron_ext: the megatron-core version gate."""
 
+import ast
+import importlib.util
+import os
+import sys
 from typing import Optional
 
 from packaging.version import Version
@@ -13,23 +17,51 @@ class UnsupportedMegatronCoreVersionError(ImportError):
     """Raised when the installed megatron-core release is outside the supported range."""
 
 
+def _version_from_package_info(path: str) -> Version:
+    """MAJOR.MINOR.PATCH + PRE_RELEASE (or ``__version__``), read as literals: the file runs git
+    when executed (0.19)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    fields = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    fields[target.id] = node.value.value
+    if all(name in fields for name in ("MAJOR", "MINOR", "PATCH")):
+        pre = fields.get("PRE_RELEASE", "")
+        return Version(f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{pre}")
+    if isinstance(fields.get("__version__"), str):
+        return Version(fields["__version__"])
+    raise UnsupportedMegatronCoreVersionError(
+        f"cannot read megatron-core's version from {path}: no MAJOR/MINOR/PATCH constants"
+    )
+
+
 def get_megatron_core_version() -> Version:
-    """Return the installed megatron-core version.
+    """Return the version of the megatron-core that ``import megatron.core`` would load.
+
+    Read from ``megatron/core/package_info.py`` without importing ``megatron.core``, whose
+    ``__init__`` pulls in most of the library (that keeps ``import megatron_ext`` light).
 
     Returns:
-        Version: the version read from ``megatron.core.package_info``.
+        Version: the installed release.
 
     Raises:
         UnsupportedMegatronCoreVersionError: if megatron-core is not installed.
     """
-    try:
-        from megatron.core import package_info
-    except ImportError as exc:  # pragma: no cover - exercised only without megatron-core
-        raise UnsupportedMegatronCoreVersionError(
-            "megatron_ext needs megatron-core "
-            f">={MIN_MCORE_VERSION},<{MAX_MCORE_VERSION_EXCLUSIVE}; it is not installed"
-        ) from exc
-    return Version(package_info.__version__)
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return Version(loaded.__version__)
+    spec = importlib.util.find_spec("megatron")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "core", "package_info.py")
+        if os.path.isfile(path):
+            return _version_from_package_info(path)
+    raise UnsupportedMegatronCoreVersionError(
+        "megatron_ext needs megatron-core "
+        f">={MIN_MCORE_VERSION},<{MAX_MCORE_VERSION_EXCLUSIVE}; it is not installed"
+    )
 
 
 def check_megatron_core_version(version: Optional[Version] = None) -> Version:

@@ -7,6 +7,7 @@
 #                                 [--skip-unit] [--skip-survey] [--skip-sanitizer]
 #                                 [--skip-functional] [--skip-bench] [--quick-bench]
 #                                 [--repeat-unit N] [--unit-paths "PATH..."] [--bench NAME]
+#                                 [--megatron-lm DIR]
 #
 #   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
 #                      site directory first, for machines without network access
@@ -18,6 +19,9 @@
 #   --unit-paths P     run only these test paths (default: tests/unit_tests), e.g. while iterating
 #                      on one component: "tests/unit_tests/inference tests/unit_tests/testing"
 #   --bench NAME       rope, inference or all (default): which benchmarks to run
+#   --megatron-lm DIR  also run megatron-core's own unit tests from this Megatron-LM checkout (at
+#                      the installed release's tag) stock and with megatron_ext swapped in
+#                      (scripts/run_megatron_core_tests.py; MEGATRON_LM_TEST_FILES picks files)
 #
 # Each step runs even when an earlier one failed; the exit code is non-zero if any failed. The
 # last thing printed is a summary table (also written to RESULTS/summary.md), with the counts of
@@ -27,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
-wheels="" results="$repo/results" golden="" quick=""
+wheels="" results="$repo/results" golden="" quick="" megatron_lm=""
 repeat_unit=1 unit_paths="tests/unit_tests" bench="all"
 skip_unit="" skip_survey="" skip_san="" skip_func="" skip_bench=""
 while [ $# -gt 0 ]; do
@@ -44,7 +48,8 @@ while [ $# -gt 0 ]; do
     --repeat-unit) repeat_unit="$2"; shift ;;
     --unit-paths) unit_paths="$2"; shift ;;
     --bench) bench="$2"; shift ;;
-    -h|--help) sed -n '3,26p' "$0"; exit 0 ;;
+    --megatron-lm) megatron_lm="$2"; shift ;;
+    -h|--help) sed -n '3,29p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -106,6 +111,13 @@ if [ -z "$skip_unit" ]; then
   done
 fi
 
+if [ -n "$megatron_lm" ]; then
+  # shellcheck disable=SC2086
+  step "megatron-core's unit tests, stock vs megatron_ext" megatron_core_tests.log \
+    python3 scripts/run_megatron_core_tests.py --megatron-lm "$megatron_lm" \
+      --out "$results/megatron_core_tests" ${MEGATRON_LM_TEST_FILES:+--files $MEGATRON_LM_TEST_FILES}
+fi
+
 if [ -z "$skip_survey" ]; then
   # Observations of megatron-core's kernels (its query backward races); fails only on an error.
   survey_quick=""
@@ -159,6 +171,9 @@ fi
     python3 tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --summarize "$relaunch"
   fi
   if [ -f "$results/functional/summary.md" ]; then echo; cat "$results/functional/summary.md"; fi
+  if [ -f "$results/megatron_core_tests.log" ]; then
+    echo; sed -n '/^| test file/,$p' "$results/megatron_core_tests.log"
+  fi
   for log in bench_rope.log bench_inference.log; do
     if [ -f "$results/$log" ]; then
       echo; echo '```'; sed -n '/^=== table/,$p' "$results/$log" | tail -n +2; echo '```'

@@ -414,11 +414,12 @@ def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]
     for mode in ("off", "on"):
         torch.manual_seed(0)
         model, _ = build_small_gpt(sizes, dtype)
-        ext_inference.apply_inference_extension(mode == "on")
+        if mode == "on":
+            ext_inference.enable_static_active_slices()
         try:
             engines[mode] = build_small_gpt_engine(model, sizes, dtype)
         finally:
-            ext_inference.apply_inference_extension(False)
+            ext_inference.disable_static_active_slices()
     next_id = [0]
 
     def run_batch(mode: str) -> Tuple[float, float, int]:

@@ -76,6 +76,29 @@ __all__ = [
 ]
 
 
+def _refuse_functorch(*tensors) -> None:
+    """torch.func transforms would hand the kernels tensors without storage: say so instead."""
+    for x in tensors:
+        if isinstance(x, torch.Tensor) and _is_functorch_wrapped(x):
+            raise TypeError(
+                "megatron_ext's MLA RoPE kernels do not support torch.func transforms (vmap, "
+                "grad, jvp); call them on plain tensors"
+            )
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _refuse_double_backward(*grads) -> None:
+    """The backward kernels are not differentiable: refuse a graph of the backward
+    (``create_graph=True``) before returning a gradient whose own derivative would be wrong."""
+    if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+        raise RuntimeError(
+            "megatron_ext's MLA RoPE backward is not differentiable: a backward with "
+            "create_graph=True (double backward, gradient penalties) through it is not supported"
+        )
+
+
 def _owns(grad: torch.Tensor, python_refs: int) -> bool:
     """Whether a gradient handed to a backward is ours alone to overwrite.
 
@@ -182,6 +205,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         """Rotate ``grad`` back: in place when :func:`_owns` says it is ours, else into a copy."""
+        _refuse_double_backward(grad)
         cos, sin, cu_seqlens_q, position_ids = ctx.saved_tensors
         qk_head_dim, emb_dim, cp_rank, cp_size, inverse, keep = ctx.args
         python_refs = sys.getrefcount(grad)  # first, as in _ExclusiveRefsProbe.backward
@@ -229,12 +253,17 @@ def fused_apply_mla_rope_for_q(
     elements are read as interleaved pairs (even, odd) and written as [rotated even | rotated odd],
     or, with ``remove_interleaving``, as interleaved pairs again.
 
-    Unlike megatron-core's, the function marks ``t`` as modified in place for autograd, so it
-    raises (as any in-place op does) for a leaf tensor that requires grad, and it refuses a ``t``
-    whose elements overlap (an expanded view). The backward rotates the incoming gradient in place
-    only when autograd hands it over exclusively (see :func:`_owns`: in a training step the
-    gradient comes fresh from the next op); otherwise, such as a gradient that autograd also passes
-    to another branch or a caller's ``backward(g)``, it writes a copy and leaves ``g`` as it was.
+    Unlike megatron-core's, the function marks ``t`` as modified in place for autograd, so an op
+    that saved ``t`` for its backward fails loudly there instead of using rotated values
+    (Megatron-LM issue #5412). For a leaf that requires grad, which no in-place op may modify, it
+    rotates and returns a copy: the same output and leaf gradient as megatron-core's, whose kernel
+    rotates the leaf's data behind autograd's back, while the leaf keeps its values. A ``t`` whose
+    elements overlap (an expanded view) is refused. A backward with ``create_graph=True`` through it
+    raises instead of giving a wrong second derivative; torch.func transforms are refused. The
+    backward rotates the incoming gradient in place only when autograd hands it over exclusively
+    (see :func:`_owns`: in a training step the gradient comes fresh from the next op); otherwise,
+    such as a gradient that autograd also passes to another branch or a caller's ``backward(g)``,
+    it writes a copy and leaves ``g`` as it was.
     megatron-core's backward overwrites it in every case.
 
     Not checked (each would need a device-to-host sync): that ``cu_seqlens_q`` is non-decreasing,
@@ -267,10 +296,11 @@ def fused_apply_mla_rope_for_q(
             the sbhd row / thd sequence (and context-parallel) position.
 
     Returns:
-        torch.Tensor: ``t``, modified in place.
+        torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad).
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
+    _refuse_functorch(t, cos, sin)
     if not (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad):
         # Nothing to record for autograd: launch directly, and bump t's version as any in-place
         # op does, so a backward that saved t fails loudly instead of using rotated values.
@@ -291,6 +321,10 @@ def fused_apply_mla_rope_for_q(
         return t
     if t.device.type not in _EXCLUSIVE_REFS:
         _calibrate_ownership(t.device)
+    if t.is_leaf:
+        # No in-place op may modify a leaf that requires grad; megatron-core rotates its data
+        # behind autograd's back. Rotating a copy gives the same output and leaf gradient.
+        t = t.clone()
     return _FusedMLARoPEQ.apply(
         t,
         cos,
@@ -354,6 +388,7 @@ class _FusedMLARoPEKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dkey, dvalue):
         """Return the gradients of kv and k_pos_emb (new tensors; dkey and dvalue are only read)."""
+        _refuse_double_backward(dkey, dvalue)
         cos, sin, cu_seqlens_kv, position_ids = ctx.saved_tensors
         emb_dim, k_dim, v_dim, cp_rank, cp_size, remove_interleaving = ctx.args
         token = PINNED.set(ctx.config)
@@ -423,6 +458,7 @@ def fused_apply_mla_rope_for_kv(
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
+    _refuse_functorch(kv, k_pos_emb, cos, sin)
     grads = isinstance(kv, torch.Tensor) and isinstance(k_pos_emb, torch.Tensor)
     if not (torch.is_grad_enabled() and grads and (kv.requires_grad or k_pos_emb.requires_grad)):
         return mla_rope_kv_fwd(

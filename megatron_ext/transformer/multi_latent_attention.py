@@ -11,119 +11,31 @@ signature run instead. Those kernels reproduce megatron-core's results bit for b
 these classes trains as one built without them.
 """
 
-import dis
-import functools
-import operator
-import types
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from megatron.core.transformer import multi_latent_attention as _mcore_mla
 
-from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
-    fused_apply_mla_rope_for_kv,
-    fused_apply_mla_rope_for_q,
-)
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as _ext_rope
 from megatron_ext.fusions.mla_rope.checks import check_cp_sequence_lengths
 
-__all__ = ["ExtMLASelfAttention", "ExtFusedMLASelfAttention", "ROPE_FUNCTION_NAMES"]
-
-# The names megatron-core's MLA module binds at import and looks up, as globals, at call time.
-ROPE_FUNCTION_NAMES: Tuple[str, str] = ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv")
-
-
-def _code_objects(code: types.CodeType):
-    """``code`` and every code object nested in it (the closures defined inside a method)."""
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _code_objects(const)
+__all__ = [
+    "EXT_MLA_CLASSES",
+    "ExtFusedMLASelfAttention",
+    "ExtMLASelfAttention",
+    "MegatronExtRopeNotAppliedError",
+    "megatron_core_to_ext_classes",
+]
 
 
-def _global_loads(func: types.FunctionType):
-    """The names ``func`` (or a closure inside it) reads as globals."""
-    return {
-        ins.argval
-        for code in _code_objects(func.__code__)
-        for ins in dis.get_instructions(code)
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    }
+class MegatronExtRopeNotAppliedError(RuntimeError):
+    """An ``ExtMLASelfAttention`` ran while megatron_ext's RoPE patch was not applied."""
 
 
-@functools.lru_cache(maxsize=None)
-def _check_reroutable(func: types.FunctionType) -> None:
-    """Refuse a megatron-core method whose RoPE calls cannot be rerouted by name.
-
-    Rerouting works by running the method's code with the two names bound to megatron_ext's
-    functions. That is a no-op if the method (or a closure inside it) does not look the names up
-    as globals (say, a future release wraps it in a decorator or renames the functions), and it
-    would lose writes if the code assigned module globals. Both would be silent, so both raise.
-    """
-    for code in _code_objects(func.__code__):
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                raise RuntimeError(
-                    f"{func.__qualname__} assigns the global {ins.argval!r}; megatron_ext cannot "
-                    "reroute its RoPE calls safely on this megatron-core release"
-                )
-    missing = [name for name in ROPE_FUNCTION_NAMES if name not in _global_loads(func)]
-    if missing:
-        raise RuntimeError(
-            f"{func.__module__}.{func.__qualname__} does not call {missing} by name; megatron_ext "
-            "cannot reroute its RoPE on this megatron-core release"
-        )
-
-
-class _Rerouted:
-    """``func`` with its global lookups of the RoPE names finding megatron_ext's kernels.
-
-    Built once per megatron-core method: same code object, closure and defaults; only the globals
-    dictionary differs, a copy of the defining module's. Before each call the copy takes the
-    current values of the globals the method reads (one C-level gather, ~1 us), so a change made
-    to megatron-core's module after import is seen as megatron-core sees it, and the two RoPE names
-    take this module's current bindings (tests may replace them here).
-    """
-
-    def __init__(self, func: types.FunctionType):
-        _check_reroutable(func)
-        self.source = func.__globals__
-        self.namespace = dict(self.source)
-        names = sorted(
-            n for n in _global_loads(func) if n in self.source and n not in ROPE_FUNCTION_NAMES
-        )
-        self.names = tuple(names)
-        self.gather: Callable = operator.itemgetter(*names) if len(names) > 1 else None
-        self.function = types.FunctionType(
-            func.__code__, self.namespace, func.__name__, func.__defaults__, func.__closure__
-        )
-        self.function.__kwdefaults__ = func.__kwdefaults__
-        self.function.__qualname__ = func.__qualname__
-        self.function.__doc__ = func.__doc__
-        self.function.__module__ = func.__module__
-
-    def sync(self) -> types.FunctionType:
-        """Refresh the copied globals; return the rerouted function."""
-        namespace = self.namespace
-        try:
-            if self.gather is not None:
-                namespace.update(zip(self.names, self.gather(self.source)))
-            elif self.names:
-                namespace[self.names[0]] = self.source[self.names[0]]
-        except KeyError:  # a global was deleted from megatron-core's module: copy it all again
-            namespace.clear()
-            namespace.update(self.source)
-        namespace["fused_apply_mla_rope_for_q"] = fused_apply_mla_rope_for_q
-        namespace["fused_apply_mla_rope_for_kv"] = fused_apply_mla_rope_for_kv
-        return self.function
-
-
-@functools.lru_cache(maxsize=None)
-def _rerouted(func: types.FunctionType) -> _Rerouted:
-    return _Rerouted(func)
-
-
-def _with_ext_rope(func: types.FunctionType) -> types.FunctionType:
-    """The rerouted copy of ``func`` (built once, globals refreshed now)."""
-    return _rerouted(func).sync()
+def _rope_patched() -> bool:
+    return (
+        _mcore_mla.fused_apply_mla_rope_for_q is _ext_rope.fused_apply_mla_rope_for_q
+        and _mcore_mla.fused_apply_mla_rope_for_kv is _ext_rope.fused_apply_mla_rope_for_kv
+    )
 
 
 def _check_context_parallel_lengths(module, args: Tuple, kwargs: Dict[str, Any]) -> None:
@@ -150,43 +62,38 @@ def _check_context_parallel_lengths(module, args: Tuple, kwargs: Dict[str, Any])
 
 
 class _ContiguousLoadRopeMixin:
-    """Runs megatron-core's ``get_query_key_value_tensors`` with megatron_ext's RoPE kernels.
+    """megatron-core's MLA module, checked to run megatron_ext's RoPE kernels.
 
-    Why this way: megatron-core's MLA module imports the two fused RoPE functions at module level
-    and calls them, by global name, from a closure inside ``get_query_key_value_tensors``. The
-    alternatives all fall short:
-
-    * patching the module attributes (even just around the call) changes every MLA instance in
-      the process, including plain megatron-core ones running in other threads, and is undone
-      before the closure runs again when ``mla_up_proj`` recomputation replays it in backward;
-    * copying the method's body forks megatron-core's logic and drifts with every release.
-
-    Instead the parent method (found through ``super()``, so the MRO is honoured) is called as a
-    copy that shares its code, closure and defaults and differs only in the globals dictionary it
-    resolves names in (:class:`_Rerouted`, built once per method). Nothing of megatron-core's is
-    mutated, so the change is confined to instances of this class and is thread-safe; the closure
-    created inside the call keeps that dictionary, so the recomputation in backward uses
-    megatron_ext's kernels too; and it works on every release whose method calls the functions by
-    these names (checked, not assumed: :func:`_check_reroutable` raises otherwise). Both
-    megatron-core 0.16 and 0.19 do.
+    megatron-core's MLA calls its fused RoPE through the module globals
+    ``fused_apply_mla_rope_for_q/kv``, which ``apply_megatron_ext(mla_rope_contiguous_load=True)``
+    points at megatron_ext's kernels (:data:`megatron_ext.patches.PATCHES`). The override only
+    refuses to run when that patch is not in effect (the flag would silently do nothing) and
+    checks context-parallel thd lengths; the method itself is megatron-core's.
     """
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
-        """megatron-core's ``get_query_key_value_tensors`` with megatron_ext's RoPE kernels.
+        """megatron-core's method, after the checks above.
 
         Args:
-            *args: positional arguments of the parent method (hidden_states, ...).
-            **kwargs: keyword arguments of the parent method.
+            *args: positional arguments of megatron-core's method.
+            **kwargs: its keyword arguments.
 
         Returns:
-            The parent method's return value: query, key, value, q_compressed, kv_compressed.
+            What megatron-core's method returns.
+
+        Raises:
+            MegatronExtRopeNotAppliedError: if RoPE fusion is on and megatron_ext's RoPE patch is
+                not applied.
         """
-        parent = super().get_query_key_value_tensors
-        if not self.config.apply_rope_fusion:
-            # megatron-core does not reach its fused RoPE then: nothing to reroute.
-            return parent(*args, **kwargs)
-        _check_context_parallel_lengths(self, args, kwargs)
-        return _with_ext_rope(parent.__func__)(self, *args, **kwargs)
+        if self.config.apply_rope_fusion:
+            if not _rope_patched():
+                raise MegatronExtRopeNotAppliedError(
+                    f"{type(self).__name__} needs megatron_ext's RoPE kernels in megatron-core's "
+                    "MLA module: call megatron_ext.apply_megatron_ext(mla_rope_contiguous_load="
+                    "True, config=...) before the forward (undo_megatron_ext() takes them out)"
+                )
+            _check_context_parallel_lengths(self, args, kwargs)
+        return super().get_query_key_value_tensors(*args, **kwargs)
 
 
 class ExtMLASelfAttention(_ContiguousLoadRopeMixin, _mcore_mla.MLASelfAttention):
@@ -211,5 +118,19 @@ else:
     # megatron-core releases before FusedMLASelfAttention existed (0.16) have nothing to extend.
     ExtFusedMLASelfAttention = None
 
-# Fail at import, not at the first forward, on a release whose method cannot be rerouted.
-_check_reroutable(_mcore_mla.MLASelfAttention.get_query_key_value_tensors)
+EXT_MLA_CLASSES: Tuple[type, ...] = tuple(
+    cls for cls in (ExtMLASelfAttention, ExtFusedMLASelfAttention) if cls is not None
+)
+
+
+def megatron_core_to_ext_classes() -> Dict[type, type]:
+    """megatron-core's MLA self-attention classes in this release -> megatron_ext's subclass.
+
+    Returns:
+        Dict[type, type]: ``MLASelfAttention`` (and, from 0.19, ``FusedMLASelfAttention``) mapped
+        to their megatron_ext subclasses.
+    """
+    mapping = {_mcore_mla.MLASelfAttention: ExtMLASelfAttention}
+    if ExtFusedMLASelfAttention is not None:
+        mapping[_McoreFusedMLA] = ExtFusedMLASelfAttention
+    return mapping

@@ -25,38 +25,36 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
 
+from megatron_ext import patches
+
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover - torch < 2.3 is below this package's floor
     SDPBackend, sdpa_kernel = None, None
 
 
-def _correct_mcore_mla_te_flag() -> bool:
-    """Make megatron-core's MLA module see that Transformer Engine is absent.
+# What megatron-core 0.16's MLA module should have read for HAVE_TE without Transformer Engine.
+# Put there by megatron_ext.patches (TE_FREE_MLA) when this class is built.
+TE_FREE_HAVE_TE = False
 
-    megatron-core 0.16's ``multi_latent_attention`` sets its own ``HAVE_TE`` from whether it can
-    import ``TELinear`` & co. from ``megatron.core.extensions.transformer_engine``, and without
-    Transformer Engine that module still defines them (as mocks). MLA's constructor then calls
-    ``isinstance(linear_proj, TELinear)`` with a mock and fails, so no MLA model builds without
-    Transformer Engine. The authoritative flag is the extension module's ``HAVE_TE``; copying its
-    False into the MLA module only skips TE-only branches that cannot apply (no object is an
-    instance of a mock). Nothing changes where Transformer Engine is installed, nor on releases
-    (0.19) that already import the authoritative flag.
+
+def mla_misreads_missing_te(mla_have_te: bool) -> bool:
+    """Whether megatron-core's MLA module says Transformer Engine is present while it is not.
+
+    0.16 derives its ``HAVE_TE`` from importing ``TELinear`` & co., which megatron-core defines as
+    mocks without Transformer Engine; its constructor then calls ``isinstance`` on a mock. 0.19
+    imports the authoritative flag.
+
+    Args:
+        mla_have_te: the MLA module's ``HAVE_TE``.
 
     Returns:
-        bool: True if the flag was corrected.
+        bool: True when it disagrees with ``megatron.core.extensions.transformer_engine``.
     """
     from megatron.core.extensions import transformer_engine as mcore_te
-    from megatron.core.transformer import multi_latent_attention as mcore_mla
 
-    if not mcore_te.HAVE_TE and getattr(mcore_mla, "HAVE_TE", False):
-        mcore_mla.HAVE_TE = False
-        return True
-    return False
+    return bool(mla_have_te) and not mcore_te.HAVE_TE
 
-
-# Importing this module is what makes a TE-free MLA buildable, so the correction happens here.
-_correct_mcore_mla_te_flag()
 
 _BACKEND_NAMES = {
     "math": "MATH",
@@ -164,6 +162,8 @@ class SDPADotProductAttention(MegatronModule):
         sdpa_backends: Optional[Sequence[Union[str, "SDPBackend"]]] = None,
     ) -> None:
         super().__init__(config=config)
+        # An MLA module builds its core attention before the check that fails on 0.16 without TE.
+        patches.apply_patches(patches.TE_FREE_MLA)
         if sdpa_kernel is None:  # pragma: no cover
             raise ImportError("SDPADotProductAttention needs torch.nn.attention (torch >= 2.3)")
         if not isinstance(attn_mask_type, AttnMaskType):

@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.transformer import multi_latent_attention as mcore_mla
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -259,12 +260,17 @@ def test_inference_flag_enables_static_active_slices():
 
 
 def test_a_failing_request_applies_nothing(monkeypatch):
-    def refuse():
-        raise RuntimeError("DynamicInferenceContext already defines __new__")
+    from megatron_ext import patches
 
-    monkeypatch.setattr(megatron_ext.inference, "enable_static_active_slices", refuse)
-    with pytest.raises(RuntimeError, match="__new__"):
+    # A release without a target the flag must patch: the second extension fails part-way.
+    broken = patches.PATCHES[patches.INFERENCE_STATIC_ACTIVE_SLICES] + (
+        patches.Patch("megatron.core.utils", "no_such_attribute", "builtins:len", "test"),
+    )
+    monkeypatch.setitem(patches.PATCHES, patches.INFERENCE_STATIC_ACTIVE_SLICES, broken)
+    init = vars(DynamicInferenceContext)["__init__"]
+    with pytest.raises(AttributeError, match="no_such_attribute"):
         apply_megatron_ext(megatron_lm_args(inference_static_active_slices=True))
+    assert vars(DynamicInferenceContext)["__init__"] is init
     # The MLA part was valid, but nothing is applied when any requested part fails.
     assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
     assert not any(applied_megatron_ext().values())

@@ -31,14 +31,13 @@ batch, computed on the device.
 from typing import Any, List
 
 import torch
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
 from megatron_ext.inference.contexts.static_slices_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
     ActiveSlices,
-    StaticSlicesContextMixin,
+    StaticSlicesContextBase,
     pad_value,
 )
 from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
@@ -49,7 +48,7 @@ __all__ = ["StaticSlicesInferenceContext"]
 _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceContext):
+class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
 
     Takes exactly the arguments of megatron-core's ``DynamicInferenceContext``. See the module

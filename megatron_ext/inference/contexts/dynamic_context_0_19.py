@@ -13,14 +13,13 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
-from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
 from megatron_ext.inference.contexts.static_slices_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
     ActiveSlices,
-    StaticSlicesContextMixin,
+    StaticSlicesContextBase,
     pad_value,
 )
 from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
@@ -28,7 +27,7 @@ from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 __all__ = ["StaticSlicesInferenceContext"]
 
 
-class StaticSlicesInferenceContext(StaticSlicesContextMixin, DynamicInferenceContext):
+class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.19.x).
 
     Takes exactly the arguments of megatron-core's ``DynamicInferenceContext``. Upstream already

@@ -2,7 +2,7 @@
 
 """What the static-active-slices contexts of every megatron-core line share: the neutral padding
 values, the :class:`ActiveSlices` view of the device buffers, input checks and
-:class:`StaticSlicesContextMixin` (sampling registry, request checks, extra padding).
+:class:`StaticSlicesContextBase` (sampling registry, request checks, extra padding).
 
 The release-specific classes live in ``dynamic_context_0_16`` and ``dynamic_context_0_19``;
 ``megatron_ext.inference.static_slices`` picks one for the installed megatron-core.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
 from megatron_ext.inference.contexts.sampling_registry import (
@@ -24,7 +25,7 @@ __all__ = [
     "ACTIVE_METADATA_PAD_VALUES",
     "ACTIVE_REQUEST_PAD_VALUES",
     "ActiveSlices",
-    "StaticSlicesContextMixin",
+    "StaticSlicesContextBase",
     "UPSTREAM_HAS_ACTIVE_SLICES",
     "check_row_count",
 ]
@@ -123,8 +124,12 @@ def check_row_count(name: str, value: Any, low: int, high: int, why: str) -> int
     return value
 
 
-class StaticSlicesContextMixin:
-    """Release-independent part of ``StaticSlicesInferenceContext``."""
+class StaticSlicesContextBase(DynamicInferenceContext):
+    """Release-independent part of ``StaticSlicesInferenceContext``.
+
+    A subclass (not a mixin) so that the chain stays single: the flag's constructor redirect
+    (``megatron_ext.inference.redirect``) needs a layout-compatible ``__class__`` assignment.
+    """
 
     def _init_static_slices_state(self) -> None:
         """Host-side state; set before megatron-core's constructor allocates tensors."""

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from megatron_ext.inference.contexts.sampling_registry import SamplingRequirements
 from megatron_ext.inference.contexts.static_slices_base import (
-    StaticSlicesContextMixin,
+    StaticSlicesContextBase,
     check_row_count,
 )
 from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
@@ -108,11 +108,11 @@ class StaticSlicesControllerBase(TextGenerationController):
         """megatron-core's sampling tensors, then the static buffers of the graph-safe region."""
         super()._init_dynamic_sampling_tensors()
         context = self.inference_wrapped_model.inference_context
-        if not isinstance(context, StaticSlicesContextMixin):
+        if not isinstance(context, StaticSlicesContextBase):
             raise TypeError(
                 "StaticSlicesTextGenerationController needs a StaticSlicesInferenceContext, got "
-                f"{type(context).__name__}; build the context with "
-                "megatron_ext.inference.get_inference_context_class()"
+                f"{type(context).__name__}; build the context after "
+                "megatron_ext.inference.enable_static_active_slices()"
             )
         missing = [
             label for label in REQUIRED_METADATA_LABELS if label not in context.request_metadata

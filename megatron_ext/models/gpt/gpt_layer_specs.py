@@ -14,45 +14,33 @@ returns a copy in which
 
 :func:`to_megatron_core_spec` is the inverse. The input spec is never modified.
 
-:func:`patch_megatron_core_gpt_specs` / :func:`unpatch_megatron_core_gpt_specs` make every
-megatron-core spec builder that can produce MLA self-attention build the extension class, for
-scripts (Megatron-LM's ``pretrain_gpt.py``) that call those builders themselves;
-``megatron_ext.arguments.apply_megatron_ext`` uses them.
+:func:`patch_megatron_core_gpt_specs` / :func:`unpatch_megatron_core_gpt_specs` apply and undo
+the flag's patches of megatron-core (:mod:`megatron_ext.patches` lists them) without checking a
+configuration.
 """
 
 import dataclasses
-import sys
-import types
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
-from megatron.core.transformer import multi_latent_attention as _mcore_mla
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext import extension_state
-from megatron_ext.transformer.multi_latent_attention import (
-    ExtFusedMLASelfAttention,
-    ExtMLASelfAttention,
-)
+from megatron_ext import patches
+from megatron_ext.transformer.multi_latent_attention import megatron_core_to_ext_classes
 from megatron_ext.transformer.sdpa_attention import SDPADotProductAttention, resolve_sdpa_backends
 
 __all__ = [
-    "megatron_core_mla_spec_modules",
     "to_megatron_ext_spec",
     "to_megatron_core_spec",
     "count_mla_attention_specs",
+    "iter_module_specs",
     "patch_megatron_core_gpt_specs",
     "unpatch_megatron_core_gpt_specs",
     "is_megatron_core_gpt_specs_patched",
 ]
 
-_MCORE_MLA = _mcore_mla.MLASelfAttention
-_MCORE_FUSED_MLA = getattr(_mcore_mla, "FusedMLASelfAttention", None)
-
 # megatron-core class -> megatron_ext class, for the attention modules.
-_MLA_TO_EXT: Dict[type, type] = {_MCORE_MLA: ExtMLASelfAttention}
-if _MCORE_FUSED_MLA is not None:
-    _MLA_TO_EXT[_MCORE_FUSED_MLA] = ExtFusedMLASelfAttention
+_MLA_TO_EXT: Dict[type, type] = megatron_core_to_ext_classes()
 _EXT_TO_MLA: Dict[type, type] = {ext: mcore for mcore, ext in _MLA_TO_EXT.items()}
 _ALL_MLA = tuple(_MLA_TO_EXT) + tuple(_EXT_TO_MLA)
 
@@ -272,155 +260,62 @@ def count_mla_attention_specs(spec: SpecLike) -> Dict[str, int]:
         Dict[str, int]: class name -> number of distinct ``ModuleSpec`` objects using it.
     """
     counts: Dict[str, int] = {}
-    seen = set()
-
-    def walk(obj: Any) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, ModuleSpec):
-            cls = _resolve(obj.module)
-            if isinstance(cls, type) and cls in _ALL_MLA:
-                counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
-            walk(obj.submodules)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for field in dataclasses.fields(obj):
-                walk(getattr(obj, field.name, None))
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
-
-    walk(spec)
+    for module_spec in iter_module_specs(spec):
+        cls = _resolve(module_spec.module)
+        if isinstance(cls, type) and cls in _ALL_MLA:
+            counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return counts
 
 
-# ----------------------------------------------------------------------------------------------
-# Process-wide switch for scripts that build specs with megatron-core's own functions.
+def iter_module_specs(obj: Any) -> Iterator[ModuleSpec]:
+    """Every distinct ``ModuleSpec`` reachable from ``obj`` (dataclass fields, lists, tuples).
 
-# (module name, attribute) -> original object, while patched.
-_PATCHED: Dict[Tuple[str, str], Any] = {}
-# Module-level spec constants changed in place, with the class each had, while patched.
-_PATCHED_SPECS: List[Tuple[ModuleSpec, Any]] = []
+    Args:
+        obj: a spec, or any object holding specs.
 
-
-def megatron_core_mla_spec_modules() -> List[types.ModuleType]:
-    """The megatron-core modules whose spec builders can produce MLA self-attention.
-
-    Each looks ``MLASelfAttention``/``FusedMLASelfAttention`` up as a module global when its
-    builders run, or holds module-level specs that contain them:
-
-    * ``models.gpt.gpt_layer_specs`` (0.16, 0.19): ``get_gpt_layer_local_spec``,
-      ``get_gpt_layer_with_transformer_engine_spec``, ``get_gpt_layer_with_inference_spec`` (and
-      their ``*_submodules`` forms in 0.19), hence ``get_gpt_decoder_layer_specs``,
-      ``get_gpt_decoder_block_spec`` and ``get_gpt_mtp_block_spec``;
-    * ``models.gpt.experimental_attention_variant_module_specs`` (0.16):
-      ``get_dsa_module_spec_for_backend`` (0.19 builds ``AbsorbedMLASelfAttention`` there, which
-      megatron_ext does not extend; ``apply_megatron_ext`` refuses an experimental attention
-      variant);
-    * ``post_training.modelopt.gpt.model_specs`` (0.16, 0.19): ``get_gpt_modelopt_spec``;
-    * ``post_training.modelopt.hybrid.model_specs`` (0.19): ``get_hybrid_stack_modelopt_spec``;
-    * ``models.hybrid.hybrid_layer_specs`` (0.19): the constants ``hybrid_stack_spec`` and
-      ``hybrid_inference_stack_spec`` (``models.mamba.mamba_layer_specs`` re-exports them);
-    * ``models.hybrid.hybrid_block`` (0.19): ``HybridStack`` builds ``FusedMLASelfAttention``
-      when it fuses the MLA down-projections.
-
-    Returns:
-        List[types.ModuleType]: those of them that exist in the installed release and bind one of
-        the MLA classes.
+    Yields:
+        ModuleSpec: each one once, parents before their submodules.
     """
-    from megatron.core.models.gpt import experimental_attention_variant_module_specs
-    from megatron.core.models.gpt import gpt_layer_specs as mcore_gpt_layer_specs
-    from megatron.core.post_training.modelopt.gpt import model_specs as modelopt_gpt_specs
-
-    modules = [
-        mcore_gpt_layer_specs,
-        experimental_attention_variant_module_specs,
-        modelopt_gpt_specs,
-    ]
-    try:
-        # Hybrid (Mamba) models build MLA from megatron-core 0.19 on.
-        from megatron.core.models.hybrid import hybrid_block, hybrid_layer_specs
-        from megatron.core.post_training.modelopt.hybrid import model_specs as modelopt_hybrid_specs
-    except ImportError:
-        pass
-    else:
-        modules += [hybrid_layer_specs, hybrid_block, modelopt_hybrid_specs]
-    names = [cls.__name__ for cls in _MLA_TO_EXT]
-    return [m for m in modules if any(getattr(m, name, None) is not None for name in names)]
-
-
-def _module_spec_constants(module: types.ModuleType) -> List[ModuleSpec]:
-    """Every ``ModuleSpec`` reachable from ``module``'s globals whose module is an MLA class."""
-    found: List[ModuleSpec] = []
     seen = set()
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, ModuleSpec):
+            yield node
+            stack.append(node.submodules)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            stack.extend(reversed([getattr(node, f.name, None) for f in dataclasses.fields(node)]))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
 
-    def walk(obj: Any) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, ModuleSpec):
-            if isinstance(obj.module, type) and obj.module in _ALL_MLA:
-                found.append(obj)
-            walk(obj.submodules)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for field in dataclasses.fields(obj):
-                walk(getattr(obj, field.name, None))
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
 
-    for value in list(vars(module).values()):
-        if isinstance(value, (ModuleSpec, list, tuple)) or (
-            dataclasses.is_dataclass(value) and not isinstance(value, type)
-        ):
-            walk(value)
-    return found
+# ----------------------------------------------------------------------------------------------
+# The process-wide switch, for scripts that call megatron-core's own spec builders.
 
 
 def patch_megatron_core_gpt_specs() -> List[str]:
-    """Make megatron-core's spec builders build megatron_ext's MLA classes.
+    """Apply ``--mla-rope-contiguous-load``'s patches without checking a configuration.
 
-    The builders of :func:`megatron_core_mla_spec_modules` look the MLA classes up as module
-    globals when called, so rebinding those globals reaches every caller, including scripts that
-    imported the functions before this call; module-level spec constants are changed in place.
-    Only specs built afterwards are affected; models already built keep their classes. Recorded
-    in :mod:`megatron_ext.extension_state` (``undo_megatron_ext`` undoes it). Idempotent;
-    thread-safe.
+    megatron-core's spec builders then build megatron_ext's MLA classes and its MLA module runs
+    megatron_ext's kernels (every target: ``megatron_ext.patches.PATCHES``). Specs and models
+    built earlier keep their classes. Prefer ``apply_megatron_ext``, which checks the
+    configuration first. Idempotent; thread-safe.
 
     Returns:
-        List[str]: the ``module.attribute`` names now bound to megatron_ext classes.
+        List[str]: the ``owner.attribute`` names now patched.
     """
-    modules = megatron_core_mla_spec_modules()
-    with extension_state.LOCK:
-        for module in modules:
-            for mcore_cls, ext_cls in _MLA_TO_EXT.items():
-                name = mcore_cls.__name__
-                if getattr(module, name, None) is None:
-                    continue
-                key = (module.__name__, name)
-                if key not in _PATCHED:
-                    _PATCHED[key] = getattr(module, name)
-                setattr(module, name, ext_cls)
-            for spec in _module_spec_constants(module):
-                if spec.module in _MLA_TO_EXT:
-                    _PATCHED_SPECS.append((spec, spec.module))
-                    spec.module = _MLA_TO_EXT[spec.module]
-        extension_state.set_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD, True)
-        return [f"{mod}.{attr}" for mod, attr in _PATCHED]
+    patches.apply_patches(patches.MLA_ROPE_CONTIGUOUS_LOAD)
+    return patches.applied_extensions()[patches.MLA_ROPE_CONTIGUOUS_LOAD]
 
 
 def unpatch_megatron_core_gpt_specs() -> None:
     """Undo :func:`patch_megatron_core_gpt_specs` (a no-op when not patched)."""
-    with extension_state.LOCK:
-        for (mod_name, attr), original in list(_PATCHED.items()):
-            setattr(sys.modules[mod_name], attr, original)
-            del _PATCHED[(mod_name, attr)]
-        while _PATCHED_SPECS:
-            spec, original = _PATCHED_SPECS.pop()
-            spec.module = original
-        extension_state.set_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD, False)
+    patches.undo_patches(patches.MLA_ROPE_CONTIGUOUS_LOAD)
 
 
 def is_megatron_core_gpt_specs_patched() -> bool:
     """Whether megatron-core's spec builders currently build megatron_ext's classes."""
-    return extension_state.is_applied(extension_state.MLA_ROPE_CONTIGUOUS_LOAD)
+    return patches.is_applied(patches.MLA_ROPE_CONTIGUOUS_LOAD)

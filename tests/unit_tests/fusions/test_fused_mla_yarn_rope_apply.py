@@ -946,3 +946,110 @@ def test_context_parallel_ranks_reassemble_the_full_sequence(cp_size):
         assert_bitwise_equal(local_k, full_k[rows_d], f"key, cp_rank {rank}/{cp_size}")
         assert_bitwise_equal(local_v, full_v[rows_d], f"value, cp_rank {rank}/{cp_size}")
     assert torch.equal(covered, torch.ones_like(covered)), "the ranks must split the rows exactly"
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs megatron-core's users hit (its unit tests, reported issues)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rope_kv_inputs(seed=5, lead=(4, 2)):
+    g = _gen(seed)
+    kv = randn(lead + (3, 12), torch.float32, DEVICE, g)
+    k_pe = randn(lead + (1, 16), torch.float32, DEVICE, g)
+    cos, sin = make_tables(16, 16, torch.float32, DEVICE, generator=g)
+    return kv, k_pe, cos, sin
+
+
+def test_q_leaf_that_requires_grad_rotates_a_copy():
+    """megatron-core's own test passes a leaf: same output and leaf gradient, leaf unchanged."""
+    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=11)
+    leaf = t.clone().requires_grad_(True)
+    weight = randn(t.shape, torch.float32, DEVICE, _gen(12))
+    with pinned_kernel_config(2, 1):
+        out = fused_apply_mla_rope_for_q(leaf, cos, sin, case.qk_head_dim, case.emb_dim)
+        (out * weight).sum().backward()
+        expected = t.clone()
+        mla_rope_q_fwd_(expected, cos, sin, case.qk_head_dim, case.emb_dim)
+        expected_grad = weight.clone()
+        mla_rope_q_bwd_(expected_grad, cos, sin, case.qk_head_dim, case.emb_dim)
+    assert out is not leaf
+    assert_bitwise_equal(out.detach(), expected, "leaf: output vs the kernel in place")
+    assert_bitwise_equal(leaf.grad, expected_grad, "leaf: gradient vs the backward kernel")
+    assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
+
+
+@pytest.mark.parametrize("which", ["q", "kv"])
+def test_double_backward_is_refused_before_returning(which):
+    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=13)
+    if which == "q":
+        x = t.clone().requires_grad_(True)
+        out = fused_apply_mla_rope_for_q(x * 1.0, cos, sin, case.qk_head_dim, case.emb_dim)
+        loss = (out**2).sum()
+    else:
+        kv, k_pe, cos, sin = _rope_kv_inputs()
+        x = kv.requires_grad_(True)
+        key, value = fused_apply_mla_rope_for_kv(x, k_pe, cos, sin, 16, 8, 4)
+        loss = (key**2).sum() + (value**2).sum()
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    # A plain first-order backward of the same graph still works.
+    (grad,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(grad).all()
+
+
+def test_zero_tokens_forward_and_backward():
+    kv, k_pe, cos, sin = _rope_kv_inputs(lead=(0, 2))
+    kv.requires_grad_(True)
+    k_pe.requires_grad_(True)
+    key, value = fused_apply_mla_rope_for_kv(kv, k_pe, cos, sin, 16, 8, 4)
+    (key.sum() + value.sum()).backward()
+    assert kv.grad.shape == kv.shape and k_pe.grad.shape == k_pe.shape
+    case, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32")
+    leaf = t[:0].clone().requires_grad_(True)
+    out = fused_apply_mla_rope_for_q(leaf * 1.0, cos, sin, case.qk_head_dim, case.emb_dim)
+    out.sum().backward()
+    assert leaf.grad.shape == leaf.shape
+
+
+@pytest.mark.parametrize("which", ["q", "kv"])
+def test_functorch_transforms_get_a_clear_error(which):
+    case, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32")
+    kv, k_pe, kv_cos, kv_sin = _rope_kv_inputs()
+    if which == "q":
+        fn = lambda x: fused_apply_mla_rope_for_q(  # noqa: E731
+            x * 1.0, cos, sin, case.qk_head_dim, case.emb_dim
+        )
+        batch = torch.stack([t, t])
+    else:
+        fn = lambda x: fused_apply_mla_rope_for_kv(x, k_pe, kv_cos, kv_sin, 16, 8, 4)[  # noqa: E731
+            0
+        ]
+        batch = torch.stack([kv, kv])
+    with pytest.raises(TypeError, match="torch.func transforms"):
+        torch.func.vmap(fn)(batch)
+
+
+def test_in_place_rope_on_an_activation_saved_for_backward_fails_loudly():
+    """Megatron-LM issue #5412: an op saved the query projection's output, which the in-place
+    RoPE then overwrote, so its weight gradient was silently wrong. The drop-in tells autograd."""
+    case, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32", seed=17)
+    weight = torch.ones(t.shape[-1], requires_grad=True)
+    q = t.clone().requires_grad_(True) * 1.0  # the projection's output: not a leaf
+    saved_user = q * weight  # saves q to compute weight's gradient
+    with pinned_kernel_config(2, 1):
+        out = fused_apply_mla_rope_for_q(q, cos, sin, case.qk_head_dim, case.emb_dim)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (saved_user.sum() + out.sum()).backward()
+
+
+def test_cos_sin_narrower_than_emb_dim_are_refused():
+    """Megatron-LM issues #5317/#5799: rotary_percent < 1 gave cos/sin narrower than emb_dim,
+    and the kernels read past each row (NaN from iteration 2). The drop-ins refuse it."""
+    case, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32")
+    narrow_cos, narrow_sin = cos[..., :8].contiguous(), sin[..., :8].contiguous()
+    with pytest.raises(ValueError, match="emb_dim=16"):
+        fused_apply_mla_rope_for_q(t, narrow_cos, narrow_sin, case.qk_head_dim, case.emb_dim)
+    kv, k_pe, cos, sin = _rope_kv_inputs()
+    with pytest.raises(ValueError, match="emb_dim=16"):
+        fused_apply_mla_rope_for_kv(kv, k_pe, cos[..., :8], sin[..., :8], 16, 8, 4)

@@ -27,8 +27,8 @@ def cpu_current_device(monkeypatch):
 def rope_spies(monkeypatch) -> Dict[str, List[str]]:
     """Record which RoPE functions run; both sides compute with the plain-torch reference.
 
-    The functions megatron_ext's MLA module routes to are replaced by a double (so tests do not
-    depend on Triton running here), and megatron-core's MLA module globals by a second double.
+    megatron_ext's kernels (what the flag's patch installs) are replaced by a double (so tests do
+    not depend on Triton running here), and megatron-core's MLA module globals by a second one.
 
     Returns:
         dict: ``{"ext": [...], "mcore": [...]}``, the names of the functions called, in order.
@@ -44,13 +44,13 @@ def rope_spies(monkeypatch) -> Dict[str, List[str]]:
 
     from megatron.core.transformer import multi_latent_attention as mcore_mla
 
-    from megatron_ext.transformer import multi_latent_attention as ext_mla
+    from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
 
     monkeypatch.setattr(
-        ext_mla, "fused_apply_mla_rope_for_q", spy("ext", "q", mla_rope_reference.rope_q)
+        ext_rope, "fused_apply_mla_rope_for_q", spy("ext", "q", mla_rope_reference.rope_q)
     )
     monkeypatch.setattr(
-        ext_mla, "fused_apply_mla_rope_for_kv", spy("ext", "kv", mla_rope_reference.rope_kv)
+        ext_rope, "fused_apply_mla_rope_for_kv", spy("ext", "kv", mla_rope_reference.rope_kv)
     )
 
     monkeypatch.setattr(

@@ -2,7 +2,7 @@
 
 """ExtMLASelfAttention: megatron-core's MLA with megatron_ext's RoPE kernels, nothing else."""
 
-import threading
+import contextlib
 import types
 
 import mla_rope_reference
@@ -15,6 +15,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from mla_rope_testlib import pin_megatron_core_autotuners
 
+from megatron_ext import patches
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
 from megatron_ext.models.gpt.gpt_layer_specs import to_megatron_ext_spec
 from megatron_ext.transformer import multi_latent_attention as ext_mla
 from megatron_ext.transformer.multi_latent_attention import (
@@ -120,6 +122,16 @@ def _parallel_state(mcore_parallel_state):
     yield
 
 
+@contextlib.contextmanager
+def ext_rope_applied():
+    """The flag's patches of megatron-core, as ``apply_megatron_ext`` applies them."""
+    patches.apply_patches(patches.MLA_ROPE_CONTIGUOUS_LOAD)
+    try:
+        yield
+    finally:
+        patches.undo_patches(patches.MLA_ROPE_CONTIGUOUS_LOAD)
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: structure and routing (both sides compute with the plain-torch reference)
 
@@ -146,15 +158,35 @@ def test_same_result_and_rope_routed_to_megatron_ext(fmt, rope_spies, cpu_curren
 
     base_result = forward_backward(base, hidden, params)
     assert rope_spies == {"ext": [], "mcore": ["q", "kv"]}
-    ext_result = forward_backward(ext, hidden, params)
+    with ext_rope_applied():
+        ext_result = forward_backward(ext, hidden, params)
     assert rope_spies == {"ext": ["q", "kv"], "mcore": ["q", "kv"]}
     assert_bitwise(base_result, ext_result)
-    # megatron-core's module is left as it was: its globals still hold its own functions.
+    # Undo put megatron-core's functions back (here: the test's double standing in for them).
     assert mcore_mla.fused_apply_mla_rope_for_q.__name__ == "wrapper"
-    assert mcore_mla.fused_apply_mla_rope_for_q is not ext_mla.fused_apply_mla_rope_for_q
+    assert mcore_mla.fused_apply_mla_rope_for_q is not ext_rope.fused_apply_mla_rope_for_q
 
 
-def test_not_rerouted_without_rope_fusion(rope_spies, cpu_current_device):
+def test_refuses_to_run_without_the_patch(rope_spies, cpu_current_device):
+    config = make_config("cpu")
+    _, ext = build_pair(config)
+    hidden, params = make_inputs(config, "sbhd")
+    with pytest.raises(ext_mla.MegatronExtRopeNotAppliedError, match="apply_megatron_ext"):
+        forward_backward(ext, hidden, params)
+    assert rope_spies == {"ext": [], "mcore": []}
+
+
+def test_while_applied_every_mla_module_runs_megatron_ext_kernels(rope_spies, cpu_current_device):
+    """The patch is process-wide, as the flag documents: a stock module built earlier too."""
+    config = make_config("cpu")
+    base, _ = build_pair(config)
+    hidden, params = make_inputs(config, "sbhd")
+    with ext_rope_applied():
+        forward_backward(base, hidden, params)
+    assert rope_spies == {"ext": ["q", "kv"], "mcore": []}
+
+
+def test_no_patch_needed_without_rope_fusion(rope_spies, cpu_current_device):
     config = make_config("cpu", apply_rope_fusion=False)
     base, ext = build_pair(config)
     hidden, params = make_inputs(config, "sbhd")
@@ -193,69 +225,14 @@ def test_gpt_model_from_ext_spec_matches(rope_spies, cpu_current_device, monkeyp
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     position_ids = torch.arange(16).expand(2, 16)
     losses = []
-    for model in models:
-        loss = model(tokens, position_ids, None, labels=tokens).sum()
-        loss.backward()
+    for model, applied in zip(models, (contextlib.nullcontext, ext_rope_applied)):
+        with applied():
+            loss = model(tokens, position_ids, None, labels=tokens).sum()
+            loss.backward()
         losses.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     assert torch.equal(losses[0][0], losses[1][0])
     assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1]))
     assert rope_spies["ext"] == ["q", "kv"] * 2 and rope_spies["mcore"] == ["q", "kv"] * 2
-
-
-def test_instances_do_not_interfere_across_threads(rope_spies, cpu_current_device):
-    config = make_config("cpu")
-    base, ext = build_pair(config)
-    hidden, _ = make_inputs(config, "sbhd")
-    with torch.no_grad():
-        expected = base(hidden, None)[0]
-    rope_spies["ext"].clear()
-    rope_spies["mcore"].clear()
-    errors = []
-
-    def loop(module, n=20):
-        try:
-            for _ in range(n):
-                with torch.no_grad():
-                    out = module(hidden, None)[0]
-                if not torch.equal(out, expected):
-                    errors.append(f"{type(module).__name__} output changed")
-        except Exception as exc:  # pylint: disable=broad-except
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=loop, args=(m,)) for m in (base, ext, base, ext)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    # Every call went where its instance's class sends it: 2 threads x 20 calls x (q, kv) each.
-    assert len(rope_spies["ext"]) == 80 and len(rope_spies["mcore"]) == 80
-
-
-def test_kernels_are_imported_plainly_and_the_method_rerouted_once(cpu_current_device):
-    import importlib
-    import types
-
-    from megatron_ext.fusions import fused_mla_yarn_rope_apply as kernels
-
-    assert not any(
-        isinstance(v, types.ModuleType) and v is importlib for v in vars(ext_mla).values()
-    )
-    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
-    first = ext_mla._with_ext_rope(func)
-    assert ext_mla._with_ext_rope(func) is first  # no function built per forward
-    assert first.__globals__["fused_apply_mla_rope_for_q"] is kernels.fused_apply_mla_rope_for_q
-    assert first.__globals__["fused_apply_mla_rope_for_kv"] is kernels.fused_apply_mla_rope_for_kv
-
-
-def test_rerouted_method_sees_later_changes_to_megatron_core(monkeypatch):
-    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
-    name = next(n for n in ext_mla._rerouted(func).names if n != "torch")
-    marker = object()
-    monkeypatch.setattr(mcore_mla, name, marker)
-    assert ext_mla._with_ext_rope(func).__globals__[name] is marker
-    monkeypatch.undo()
-    assert ext_mla._with_ext_rope(func).__globals__[name] is getattr(mcore_mla, name)
 
 
 def test_context_parallel_thd_lengths_checked_when_on_the_host():
@@ -286,37 +263,6 @@ def test_context_parallel_thd_lengths_checked_when_on_the_host():
     ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": padded})
     module.pg_collection.cp = _Group(1)
     ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": odd})
-
-
-def test_rerouted_method_shares_code_and_closure():
-    func = mcore_mla.MLASelfAttention.get_query_key_value_tensors
-    rerouted = ext_mla._with_ext_rope(func)
-    assert rerouted is not func
-    assert rerouted.__code__ is func.__code__
-    assert rerouted.__defaults__ == func.__defaults__
-    assert rerouted.__kwdefaults__ == func.__kwdefaults__
-    assert rerouted.__closure__ == func.__closure__
-    changed = {k for k in func.__globals__ if rerouted.__globals__[k] is not func.__globals__[k]}
-    assert changed == set(ext_mla.ROPE_FUNCTION_NAMES)
-    assert rerouted.__globals__ is not func.__globals__
-
-
-def test_unreroutable_methods_are_refused():
-    def no_rope(self):
-        return None
-
-    with pytest.raises(RuntimeError, match="does not call"):
-        ext_mla._check_reroutable(no_rope)
-
-    namespace = {}
-    exec(  # a method that assigns a module global cannot run on a copied namespace
-        "def writes(self):\n"
-        "    global fused_apply_mla_rope_for_q\n"
-        "    fused_apply_mla_rope_for_q = fused_apply_mla_rope_for_kv = None\n",
-        namespace,
-    )
-    with pytest.raises(RuntimeError, match="assigns the global"):
-        ext_mla._check_reroutable(namespace["writes"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
@@ -357,7 +303,8 @@ def test_real_kernels_agree_under_interpreter(
     base, ext = build_pair(config)
     hidden, params = make_inputs(config, fmt, seq=6)
     base_result = forward_backward(base, hidden, params)
-    ext_result = forward_backward(ext, hidden, params)
+    with ext_rope_applied():
+        ext_result = forward_backward(ext, hidden, params)
     assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
     for a, b in zip(base_result[:2], ext_result[:2]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -371,16 +318,16 @@ def test_real_kernels_agree_under_interpreter(
 
 @pytest.fixture
 def ext_kernel_calls(monkeypatch):
-    """Count calls into megatron_ext's real kernels (the names ExtMLASelfAttention routes to)."""
+    """Count calls into megatron_ext's real kernels (what the flag's patch installs)."""
     calls = []
     for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
-        real = getattr(ext_mla, name)
+        real = getattr(ext_rope, name)
 
         def counting(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(ext_mla, name, counting)
+        monkeypatch.setattr(ext_rope, name, counting)
     return calls
 
 
@@ -396,7 +343,8 @@ def test_gpu_bitwise_equal_to_megatron_core(fmt, dtype, ext_kernel_calls, monkey
     hidden, params = make_inputs(config, fmt, "cuda", dtype, seq=64)
     base_result = forward_backward(base, hidden, params)
     assert ext_kernel_calls == []
-    ext_result = forward_backward(ext, hidden, params)
+    with ext_rope_applied():
+        ext_result = forward_backward(ext, hidden, params)
     assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
     assert_bitwise(base_result, ext_result)
 
@@ -415,10 +363,11 @@ def test_gpu_recompute_uses_megatron_ext_kernels_in_backward(ext_kernel_calls, m
     hidden, params = make_inputs(config, "sbhd", "cuda", torch.bfloat16, seq=64)
     base_result = forward_backward(base, hidden, params)
     hidden_ext = hidden.detach().clone().requires_grad_()
-    out, _ = ext(hidden_ext, None)
-    forward_calls = len(ext_kernel_calls)
-    assert forward_calls == 2
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out))
+    with ext_rope_applied():
+        out, _ = ext(hidden_ext, None)
+        forward_calls = len(ext_kernel_calls)
+        assert forward_calls == 2
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out))
     # The up-projection + RoPE closure is replayed in backward, still with megatron_ext's kernels.
     assert len(ext_kernel_calls) == 4
     grads = {n: p.grad.detach().clone() for n, p in ext.named_parameters()}

@@ -382,13 +382,27 @@ class TestErrors:
 
 
 def test_mla_builds_without_transformer_engine():
-    """megatron-core 0.16's MLA module must not take TE's mocks for real classes without TE."""
+    """megatron-core 0.16's MLA module must not take TE's mocks for real classes without TE.
+
+    Building SDPADotProductAttention applies the declared TE_FREE_MLA patch, where it applies;
+    undo restores megatron-core's value.
+    """
     from megatron.core.extensions import transformer_engine as mcore_te
     from megatron.core.transformer import multi_latent_attention as mcore_mla
 
+    from megatron_ext import patches
+
     if mcore_te.HAVE_TE:
         pytest.skip("Transformer Engine is installed; the correction does not apply")
+    patches.undo_patches(patches.TE_FREE_MLA)
+    before = mcore_mla.HAVE_TE
+    SDPADotProductAttention(
+        make_config(), 1, AttnMaskType.causal, "self", k_channels=8, v_channels=4
+    )
     assert mcore_mla.HAVE_TE is False
+    assert patches.is_applied(patches.TE_FREE_MLA) is bool(before)
+    patches.undo_patches(patches.TE_FREE_MLA)
+    assert mcore_mla.HAVE_TE is before
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 A small GPT (megatron-core's local layer spec, no Transformer Engine) generates greedily for a few
 hundred requests of mixed prompt and output lengths through megatron-core's real
 ``DynamicInferenceEngine``, once with megatron_ext's static active slices off and once on (via
-``megatron_ext.inference.apply_inference_extension``; the engine set-up is otherwise identical
+``megatron_ext.inference.enable_static_active_slices``; the engine set-up is otherwise identical
 and builds megatron-core's class names). The KV buffer is small, so requests pause, resume and
 get evicted. Both runs must produce bit-identical tokens and log-probs.
 
@@ -110,11 +110,12 @@ def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, req
         allow_dynamic_inference_without_flash_attn,
     )
 
-    ext_inference.apply_inference_extension(mode == "on")
+    if mode == "on":
+        ext_inference.enable_static_active_slices()
     try:
         engine, context, controller = build_small_gpt_engine(model, args, dtype)
     finally:
-        ext_inference.apply_inference_extension(False)
+        ext_inference.disable_static_active_slices()
     extended = isinstance(context, StaticSlicesInferenceContext) and isinstance(
         controller, StaticSlicesTextGenerationController
     )

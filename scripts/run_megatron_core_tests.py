@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Run megatron-core's own unit tests stock and with megatron_ext swapped in; print what differs.
+
+    python scripts/run_megatron_core_tests.py --megatron-lm /path/to/Megatron-LM [--files F ...]
+
+The checkout must be at the tag of the installed megatron-core (``core_v0.16.1`` for 0.16.1;
+0.19.x has ``core_v0.19.0``): its ``tests/`` and ``megatron/training`` are used, its
+``megatron/core`` is not (the installed megatron-core is). Without ``--files`` every test file
+under ``tests/unit_tests`` that names one of the replaced functions or classes is run. Each file
+runs twice in a fresh pytest process: stock, and with ``-p megatron_ext_swap``
+(``tests/conformance/megatron_ext_swap.py``). Exit status 1 if a test that passes stock does not
+pass with megatron_ext.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = REPO / "tests" / "conformance"
+REPLACED = re.compile(
+    r"fused_apply_mla_rope_for_(q|kv)|DynamicInferenceContext|TextGenerationController"
+    r"|MLASelfAttention"
+)
+
+
+def discover(checkout: Path) -> List[str]:
+    """Test files of the checkout that name a function or class megatron_ext replaces."""
+    root = checkout / "tests" / "unit_tests"
+    found = []
+    for path in sorted(root.rglob("test_*.py")):
+        if REPLACED.search(path.read_text(errors="replace")):
+            found.append(str(path.relative_to(checkout)))
+    return found
+
+
+def outcomes(xml_path: Path) -> Dict[str, str]:
+    """test id -> passed / failed / error / skipped, from a JUnit XML report."""
+    if not xml_path.exists():
+        return {}
+    result = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        state = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                state = {"failure": "failed"}.get(child.tag, child.tag)
+        result[test_id] = state
+    return result
+
+
+def stage(checkout: Path, out: Path) -> Tuple[Path, List[str]]:
+    """A working directory with the checkout's tests, and the paths to append for
+    ``megatron.training``: the checkout's ``megatron/core`` must not shadow the installed one."""
+    work = out / "_stage"
+    training = out / "_megatron_training"
+    for link, target in (
+        (work / "tests", checkout / "tests"),
+        (work / "pyproject.toml", checkout / "pyproject.toml"),
+        (training / "megatron" / "training", checkout / "megatron" / "training"),
+    ):
+        if target.exists() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target)
+    return work, [str(training)]
+
+
+def pythonpath(work: Path, tail: List[str]) -> str:
+    head = [str(work), str(PLUGIN_DIR), str(REPO), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join([p for p in head if p] + tail)
+
+
+def conftest_error(work: Path, tail: List[str]) -> str:
+    """Why the checkout's root conftest cannot be imported here ("" if it can)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tests.unit_tests.conftest"],
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": pythonpath(work, tail)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def run(
+    work: Path,
+    tail: List[str],
+    test_file: str,
+    swapped: bool,
+    out: Path,
+    timeout: int,
+    noconftest: bool,
+) -> Dict[str, str]:
+    tag = "megatron_ext" if swapped else "stock"
+    xml = out / f"{tag}-{test_file.replace('/', '_')}.xml"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pythonpath(work, tail)
+    # The checkout's addopts stop at the first failure (-x); every test must run here.
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        test_file,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+    ]
+    cmd += [f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+    if noconftest:
+        cmd += ["--noconftest"]
+    if swapped:
+        cmd += ["-p", "megatron_ext_swap"]
+    log = out / f"{tag}-{test_file.replace('/', '_')}.log"
+    with open(log, "w") as f:
+        try:
+            subprocess.run(
+                cmd,
+                cwd=work,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            f.write(f"\nTIMEOUT after {timeout} s\n")
+    return outcomes(xml)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron-lm", required=True, type=Path, help="Megatron-LM checkout")
+    parser.add_argument("--files", nargs="*", help="test files relative to the checkout")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "megatron_core_tests")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest process")
+    args = parser.parse_args(argv)
+    checkout = args.megatron_lm.resolve()
+    if not (checkout / "tests" / "unit_tests").is_dir():
+        parser.error(f"{checkout} has no tests/unit_tests: pass a Megatron-LM checkout")
+    files = args.files or discover(checkout)
+    if not files:
+        parser.error("no test file names a replaced function or class")
+    args.out.mkdir(parents=True, exist_ok=True)
+    from megatron.core import package_info
+
+    print(f"megatron-core {package_info.__version__}; tests from {checkout}")
+    work, tail = stage(checkout, args.out)
+    why = conftest_error(work, tail)
+    if why:
+        # Both runs skip it alike, so the comparison stays fair; tests needing its fixtures
+        # error in both.
+        print(
+            f"the checkout's tests/unit_tests/conftest.py cannot be imported here ({why}): "
+            "running with --noconftest"
+        )
+    rows, regressions = [], []
+    for test_file in files:
+        start = time.time()
+        stock = run(work, tail, test_file, False, args.out, args.timeout, bool(why))
+        ext = run(work, tail, test_file, True, args.out, args.timeout, bool(why))
+        passed_stock = {t for t, s in stock.items() if s == "passed"}
+        lost = sorted(t for t in passed_stock if ext.get(t) != "passed")
+        regressions += [(t, ext.get(t, "not run")) for t in lost]
+        count = lambda d, s: sum(v == s for v in d.values())  # noqa: E731
+        rows.append(
+            (
+                test_file,
+                count(stock, "passed"),
+                len(stock),
+                count(ext, "passed"),
+                len(ext),
+                len(lost),
+                time.time() - start,
+            )
+        )
+    print(
+        "\n| test file | stock passed/run | megatron_ext passed/run | passed stock, not ours | s |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for name, sp, sn, ep, en, lost, secs in rows:
+        print(f"| {name} | {sp}/{sn} | {ep}/{en} | {lost} | {secs:.0f} |")
+    for test_id, state in regressions:
+        print(f"REGRESSION {test_id}: passes stock, {state} with megatron_ext")
+    total = sum(r[1] for r in rows)
+    print(f"\n{total} tests passed stock; {len(regressions)} of them do not pass with megatron_ext")
+    return 1 if regressions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
