@@ -272,9 +272,6 @@ def apply_megatron_ext(
     if mla:
         check_mla_rope_config(args, config)
         _import_kernels()
-    if static_slices:
-        # Imports the release's subclasses, so that a failure shows before anything is patched.
-        import megatron_ext.inference.static_slices  # noqa: F401
     # Every check passed: only now patch megatron-core, so that a failure leaves nothing behind.
     done = []
     try:

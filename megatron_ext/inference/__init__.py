@@ -30,9 +30,6 @@ __all__ = [
 def enable_static_active_slices() -> None:
     """Make new ``DynamicInferenceContext`` / ``TextGenerationController`` objects the
     extension's subclasses (static active slices, graph-safe sampling). Idempotent."""
-    # Import the subclasses now, so that an import error shows here and not inside a constructor.
-    from megatron_ext.inference import static_slices  # noqa: F401
-
     patches.apply_patches(patches.INFERENCE_STATIC_ACTIVE_SLICES)
 
 

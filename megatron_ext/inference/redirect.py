@@ -14,14 +14,18 @@ from typing import Any, Callable
 
 
 def _redirecting_init(original: Callable, base: type, replacement_name: str) -> Callable:
+    # Imported on apply, so that a release whose subclasses fail to import fails there and not
+    # inside a constructor.
+    from megatron_ext.inference import static_slices
+
+    replacement = getattr(static_slices, replacement_name)
+
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if type(self) is base:
-            from megatron_ext.inference import static_slices
-
             # The subclass adds no slots, so the layouts match; its __init__ reaches this
             # function again through super() with type(self) no longer the base.
-            self.__class__ = getattr(static_slices, replacement_name)
+            self.__class__ = replacement
             self.__init__(*args, **kwargs)
             return
         original(self, *args, **kwargs)
