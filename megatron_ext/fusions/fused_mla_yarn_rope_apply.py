@@ -2,38 +2,27 @@
 
 """Contiguous-load Triton kernels that apply YaRN RoPE to MLA's query, key and value.
 
-Drop-in replacements for ``megatron.core.fusions.fused_mla_yarn_rope_apply``'s
-``fused_apply_mla_rope_for_q`` and ``fused_apply_mla_rope_for_kv``, with the same signatures and,
-wherever megatron-core's output is defined, bit-identical results. Differences:
+Drop-ins for megatron-core's ``fused_apply_mla_rope_for_q`` / ``fused_apply_mla_rope_for_kv``:
+same signatures and, wherever megatron-core's output is defined, the same bits at every launch
+config. What differs, and why:
 
-* The query forward loads the ``emb_dim`` RoPE elements of each head with one contiguous load and
-  splits even/odd elements in registers; the query backward writes its interleaved result with one
-  contiguous store. megatron-core uses two stride-2 loads (forward) and two stride-2 stores
-  (backward), which move the same bytes in twice as many, half-used, transactions.
-* The products are paired into FMAs explicitly, with the pairing megatron-core's kernels compile
-  to, so the output is the same at every ``BLOCK_H``/``num_warps`` the autotuner can choose.
-* Heads are masked by their global index. megatron-core masks by the index inside the head block,
-  so when ``head_num % BLOCK_H != 0`` its last block rotates and writes heads of the next token and,
-  for the last token, memory past the end of the tensor.
-* The in-place kernels are race-free (see :mod:`megatron_ext.fusions.mla_rope.kernels`);
-  megatron-core's query backward is not. The query backward never modifies a gradient that autograd
-  does not hand over exclusively (:func:`_owns`); megatron-core's rotates it in place regardless.
-* Inputs whose elements overlap (expanded views) are refused, as torch's in-place ops refuse them.
-* A launch costs a few microseconds of host time: everything but the data pointers is checked and
-  computed once per (shapes, strides, dtypes, devices, flags) and the compiled kernel is launched
-  directly (:mod:`megatron_ext.fusions.mla_rope.launch`).
-* ``head_num`` is a runtime argument (one compiled kernel serves every head count), ``cos``/``sin``
-  may have any row stride, the sbhd sequence and batch strides are independent, and in thd the
-  sequence lookup is a vector scan rather than one load per sequence.
-* Keyword-only extras from upstream Megatron-LM main: ``inverse`` (rotate by ``-theta``),
-  ``remove_interleaving`` (write the result back in the input's interleaved layout) and
-  ``position_ids`` (explicit cos/sin rows per token).
+* The query forward reads each head's RoPE elements with one contiguous load and splits even/odd
+  in registers; the backward writes them with one contiguous store (megatron-core: two stride-2
+  loads or stores, each transaction half used). The FMAs are paired as megatron-core's kernels
+  compile them, which is what keeps the bits equal at every ``BLOCK_H``/``num_warps``.
+* Heads are masked by their global index (megatron-core's mask writes past the last head when
+  ``head_num % BLOCK_H != 0``, Megatron-LM #7103); the in-place kernels are race-free
+  (megatron-core's query backward is not, PR #5963).
+* Autograd is told about the in-place write (#5412), a gradient shared with another branch is
+  never overwritten (:func:`_owns`), overlapping inputs, double backward and torch.func are
+  refused with clear errors.
+* Host cost: everything but the data pointers is checked once per call shape and the compiled
+  kernel is launched directly (:mod:`megatron_ext.fusions.mla_rope.launch`).
+* Keyword-only extras of upstream Megatron-LM main: ``inverse``, ``remove_interleaving``,
+  ``position_ids``.
 
-Launch configs: :func:`pinned_kernel_config`, :data:`AUTOTUNE_CONFIGS` and the tuner in
-:mod:`megatron_ext.fusions.mla_rope.launch`.
-
-Graph safety: every function here is safe to capture in a CUDA graph (no host sync), once each
-shape has been seen outside capture (the first call of a shape tunes the launch config).
+Graph safety: every function here can be captured in a CUDA graph once its call shape has been
+seen outside capture (the first call of a shape tunes the launch config).
 """
 
 import sys
@@ -102,13 +91,10 @@ def _refuse_double_backward(*grads) -> None:
 def _owns(grad: torch.Tensor, python_refs: int) -> bool:
     """Whether a gradient handed to a backward is ours alone to overwrite.
 
-    True only when nothing else can see its memory: no more references to it than a gradient
-    that autograd hands over exclusively has on this device (measured once per device type by
-    :func:`_calibrate_ownership`): Python references (a hook that stashed it adds one), C++
-    references to its tensor (a caller's ``backward(g)`` or a second branch of the graph holds
-    one) and references to its storage (a live view of it, or it a view of another); and its
-    storage allocated by torch (foreign memory wrapped from NumPy or DLPack is not resizable),
-    contiguous (its elements do not overlap), not requiring grad (a double backward may save it).
+    Only when it has no more Python, tensor and storage references than an exclusively held
+    gradient has on this device (:func:`_calibrate_ownership`): a stashing hook, a caller's
+    ``backward(g)``, a second branch or a live view each add one. Also: torch-allocated storage
+    (wrapped NumPy/DLPack memory is not resizable), contiguous, not requiring grad.
     """
     exclusive = _EXCLUSIVE_REFS.get(grad.device.type)
     if exclusive is None or grad.requires_grad or grad._base is not None:
@@ -146,11 +132,9 @@ _EXCLUSIVE_REFS: Dict[str, Tuple[int, int, int]] = {}
 def _calibrate_ownership(device: torch.device) -> None:
     """Measure what an exclusively held gradient looks like on ``device``'s type, once.
 
-    The counts depend on the interpreter, torch and the autograd engine's path for the device
-    (CPU backward runs on the calling thread, CUDA backward on a device thread), so each device
-    type is measured with a gradient that comes fresh from ``* 2``'s backward, as in a training
-    step. Not measured during CUDA-graph capture (a backward there would be captured too): until
-    measured, the backward copies the gradient.
+    The counts depend on the interpreter, torch and the autograd engine's thread for the device.
+    Not measured during CUDA-graph capture (the probe's backward would be captured); until then
+    the backward copies.
     """
     if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
         return
@@ -248,34 +232,19 @@ def fused_apply_mla_rope_for_q(
 ) -> torch.Tensor:
     """Apply YaRN RoPE in place to the last ``emb_dim`` elements of each head of MLA's query.
 
-    Same signature and results as megatron-core's function, plus keyword-only options of upstream
-    Megatron-LM main. The first ``qk_head_dim`` elements of each head are not touched. The RoPE
-    elements are read as interleaved pairs (even, odd) and written as [rotated even | rotated odd],
-    or, with ``remove_interleaving``, as interleaved pairs again.
+    The RoPE elements are read as interleaved (even, odd) pairs and written as
+    [rotated even | rotated odd], or interleaved again with ``remove_interleaving``. A leaf that
+    requires grad (which no in-place op may modify; megatron-core rotates its data behind
+    autograd's back) gets a rotated copy: megatron-core's output and leaf gradient, the leaf
+    unchanged. The backward rotates the incoming gradient in place only when autograd hands it
+    over exclusively; otherwise (a caller's ``backward(g)``, a second branch) it writes a copy.
 
-    Unlike megatron-core's, the function marks ``t`` as modified in place for autograd, so an op
-    that saved ``t`` for its backward fails loudly there instead of using rotated values
-    (Megatron-LM issue #5412). For a leaf that requires grad, which no in-place op may modify, it
-    rotates and returns a copy: the same output and leaf gradient as megatron-core's, whose kernel
-    rotates the leaf's data behind autograd's back, while the leaf keeps its values. A ``t`` whose
-    elements overlap (an expanded view) is refused. A backward with ``create_graph=True`` through it
-    raises instead of giving a wrong second derivative; torch.func transforms are refused. The
-    backward rotates the incoming gradient in place only when autograd hands it over exclusively
-    (see :func:`_owns`: in a training step the gradient comes fresh from the next op); otherwise,
-    such as a gradient that autograd also passes to another branch or a caller's ``backward(g)``,
-    it writes a copy and leaves ``g`` as it was.
-    megatron-core's backward overwrites it in every case.
-
-    Not checked (each would need a device-to-host sync): that ``cu_seqlens_q`` is non-decreasing,
-    that cos/sin have a row for every thd position, that ``position_ids`` lie inside cos/sin, and
-    that under context parallelism (``cp_size > 1``) every sequence length in ``cu_seqlens_q`` is a
-    multiple of ``2 * cp_size``: an odd local length (cp 2 and a sequence of 6) gives wrong
-    positions (rank 0 gets [0, 4, 5], rank 1 [1, 3, 4]). Callers that have the lengths on the host
-    check the last with
-    :func:`megatron_ext.fusions.mla_rope.checks.check_cp_sequence_lengths` (the MLA module does
-    when ``cu_seqlens`` live on the CPU; ``examples/pretrain_mla.py`` does). Positions
-    outside the tables are clamped to their first or last row rather than read out of bounds; thd
-    rows past ``cu_seqlens_q[-1]`` (CUDA-graph padding) use row 0.
+    Not checked, since each needs a device-to-host sync: that ``cu_seqlens_q`` is non-decreasing,
+    that cos/sin cover every position, and that with ``cp_size > 1`` every sequence length is a
+    multiple of ``2 * cp_size`` (otherwise positions are wrong; callers with host lengths use
+    :func:`megatron_ext.fusions.mla_rope.checks.check_cp_sequence_lengths`, as the MLA module
+    does). Positions outside the tables are clamped to their first or last row, never read out of
+    bounds; thd rows past ``cu_seqlens_q[-1]`` (graph padding) use row 0.
 
     Args:
         t: [seq_len, batch_size, head_num, qk_head_dim + emb_dim] (sbhd) or
@@ -290,10 +259,12 @@ def fused_apply_mla_rope_for_q(
         cp_rank: context-parallel rank (thd only).
         cp_size: context-parallel size (thd only).
         rotary_interleaved: must be False, as in megatron-core.
-        inverse: rotate by -theta (undoes the forward).
+        inverse: rotate by -theta. It undoes a forward only when both calls pass
+            ``remove_interleaving=True`` (otherwise each call de-interleaves its output).
         remove_interleaving: write the rotated pairs back interleaved (upstream main's flag).
-        position_ids: int32/int64 cos/sin row per token, shaped like ``t.shape[:-2]``; replaces
-            the sbhd row / thd sequence (and context-parallel) position.
+        position_ids: int32/int64 cos/sin row per token, shaped like ``t.shape[:-2]`` ([s, b] in
+            sbhd, [t] in thd); replaces the sbhd row / thd sequence (and context-parallel)
+            position.
 
     Returns:
         torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad).
@@ -430,10 +401,8 @@ def fused_apply_mla_rope_for_kv(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split MLA's kv into key and value and append the rotated ``k_pos_emb`` to each key head.
 
-    Same signature and, wherever megatron-core's output is defined, the same bits as
-    megatron-core's function. The gradient of ``k_pos_emb`` sums the heads in head order in fp32
-    (megatron-core's order at ``BLOCK_H=1``; its other block sizes sum in other orders). Unchecked
-    inputs and clamping: as :func:`fused_apply_mla_rope_for_q`.
+    The gradient of ``k_pos_emb`` sums the heads in head order in fp32 (megatron-core's order at
+    ``BLOCK_H=1``). Unchecked inputs and clamping: as :func:`fused_apply_mla_rope_for_q`.
 
     Args:
         kv: [seq_len, batch_size, head_num, k_dim + v_dim] (sbhd) or

@@ -13,13 +13,7 @@ import functools
 from typing import Any, Callable
 
 
-def _redirecting_init(original: Callable, base: type, replacement_name: str) -> Callable:
-    # Imported on apply, so that a release whose subclasses fail to import fails there and not
-    # inside a constructor.
-    from megatron_ext.inference import static_slices
-
-    replacement = getattr(static_slices, replacement_name)
-
+def _redirecting_init(original: Callable, base: type, replacement: type) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if type(self) is base:
@@ -42,9 +36,13 @@ def redirect_context_init(original: Callable) -> Callable:
     Returns:
         Callable: the replacement.
     """
+    # Imported on apply, so that a release whose subclasses fail to import fails there and not
+    # inside a constructor.
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    return _redirecting_init(original, DynamicInferenceContext, "StaticSlicesInferenceContext")
+    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+
+    return _redirecting_init(original, DynamicInferenceContext, StaticSlicesInferenceContext)
 
 
 def redirect_controller_init(original: Callable) -> Callable:
@@ -60,6 +58,10 @@ def redirect_controller_init(original: Callable) -> Callable:
         TextGenerationController,
     )
 
+    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
+        StaticSlicesTextGenerationController,
+    )
+
     return _redirecting_init(
-        original, TextGenerationController, "StaticSlicesTextGenerationController"
+        original, TextGenerationController, StaticSlicesTextGenerationController
     )

@@ -85,7 +85,9 @@ def build_small_gpt_engine(model: Any, args: Any, dtype: torch.dtype) -> Tuple[A
         TextGenerationController,
     )
 
-    from megatron_ext.inference.contexts.static_slices_base import UPSTREAM_HAS_ACTIVE_SLICES
+    from megatron_ext.inference.contexts.static_slices_context_base import (
+        UPSTREAM_HAS_ACTIVE_SLICES,
+    )
     from megatron_ext.testing.synthetic import SyntheticTokenizer
     from megatron_ext.testing.synthetic import build_engine as make_engine
 

@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from megatron_ext.inference.contexts.static_slices_base import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.testing.network import free_port
 
 
@@ -268,8 +268,8 @@ def build_synthetic_stack(
     )
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_ext.inference.static_slices import (
-        StaticSlicesInferenceContext,
+    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
         StaticSlicesTextGenerationController,
     )
 

@@ -2,13 +2,11 @@
 
 """MLA self-attention that applies RoPE with megatron_ext's contiguous-load kernels.
 
-:class:`ExtMLASelfAttention` (and, on megatron-core releases that have ``FusedMLASelfAttention``,
-:class:`ExtFusedMLASelfAttention`) is megatron-core's class with one change: wherever megatron-core
-would call its fused MLA RoPE (``fused_apply_mla_rope_for_q`` / ``fused_apply_mla_rope_for_kv``,
-used when ``apply_rope_fusion`` is on with yarn RoPE), megatron_ext's kernels of the same name and
-signature run instead. Those kernels reproduce megatron-core's results bit for bit (see
-``megatron_ext.fusions.fused_mla_yarn_rope_apply`` for the exact contract), so a model built with
-these classes trains as one built without them.
+megatron-core's MLA calls its fused RoPE through the module globals
+``fused_apply_mla_rope_for_q/kv``, which the ``mla_rope_contiguous_load`` patch
+(:data:`megatron_ext.patches.PATCHES`) points at megatron_ext's bit-identical kernels. The
+subclasses here only refuse to run when that patch is not in effect (the flag would silently do
+nothing) and check context-parallel thd lengths; everything else is megatron-core's.
 """
 
 from typing import Any, Dict, Tuple
@@ -39,12 +37,8 @@ def _rope_patched() -> bool:
 
 
 def _check_context_parallel_lengths(module, args: Tuple, kwargs: Dict[str, Any]) -> None:
-    """Refuse thd sequence lengths the RoPE kernels would map wrongly under context parallelism.
-
-    Only where the lengths are already on the host (``cu_seqlens`` on the CPU): reading CUDA
-    tensors would cost a device-to-host sync on every forward, so there the kernels' documented
-    precondition stands unchecked.
-    """
+    # Only lengths already on the host are checked: reading CUDA cu_seqlens would sync on every
+    # forward, so there the kernels' documented precondition stands unchecked.
     params = kwargs.get("packed_seq_params", args[3] if len(args) > 3 else None)
     if params is None or getattr(params, "qkv_format", None) != "thd":
         return
@@ -62,24 +56,10 @@ def _check_context_parallel_lengths(module, args: Tuple, kwargs: Dict[str, Any])
 
 
 class _ContiguousLoadRopeMixin:
-    """megatron-core's MLA module, checked to run megatron_ext's RoPE kernels.
-
-    megatron-core's MLA calls its fused RoPE through the module globals
-    ``fused_apply_mla_rope_for_q/kv``, which ``apply_megatron_ext(mla_rope_contiguous_load=True)``
-    points at megatron_ext's kernels (:data:`megatron_ext.patches.PATCHES`). The override only
-    refuses to run when that patch is not in effect (the flag would silently do nothing) and
-    checks context-parallel thd lengths; the method itself is megatron-core's.
-    """
+    """The checks shared by megatron_ext's MLA subclasses (see the module docstring)."""
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
-        """megatron-core's method, after the checks above.
-
-        Args:
-            *args: positional arguments of megatron-core's method.
-            **kwargs: its keyword arguments.
-
-        Returns:
-            What megatron-core's method returns.
+        """megatron-core's method, after the checks.
 
         Raises:
             MegatronExtRopeNotAppliedError: if RoPE fusion is on and megatron_ext's RoPE patch is
@@ -99,11 +79,8 @@ class _ContiguousLoadRopeMixin:
 class ExtMLASelfAttention(_ContiguousLoadRopeMixin, _mcore_mla.MLASelfAttention):
     """megatron-core's ``MLASelfAttention`` with megatron_ext's contiguous-load RoPE kernels.
 
-    Constructor, parameters, state dict and every code path are megatron-core's; only the fused
-    MLA RoPE calls (taken when ``config.apply_rope_fusion`` is on with ``rope_type='yarn'``) go
-    to ``megatron_ext.fusions.fused_mla_yarn_rope_apply``. With any other configuration this class
-    behaves exactly as megatron-core's; ``megatron_ext.arguments.apply_megatron_ext`` refuses such
-    configurations instead of letting the flag do nothing.
+    Only the fused RoPE calls (``apply_rope_fusion`` with ``rope_type='yarn'``) differ;
+    ``apply_megatron_ext`` refuses configurations where the flag would change nothing.
     """
 
 
@@ -124,12 +101,7 @@ EXT_MLA_CLASSES: Tuple[type, ...] = tuple(
 
 
 def megatron_core_to_ext_classes() -> Dict[type, type]:
-    """megatron-core's MLA self-attention classes in this release -> megatron_ext's subclass.
-
-    Returns:
-        Dict[type, type]: ``MLASelfAttention`` (and, from 0.19, ``FusedMLASelfAttention``) mapped
-        to their megatron_ext subclasses.
-    """
+    """megatron-core's MLA self-attention classes in this release -> megatron_ext's subclass."""
     mapping = {_mcore_mla.MLASelfAttention: ExtMLASelfAttention}
     if ExtFusedMLASelfAttention is not None:
         mapping[_McoreFusedMLA] = ExtFusedMLASelfAttention

@@ -12,13 +12,9 @@ a CUDA graph: a variant first seen during capture runs with ``KernelConfig(16, 4
 The launch itself is cached: the drop-ins look up a :class:`CachedLaunch` by everything that
 decides a launch except the data pointers (shapes, strides, dtypes, devices, flags, pointer
 alignment, the pinned config). A miss checks the inputs, picks the config, and launches through
-Triton's JIT, keeping the compiled kernel it returns; a hit launches that compiled kernel directly
-through its C launcher with the pointers and the stored arguments, which costs a few microseconds
-of host time instead of Triton's ~17 us dispatch. The direct launch depends on the compiled
-kernel's internal calling convention, read from Triton 3.6's ``CompiledKernel`` and
-``CudaLauncher``; on any other Triton release, under the interpreter, with Triton's launch hooks
-set (profilers), or when the current CUDA device is not the tensors', every launch takes the plain
-``kernel[grid](...)`` path instead, with the same arguments.
+Triton's JIT, keeping the compiled kernel it returns; a hit launches that compiled kernel through
+its C launcher (:mod:`megatron_ext.fusions.mla_rope.direct_launch`, which says when it falls back
+to the JIT path) with the pointers and the stored arguments.
 """
 
 import contextlib
@@ -29,6 +25,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 import triton
 
+from megatron_ext.fusions.mla_rope import direct_launch
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -173,48 +170,9 @@ def tuned_config(kernel, rows: int, head_num: int, args: tuple, meta: dict, in_p
 # The cached launch
 # --------------------------------------------------------------------------------------------------
 
-# Direct launches through the compiled kernel's C launcher: only on the Triton release whose
-# calling convention this module was written against (tests switch it off to cover the fallback).
-FAST_LAUNCH = triton.__version__.startswith("3.6.") and not INTERPRETED
 # Launches cached by the drop-ins (key -> CachedLaunch); cleared when it grows past MAX_LAUNCHES.
 LAUNCHES: Dict[tuple, "CachedLaunch"] = {}
 MAX_LAUNCHES = 4096
-
-
-def _hook_active(hook) -> bool:
-    # Triton 3.6 keeps its launch hooks as HookChain objects (a list of calls, often empty).
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _hooks_set() -> bool:
-    """Whether a profiler or tool registered Triton launch hooks (the direct launch skips them)."""
-    runtime = triton.knobs.runtime
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
-
-
-def _direct_launcher(compiled) -> Optional[tuple]:
-    """(C launch function, CUfunction, cooperative, pdl, packed metadata) or None.
-
-    None unless the compiled kernel has Triton 3.6's structure: a ``CudaLauncher`` whose ``launch``
-    is the generated C function, no global or profile scratch memory to allocate per launch.
-    """
-    if not FAST_LAUNCH or compiled is None:
-        return None
-    try:
-        launcher = compiled.run  # loads the module on first use
-        if type(launcher).__name__ != "CudaLauncher":
-            return None
-        if launcher.global_scratch_size or launcher.profile_scratch_size:
-            return None
-        return (
-            launcher.launch,
-            compiled.function,
-            launcher.launch_cooperative_grid,
-            launcher.launch_pdl,
-            compiled.packed_metadata,
-        )
-    except AttributeError:
-        return None
 
 
 class CachedLaunch:
@@ -268,26 +226,16 @@ class CachedLaunch:
         if (
             direct is not None
             and torch._C._cuda_getDevice() == self.device_index
-            and not _hooks_set()
+            and not direct_launch.hooks_set()
         ):
-            c_launch, function, cooperative, pdl, packed = direct
             gx, gy, gz = self.grid
-            c_launch(
+            stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            direct(
                 gx,
                 gy,
                 gz,
-                torch._C._cuda_getCurrentRawStream(self.device_index),
-                function,
-                cooperative,
-                pdl,
-                None,
-                None,
-                packed,
-                None,
-                None,
-                None,
-                *[None if t is None else t.data_ptr() for t in tensors],
-                *self.tail,
+                stream,
+                (*[None if t is None else t.data_ptr() for t in tensors], *self.tail),
             )
             return
         self.launch_jit(*tensors)
@@ -306,8 +254,12 @@ class CachedLaunch:
                 BLOCK_H=self.config.block_h,
                 num_warps=self.config.num_warps,
             )
-        if self.direct is None:
-            self.direct = _direct_launcher(compiled)
+        if (
+            self.direct is None
+            and device is not None
+            and direct_launch.verified(torch.device("cuda", device))
+        ):
+            self.direct = direct_launch.bind(compiled)
 
 
 def prepare(

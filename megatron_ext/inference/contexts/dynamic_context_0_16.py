@@ -1,31 +1,15 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""``StaticSlicesInferenceContext`` for megatron-core 0.16.x.
+"""``StaticSlicesInferenceContext`` for megatron-core 0.16.x, which has no active slices.
 
-megatron-core 0.16's ``DynamicInferenceContext`` keeps per-request state on the device in
-tensors of ``max_requests`` rows laid out as ``[paused | active | finished]``; it has no active
-slices. This class adds fixed-address device copies of the active window: every step,
-``initialize_attention_state`` calls :meth:`StaticSlicesInferenceContext.build_active_slices`
-with the padded active request count, which copies rows ``[paused, paused + padded)`` of every
-per-request tensor into rows ``[0, padded)`` of its static copy, then
-:meth:`StaticSlicesInferenceContext.pad_active_slices`, which overwrites the padding rows
-``[active, padded)`` with neutral values.
+The static copies (allocated once, ``max_requests`` rows): ``active_request_metadata[label]``,
+``active_request_ids``, ``..._query_lengths``, ``..._kv_length_offsets``, ``..._output_lengths``
+and ``active_request_last_token_idxs`` (computed on the device).
 
-Every step, ``initialize_attention_state`` does the same work through
-:meth:`StaticSlicesInferenceContext.refresh_active_slices`: the paused and active request counts
-are written to a two-element device tensor (two fills), and one fixed-shape computation over all
-``max_requests`` rows reads them there (a gather at ``paused + row``, neutral values from row
-``active`` on, the last-token indices from a cumulative sum). Nothing in it depends on a host
-value, so on a CUDA device it is captured once in a CUDA graph and replayed every step: the
-host cost is flat in the request count. This is what upstream's note on ``pad_active_slices``
-expects from reordering the request tensors; device-side counts give it without reordering
-megatron-core's tensors.
-
-The static copies, allocated once: ``active_request_metadata[label]`` for every request-metadata
-label; ``active_request_ids``, ``active_request_query_lengths``,
-``active_request_kv_length_offsets``, ``active_request_output_lengths``; and
-``active_request_last_token_idxs``, the row of each request's last token in the packed token
-batch, computed on the device.
+``build_active_slices`` / ``pad_active_slices`` are upstream's contract, for callers that want
+them. The step itself (``initialize_attention_state``) uses :meth:`refresh_active_slices`, which
+leaves the same rows but reads the paused/active counts from a device tensor, so one captured
+CUDA graph serves every step whatever the counts (host cost: two fills and a replay).
 """
 
 from typing import Any, List
@@ -33,14 +17,14 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
-from megatron_ext.inference.contexts.static_slices_base import (
+from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
+from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
     ActiveSlices,
     StaticSlicesContextBase,
     pad_value,
 )
-from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
 
 __all__ = ["StaticSlicesInferenceContext"]
 
@@ -51,15 +35,9 @@ _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
 
-    Takes exactly the arguments of megatron-core's ``DynamicInferenceContext``. See the module
-    docstring for the buffers and the per-step protocol.
-
-    All static buffers live on the context's device. ``build_active_slices`` and
-    ``pad_active_slices`` are device-only (no host synchronisation) and graph-safe for a fixed
-    ``(paused, batch_size, active)`` triple. The per-step path,
-    :meth:`refresh_active_slices`, is graph-safe for every triple (its counts live on the
-    device) and is replayed from a CUDA graph on CUDA devices unless
-    ``cuda_graph_active_slices`` is set to False.
+    Takes megatron-core's arguments. Graph-safe (no host synchronisation): ``build_active_slices``
+    and ``pad_active_slices`` for fixed counts, :meth:`refresh_active_slices` for any counts
+    (replayed from a CUDA graph unless ``cuda_graph_active_slices`` is set to False).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -73,11 +51,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
     # ---------------------------------------------------------------------- allocation
 
     def allocate_all_tensors(self, *, is_init: bool) -> None:
-        """Allocate megatron-core's tensors, then the static active slices.
-
-        Args:
-            is_init (bool): True when called from ``__init__``.
-        """
+        """Allocate megatron-core's tensors, then the static active slices."""
         was_allocated = self.is_tensor_state_allocated
         super().allocate_all_tensors(is_init=is_init)
         if self.is_tensor_state_allocated and not was_allocated:
@@ -165,10 +139,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         """Copy rows ``[paused, paused + batch_size)`` of every per-request tensor into rows
         ``[0, batch_size)`` of its static copy, and compute the last-token indices.
 
-        Device-only: no host synchronisation. Run every step by ``initialize_attention_state``
-        with the padded active request count, clamped to ``max_requests - paused_request_count``;
-        rows past the active requests hold stale data until :meth:`pad_active_slices`
-        overwrites them.
+        Rows past the active requests hold stale data until :meth:`pad_active_slices`.
 
         Args:
             batch_size (int): rows to copy: at least the active request count.
@@ -192,10 +163,8 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         last_token_idxs.sub_(1)
 
     def pad_active_slices(self) -> None:
-        """Fill rows ``[active, padded_active)`` of every static copy with neutral values.
-
-        Device-only: no host synchronisation. See ``ACTIVE_METADATA_PAD_VALUES`` and
-        ``ACTIVE_REQUEST_PAD_VALUES`` for the values.
+        """Fill rows ``[active, padded_active)`` of every static copy with neutral values
+        (``ACTIVE_METADATA_PAD_VALUES``, ``ACTIVE_REQUEST_PAD_VALUES``).
 
         Raises:
             RuntimeError: if the tensor state is deallocated.
@@ -208,12 +177,8 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._slice_table.fill_rows(active, padded)
 
     def refresh_active_slices(self) -> None:
-        """This step's static slices, as :meth:`build_active_slices` with the padded count
-        followed by :meth:`pad_active_slices` would leave rows ``[0, padded)``, and neutral
-        values in every row past the active requests.
-
-        Host cost: two fills (the device-side counts) and, on a CUDA device, one graph replay
-        (the graph is captured on first use). Device-only: no host synchronisation.
+        """This step's slices: rows ``[0, padded)`` as :meth:`build_active_slices` with the
+        padded count and :meth:`pad_active_slices` leave them, neutral values past them.
 
         Raises:
             RuntimeError: if the tensor state is deallocated.
@@ -265,13 +230,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         return graph
 
     def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
-        """megatron-core's attention-state set-up, then this step's active slices
-        (:meth:`refresh_active_slices`).
-
-        Args:
-            *args: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
-            **kwargs: forwarded to ``DynamicInferenceContext.initialize_attention_state``.
-        """
+        """megatron-core's attention-state set-up, then :meth:`refresh_active_slices`."""
         super().initialize_attention_state(*args, **kwargs)
         self.refresh_active_slices()
 
@@ -279,18 +238,11 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
 
     @property
     def num_last_token_logits(self) -> int:
-        """Rows returned by :meth:`last_token_logits` this step: one per active request.
-
-        On 0.16.x the model forward is not captured past the decoder layers, so the logits keep
-        megatron-core's active-request row count.
-        """
+        """Rows returned by :meth:`last_token_logits`: one per active request, as megatron-core."""
         return self._active_request_count()
 
     def last_token_logits(self, logits: Tensor) -> Tensor:
-        """Rows of ``logits`` at each active request's last token.
-
-        Same values as megatron-core's version, gathered with the device-computed
-        ``active_request_last_token_idxs`` instead of a fresh cumulative sum.
+        """megatron-core's rows of ``logits``, gathered with ``active_request_last_token_idxs``.
 
         Args:
             logits (Tensor): ``[1, padded_active_token_count, H]``.

@@ -15,14 +15,14 @@ import torch
 from megatron.core.inference.config import AsyncScheduleMode
 from torch import Tensor
 
-from megatron_ext.inference.contexts.static_slices_base import (
+from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
+from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
     ActiveSlices,
     StaticSlicesContextBase,
     pad_value,
 )
-from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 
 __all__ = ["StaticSlicesInferenceContext"]
 

@@ -24,6 +24,8 @@ class SamplingRequirements:
         greedy (bool): some request is greedy (``top_k == 1``).
         full_vocab (bool): some request samples from the whole vocabulary (``top_k < 1`` and
             ``top_p == 0``).
+        max_top_k (int): the largest ``top_k`` in use (checked against the vocabulary; plans,
+            which key the CUDA graph cache, leave it at 0).
     """
 
     sample: bool = False
@@ -32,26 +34,39 @@ class SamplingRequirements:
     log_probs: bool = False
     greedy: bool = False
     full_vocab: bool = False
+    max_top_k: int = 0
 
 
 def top_k_cap_for(max_top_k: int) -> int:
-    """The power of two >= ``max_top_k`` (0 when no request uses top-k filtering).
-
-    Args:
-        max_top_k (int): the largest ``top_k > 1`` in use, or <= 1 for none.
-
-    Returns:
-        int: the cap.
-    """
+    """The power of two >= ``max_top_k`` (0 when ``max_top_k <= 1``: no top-k filtering)."""
     return 0 if max_top_k <= 1 else 1 << (max_top_k - 1).bit_length()
 
 
 def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
     """(top_k, uses top-p, wants log-probs, samples the whole vocabulary) of one request,
     following megatron-core's rule: greedy for ``top_k == 1``, top-k filtering for ``top_k > 1``,
-    top-p filtering only when ``top_k < 1``."""
+    top-p filtering only when ``top_k < 1``.
+
+    Raises:
+        ValueError: for what megatron-core's sampler refuses with an assert or fails on (top-k
+            and top-p together, top-p above 1, temperature 0 when sampling) and for a negative
+            temperature when sampling (stock would sample the least likely tokens).
+    """
     top_k = int(sampling_params.top_k)
     top_p = float(sampling_params.top_p)
+    temperature = float(sampling_params.temperature)
+    if top_k > 0 and top_p > 0.0:
+        raise ValueError(
+            f"top_k ({top_k}) and top_p ({top_p}) cannot both be greater than zero "
+            "(megatron-core's sampler asserts the same)"
+        )
+    if top_p > 1.0:
+        raise ValueError(f"top_p must be at most 1.0, got {top_p}")
+    if top_k != 1 and not temperature > 0.0:
+        raise ValueError(
+            f"temperature must be > 0 when sampling (top_k={top_k}), got {temperature}; "
+            "use top_k=1 for greedy decoding"
+        )
     uses_top_p = top_k < 1 and top_p > 0.0
     full_vocab = top_k < 1 and top_p <= 0.0
     wants_log_probs = bool(sampling_params.return_log_probs) or (
@@ -80,12 +95,8 @@ class RequestSamplingRegistry:
         return int(request_id) in self._features
 
     def add(self, request_id: int, sampling_params: Any) -> None:
-        """Record (or replace) a request's sampling features.
-
-        Args:
-            request_id (int): the request id.
-            sampling_params: its ``SamplingParams``.
-        """
+        """Record (or replace) a request's sampling features (ValueError: see
+        :func:`request_features`)."""
         features = request_features(sampling_params)
         self.discard((request_id,))
         self._features[int(request_id)] = features
@@ -103,11 +114,7 @@ class RequestSamplingRegistry:
         self._counts["full_vocab"] += sign * full_vocab
 
     def discard(self, request_ids: Iterable[int]) -> None:
-        """Forget requests; unknown ids are ignored.
-
-        Args:
-            request_ids (Iterable[int]): ids that left the context.
-        """
+        """Forget requests; unknown ids are ignored."""
         for request_id in request_ids:
             features = self._features.pop(int(request_id), None)
             if features is not None:
@@ -118,11 +125,7 @@ class RequestSamplingRegistry:
         self.__init__()
 
     def requirements(self) -> SamplingRequirements:
-        """Aggregate the recorded features.
-
-        Returns:
-            SamplingRequirements: what the recorded requests need.
-        """
+        """What the recorded requests need, aggregated."""
         max_top_k = max((k for k in self._top_k_counts if k > 1), default=0)
         return SamplingRequirements(
             sample=self._counts["non_greedy"] > 0,
@@ -131,4 +134,5 @@ class RequestSamplingRegistry:
             log_probs=self._counts["log_probs"] > 0,
             greedy=self._counts["greedy"] > 0,
             full_vocab=self._counts["full_vocab"] > 0,
+            max_top_k=max(self._top_k_counts, default=0),
         )

@@ -6,8 +6,8 @@ megatron-core 0.16's ``TextGenerationController`` copies every host-side request
 to pinned host memory each step, buckets the active requests by ``(temperature, top_k, top_p)``
 in a Python loop and samples each bucket separately, then derives the termination mask with
 ``nonzero`` (a host synchronisation). This controller's step instead runs the graph-safe region
-(see ``static_slices_base``), does one device-to-host copy of its packed outputs and one stream
-synchronisation, then runs megatron-core's ``update_requests`` unchanged.
+(``static_slices_controller_base``), does one device-to-host copy of its packed outputs and one
+stream synchronisation, then runs megatron-core's ``update_requests`` unchanged.
 
 The sampling plan comes from the sampling parameters the context recorded when each request was
 added (host-only); the region checks on the device that it covers every active row.
@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from megatron_ext.inference.text_generation_controllers.static_slices_base import (
+from megatron_ext.inference.text_generation_controllers.static_slices_controller_base import (
     SamplingPlan,
     StaticSlicesControllerBase,
 )

@@ -25,7 +25,7 @@ from megatron.core.inference.config import AsyncScheduleMode
 from torch import Tensor
 
 from megatron_ext.inference.contexts.sampling_registry import top_k_cap_for
-from megatron_ext.inference.text_generation_controllers.static_slices_base import (
+from megatron_ext.inference.text_generation_controllers.static_slices_controller_base import (
     SamplingPlan,
     StaticSlicesControllerBase,
 )
@@ -66,6 +66,7 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
             ),
             greedy=bool((top_k == 1).any()),
             full_vocab=bool((unfiltered & (top_p <= 0)).any()),
+            max_top_k=int(top_k.max()) if n else 0,
         )
         return self._clamped_plan(plan)
 

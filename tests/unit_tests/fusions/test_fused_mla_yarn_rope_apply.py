@@ -1053,3 +1053,29 @@ def test_cos_sin_narrower_than_emb_dim_are_refused():
     kv, k_pe, cos, sin = _rope_kv_inputs()
     with pytest.raises(ValueError, match="emb_dim=16"):
         fused_apply_mla_rope_for_kv(kv, k_pe, cos[..., :8], sin[..., :8], 16, 8, 4)
+
+
+def test_dsv4_flash_rotary_percent_tables_are_refused():
+    """Megatron-Bridge issue #4321 (NaN at iteration 1 on H100 with the fused in-place RoPE, DSV4
+    Flash): its cause, found in Bridge PR #4271, is #5317's. ``rotary_percent`` 0.125 shrank the
+    cos/sin tables to 8 of the 64 RoPE dims while the kernel read 64 per row. DSV4-Flash's query
+    layout (448 + 64 per head) with megatron-core's own table builder at that rotary_percent: the
+    drop-in refuses the tables before launch; at rotary_percent 1 it runs."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    qk, emb, heads, seq = 448, 64, 2, 3
+    t = torch.randn(seq, 1, heads, qk + emb)
+    for percent, width in ((0.125, 8), (1.0, emb)):
+        rope = RotaryEmbedding(kv_channels=emb, rotary_percent=percent, use_cpu_initialization=True)
+        freqs = rope.inv_freq.to(torch.float32).cpu()
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), freqs)
+        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+        cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+        assert cos.shape[-1] == width
+        if width < emb:
+            with pytest.raises(ValueError, match="emb_dim=64"):
+                fused_apply_mla_rope_for_q(t.clone().to(DEVICE), cos, sin, qk, emb)
+        else:
+            with pinned_kernel_config(2, 1):
+                out = fused_apply_mla_rope_for_q(t.clone().to(DEVICE), cos, sin, qk, emb)
+            assert torch.isfinite(out).all()

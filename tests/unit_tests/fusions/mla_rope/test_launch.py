@@ -2,19 +2,15 @@
 
 """Launch configs, the tuner, and the cached launch (direct C launch and its JIT fallback)."""
 
-import types
-
 import pytest
 import torch
-import triton
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import kernels, launch, ops
+from megatron_ext.fusions.mla_rope import direct_launch, kernels, launch, ops
 from megatron_ext.fusions.mla_rope.launch import KernelConfig, pinned_kernel_config
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
-ON_TRITON_36 = triton.__version__.startswith("3.6.")
 
 
 def _q_inputs(heads=3, seq=4, batch=2, qk=8, emb=16, dtype=torch.float32, seed=0):
@@ -199,11 +195,9 @@ def test_cache_is_bounded(monkeypatch):
 # Direct launch and fallback
 
 
-def test_interpreter_and_other_tritons_take_the_jit_path(monkeypatch):
-    """Without Triton 3.6 on a GPU no direct launcher is bound: every launch goes through JIT."""
-    if HAVE_CUDA and ON_TRITON_36:
-        monkeypatch.setattr(launch, "FAST_LAUNCH", False)
-    assert launch._direct_launcher(object()) is None
+def test_interpreter_and_disabled_direct_launch_take_the_jit_path(monkeypatch):
+    """With the direct launch off (always under the interpreter) every launch goes through JIT."""
+    monkeypatch.setattr(direct_launch, "ENABLED", False)
     jit_calls = []
     launch_jit = launch.CachedLaunch.launch_jit
 
@@ -220,45 +214,11 @@ def test_interpreter_and_other_tritons_take_the_jit_path(monkeypatch):
     assert all(entry.direct is None for entry in launch.LAUNCHES.values())
 
 
-class _FakeLauncher:
-    """The attributes of Triton 3.6's ``CudaLauncher`` that the direct launch reads."""
-
-    def __init__(self, scratch=0):
-        self.calls = []
-        self.global_scratch_size = scratch
-        self.profile_scratch_size = 0
-        self.launch_cooperative_grid = 0
-        self.launch_pdl = 1
-
-    def launch(self, *args):
-        self.calls.append(args)
-
-
-_FakeLauncher.__name__ = "CudaLauncher"
-
-
-def _fake_compiled(launcher):
-    return types.SimpleNamespace(run=launcher, function=1234, packed_metadata=(4, 1, 0))
-
-
-def test_direct_launcher_needs_triton_36s_structure(monkeypatch):
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
-    launcher = _FakeLauncher()
-    bound = launch._direct_launcher(_fake_compiled(launcher))
-    assert bound == (launcher.launch, 1234, 0, 1, (4, 1, 0))
-    assert launch._direct_launcher(_fake_compiled(_FakeLauncher(scratch=64))) is None
-    assert launch._direct_launcher(types.SimpleNamespace(run=object())) is None
-    monkeypatch.setattr(launch, "FAST_LAUNCH", False)
-    assert launch._direct_launcher(_fake_compiled(launcher)) is None
-
-
-def test_direct_launch_passes_triton_36s_calling_convention(monkeypatch):
-    """The C launcher gets grid, stream, function, flags, scratch, metadata, hooks, then every
-    kernel argument in signature order (pointers as ints, constexprs included)."""
-    monkeypatch.setattr(launch, "FAST_LAUNCH", True)
+def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
+    """Pointers as ints (None stays None), then the scalars, then the constexprs."""
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 777, raising=False)
-    monkeypatch.setattr(launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
     meta = dict(EMB_DIM=16, CT="ct", INVERSE=False, KEEP_INTERLEAVED=True)
     meta.update(RIGHT_FMA_ON_COS=False, SEQ_BLOCK=128)
     scalars = tuple(range(100, 112))
@@ -273,31 +233,19 @@ def test_direct_launch_passes_triton_36s_calling_convention(monkeypatch):
         torch.device("cuda", 0),
         None,
     )
-    fake = _FakeLauncher()
-    entry.direct = launch._direct_launcher(_fake_compiled(fake))
+    calls = []
+    entry.direct = lambda *args: calls.append(args)
     t = torch.zeros(4)
     entry(t, t, t, None, None)
-    (args,) = fake.calls
-    assert args[:13] == (6, 3, 1, 777, 1234, 0, 1, None, None, (4, 1, 0), None, None, None)
+    ((gx, gy, gz, stream, args),) = calls
+    assert (gx, gy, gz, stream) == (6, 3, 1, 777)
     ptr = t.data_ptr()
     constexprs = (16, "ct", False, True, False, 128, 2)
-    assert args[13:] == (ptr, ptr, ptr, None, None) + scalars + constexprs
-    assert len(args) - 13 == len(kernels.mla_rope_q_fwd_kernel.arg_names)
-
-
-def test_launch_hooks_send_launches_through_jit(monkeypatch):
-    runtime = triton.knobs.runtime
-    monkeypatch.setattr(runtime, "launch_enter_hook", types.SimpleNamespace(calls=[]))
-    monkeypatch.setattr(runtime, "launch_exit_hook", None)
-    assert not launch._hooks_set()  # an empty hook chain, as Triton 3.6 keeps by default
-    monkeypatch.setattr(runtime, "launch_exit_hook", types.SimpleNamespace(calls=[print]))
-    assert launch._hooks_set()
-    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *a: None)
-    assert launch._hooks_set()
+    assert args == (ptr, ptr, ptr, None, None) + scalars + constexprs
+    assert len(args) == len(kernels.mla_rope_q_fwd_kernel.arg_names)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_TRITON_36, reason="the direct launch is written for Triton 3.6")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_direct_launch_bitwise_equals_jit(dtype, monkeypatch):
     """Every kernel, launched directly from the cache, writes exactly what the JIT path writes."""
@@ -336,12 +284,12 @@ def test_gpu_direct_launch_bitwise_equals_jit(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_TRITON_36, reason="the direct launch is written for Triton 3.6")
 def test_gpu_direct_launch_on_a_side_stream_and_in_a_graph():
     t, cos, sin = (x.cuda() for x in _q_inputs(heads=8, qk=128, emb=64, dtype=torch.bfloat16))
     expected = t.clone()
     with pinned_kernel_config(4, 1):
         rope.mla_rope_q_fwd_(expected, cos, sin, 128, 64)
+        assert all(e.direct for e in launch.LAUNCHES.values()), "no direct launch was bound"
         side = torch.cuda.Stream()
         x = t.clone()
         side.wait_stream(torch.cuda.current_stream())

@@ -25,7 +25,7 @@ from megatron_ext.inference.contexts.dynamic_context import (
     SamplingRequirements,
     StaticSlicesInferenceContext,
 )
-from megatron_ext.inference.contexts.static_slices_base import REQUEST_SLICE_FIELDS
+from megatron_ext.inference.contexts.static_slices_context_base import REQUEST_SLICE_FIELDS
 from megatron_ext.testing.synthetic import build_synthetic_stack, cpu_torch_compat
 
 # The neutral padding values the issue specifies, spelled out here rather than read from the
@@ -170,6 +170,8 @@ class RandomDriver:
         for _ in range(count):
             prompt_len = self.rng.choice([1, 2, 5, 9, 17, 40, 90])
             sampling = {key: self.rng.choice(values) for key, values in self.sampling.items()}
+            if sampling.get("top_k", 0) > 0:
+                sampling["top_p"] = 0.0  # top-k and top-p together are refused, as by stock
             self.waiting.append(make_request(self.next_id, prompt_len, self.rng, **sampling))
             self.next_id += 1
 
@@ -432,7 +434,7 @@ def test_sampling_requirements_track_requests():
     rng = random.Random(0)
     assert ctx.sampling_requirements() == SamplingRequirements()
     ctx.add_request(make_request(0, 3, rng, top_k=1))
-    assert ctx.sampling_requirements() == SamplingRequirements(greedy=True)
+    assert ctx.sampling_requirements() == SamplingRequirements(greedy=True, max_top_k=1)
     ctx.add_request(make_request(1, 3, rng, top_k=5))
     ctx.add_request(
         make_request(
@@ -440,11 +442,11 @@ def test_sampling_requirements_track_requests():
         )
     )
     assert ctx.sampling_requirements() == SamplingRequirements(
-        sample=True, top_k_cap=8, top_p=True, log_probs=True, greedy=True
+        sample=True, top_k_cap=8, top_p=True, log_probs=True, greedy=True, max_top_k=5
     )
     ctx.release_request_sampling_state([2])
     assert ctx.sampling_requirements() == SamplingRequirements(
-        sample=True, top_k_cap=8, greedy=True
+        sample=True, top_k_cap=8, greedy=True, max_top_k=5
     )
     # The chunked-prefill request stays in the context, so it is not released.
     ctx.chunked_prefill_request_id = 1
@@ -755,3 +757,17 @@ def test_refresh_equals_build_then_pad():
             assert refreshed[key][:padded] == built[key][:padded], key
         compared += 1
     assert compared > 100
+
+
+def test_the_context_class_of_the_installed_megatron_core_line():
+    """One class per megatron-core line, picked here; the other line's module is not imported."""
+    import sys
+
+    from megatron_ext.inference.contexts import dynamic_context
+    from megatron_ext.utils import is_megatron_core_min_version
+
+    line, other = ("0_19", "0_16") if is_megatron_core_min_version("0.19.0") else ("0_16", "0_19")
+    assert dynamic_context.UPSTREAM_HAS_ACTIVE_SLICES == (line == "0_19")
+    cls = dynamic_context.StaticSlicesInferenceContext
+    assert cls.__module__ == f"megatron_ext.inference.contexts.dynamic_context_{line}"
+    assert f"megatron_ext.inference.contexts.dynamic_context_{other}" not in sys.modules

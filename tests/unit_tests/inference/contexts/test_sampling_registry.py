@@ -11,9 +11,13 @@ from megatron_ext.inference.contexts.sampling_registry import (
 )
 
 
-def params(top_k=1, top_p=0.0, return_log_probs=False, top_n_logprobs=0):
+def params(top_k=1, top_p=0.0, return_log_probs=False, top_n_logprobs=0, temperature=1.0):
     return SimpleNamespace(
-        top_k=top_k, top_p=top_p, return_log_probs=return_log_probs, top_n_logprobs=top_n_logprobs
+        top_k=top_k,
+        top_p=top_p,
+        return_log_probs=return_log_probs,
+        top_n_logprobs=top_n_logprobs,
+        temperature=temperature,
     )
 
 
@@ -29,14 +33,35 @@ def test_requirements_follow_megatron_core_rules_and_counts():
     registry.add(1, params(top_k=50))
     registry.add(2, params(top_k=0, top_p=0.9))  # nucleus
     registry.add(3, params(top_k=0, top_p=0.0, top_n_logprobs=2))  # whole vocabulary
-    registry.add(4, params(top_k=5, top_p=0.9))  # top-k wins over top-p in megatron-core
-    assert registry.requirements() == SamplingRequirements(
-        sample=True, top_k_cap=64, top_p=True, log_probs=True, greedy=True, full_vocab=True
-    )
+    registry.add(4, params(top_k=5))
+    everything = dict(sample=True, top_p=True, log_probs=True, greedy=True, full_vocab=True)
+    assert registry.requirements() == SamplingRequirements(top_k_cap=64, max_top_k=50, **everything)
     registry.discard([2, 3, 99])  # unknown ids are ignored
-    assert registry.requirements() == SamplingRequirements(sample=True, top_k_cap=64, greedy=True)
+    assert registry.requirements() == SamplingRequirements(
+        sample=True, top_k_cap=64, greedy=True, max_top_k=50
+    )
     registry.add(1, params(top_k=1))  # replacing a request's features
-    assert registry.requirements() == SamplingRequirements(sample=True, top_k_cap=8, greedy=True)
+    assert registry.requirements() == SamplingRequirements(
+        sample=True, top_k_cap=8, greedy=True, max_top_k=5
+    )
     assert 4 in registry and 2 not in registry and len(registry) == 3
     registry.clear()
     assert len(registry) == 0 and registry.requirements() == SamplingRequirements()
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(top_k=5, top_p=0.9), "cannot both be greater than zero"),
+        (dict(top_k=1, top_p=0.5), "cannot both be greater than zero"),
+        (dict(top_k=0, top_p=1.5), "top_p must be at most 1.0"),
+        (dict(top_k=5, temperature=0.0), "temperature must be > 0"),
+        (dict(top_k=0, temperature=-1.0), "temperature must be > 0"),
+    ],
+)
+def test_parameters_megatron_cores_sampler_refuses_are_refused_unrecorded(bad, match):
+    registry = RequestSamplingRegistry()
+    with pytest.raises(ValueError, match=match):
+        registry.add(0, params(**bad))
+    assert len(registry) == 0 and registry.requirements() == SamplingRequirements()
+    registry.add(0, params(top_k=1, temperature=0.0))  # greedy ignores the temperature

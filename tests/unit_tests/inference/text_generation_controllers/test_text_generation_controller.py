@@ -564,3 +564,71 @@ def test_region_does_not_synchronize(mode):
         controller.graph_safe_step(rows, plan)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_the_controller_class_of_the_installed_megatron_core_line():
+    """Picked by the same test as the context; sampling_plan is defined by the line's class."""
+    import sys
+
+    from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+    from megatron_ext.inference.text_generation_controllers import text_generation_controller
+
+    line, other = ("0_19", "0_16") if UPSTREAM_HAS_ACTIVE_SLICES else ("0_16", "0_19")
+    cls = text_generation_controller.StaticSlicesTextGenerationController
+    prefix = "megatron_ext.inference.text_generation_controllers.text_generation_controller"
+    assert cls.__module__ == f"{prefix}_{line}"
+    assert f"{prefix}_{other}" not in sys.modules
+    assert "sampling_plan" in vars(cls)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+# Sampling parameters at and past the edges of what megatron-core's sampler accepts. Each runs
+# through stock's engine and the extension's (whose graph-safe region samples every step): where
+# stock raises, the extension must raise a ValueError/TypeError that says what is wrong; where
+# stock generates, the extension must generate too.
+SAMPLING_EDGES = {
+    "top_k_above_vocab": dict(top_k=VOCAB + 1),
+    "top_k_at_vocab": dict(top_k=VOCAB),
+    "top_k_negative": dict(top_k=-3),
+    "top_p_above_one": dict(top_k=0, top_p=1.5),
+    "top_p_one": dict(top_k=0, top_p=1.0),
+    "top_p_negative": dict(top_k=0, top_p=-0.5),
+    "top_k_and_top_p": dict(top_k=5, top_p=0.5),
+    "greedy_and_top_p": dict(top_k=1, top_p=0.5),
+    "temperature_zero_sampling": dict(top_k=5, temperature=0.0),
+    "temperature_zero_greedy": dict(top_k=1, temperature=0.0),
+    "temperature_tiny": dict(top_k=5, temperature=1e-3),
+}
+
+
+def _outcome(extension: bool, sampling: Dict):
+    requests = random_requests(3, seed=41)
+    prompt, _ = requests[1]
+    requests[1] = (prompt, SamplingParams(num_tokens_to_generate=4, termination_id=-1, **sampling))
+    stack = make_stack(extension=extension)
+    if extension:
+        controller = stack.controller
+        controller.use_cuda_graphs = True
+        original = controller.run_graph_safe_step
+        # The region samples every step (eagerly on CPU, in place of its graph).
+        controller.run_graph_safe_step = lambda rows, plan, use_cuda_graph=None: original(
+            rows, plan, use_cuda_graph=False
+        )
+    try:
+        run_engine(build_engine(stack), requests)
+    except Exception as error:  # noqa: BLE001 (the comparison is about whether and how)
+        return error
+    return None
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_EDGES))
+def test_sampling_inputs_refused_exactly_where_megatron_core_refuses_them(case):
+    stock = _outcome(False, SAMPLING_EDGES[case])
+    ours = _outcome(True, SAMPLING_EDGES[case])
+    if stock is None:
+        assert ours is None, f"stock generates, megatron_ext raised {ours!r}"
+        return
+    assert ours is not None, f"stock raised {stock!r}, megatron_ext generated"
+    assert isinstance(ours, (ValueError, TypeError)), repr(ours)
+    assert "top_k" in str(ours) or "top_p" in str(ours) or "temperature" in str(ours), ours

@@ -100,8 +100,8 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> List[Tuple[List[
 def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, requests):
     """Generate every request with the extension ``mode`` ("off"/"on")."""
     import megatron_ext.inference as ext_inference
-    from megatron_ext.inference.static_slices import (
-        StaticSlicesInferenceContext,
+    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+    from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
         StaticSlicesTextGenerationController,
     )
     from megatron_ext.testing.small_gpt import build_small_gpt_engine

@@ -5,9 +5,10 @@ values, the :class:`ActiveSlices` view of the device buffers, input checks and
 :class:`StaticSlicesContextBase` (sampling registry, request checks, extra padding).
 
 The release-specific classes live in ``dynamic_context_0_16`` and ``dynamic_context_0_19``;
-``megatron_ext.inference.static_slices`` picks one for the installed megatron-core.
+``dynamic_context`` picks one for the installed megatron-core.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
@@ -18,6 +19,7 @@ from torch import Tensor
 from megatron_ext.inference.contexts.sampling_registry import (
     RequestSamplingRegistry,
     SamplingRequirements,
+    request_features,
 )
 from megatron_ext.utils import is_megatron_core_min_version
 
@@ -101,22 +103,8 @@ def pad_value(label: str, dtype: torch.dtype) -> Any:
 
 
 def check_row_count(name: str, value: Any, low: int, high: int, why: str) -> int:
-    """Validate a row count: an int (not a bool) in ``[low, high]``.
-
-    Args:
-        name (str): the argument's name, for the message.
-        value: the value given.
-        low (int): smallest allowed value.
-        high (int): largest allowed value.
-        why (str): what the bounds are, for the message.
-
-    Returns:
-        int: ``value``.
-
-    Raises:
-        TypeError: if value is not an int.
-        ValueError: if value is outside ``[low, high]``.
-    """
+    """``value`` if it is an int (not a bool) in ``[low, high]``; else TypeError / ValueError
+    naming ``name`` and ``why`` (what the bounds are)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
@@ -182,13 +170,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         return bool(self.materialize_only_last_token_logits)
 
     def sampling_requirements(self) -> SamplingRequirements:
-        """Sampling features needed by the requests now in the context (active or paused).
-
-        Host-only: no device access.
-
-        Returns:
-            SamplingRequirements: the aggregate over every request added and not yet released.
-        """
+        """Sampling features of the requests added and not yet released (host-only)."""
         return self._sampling_registry.requirements()
 
     def release_request_sampling_state(self, request_ids: Iterable[int]) -> None:
@@ -198,8 +180,20 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         Args:
             request_ids (Iterable[int]): ids of requests that left the context.
         """
+        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
+            raise TypeError(
+                f"request_ids must be an iterable of ints, got {type(request_ids).__name__}"
+            )
+        ids = []
+        for rid in request_ids:
+            try:
+                ids.append(operator.index(rid))
+            except TypeError:
+                raise TypeError(
+                    f"request_ids must hold ints, got {type(rid).__name__} ({rid!r})"
+                ) from None
         keep = self.chunked_prefill_request_id
-        self._sampling_registry.discard(rid for rid in request_ids if int(rid) != keep)
+        self._sampling_registry.discard(rid for rid in ids if rid != keep)
 
     def _check_build_batch_size(self, batch_size: Any) -> int:
         """build_active_slices' argument: every active row, and no row past the tensors."""
@@ -214,11 +208,8 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         )
 
     def extend_active_padding(self, rows: int) -> None:
-        """Pad the device slices' rows ``[padded_active, rows)`` with neutral values too.
-
-        For consumers that process a fixed number of rows every step (one CUDA graph for all
-        batch sizes) rather than the padded active request count. Device-only: no host
-        synchronisation. A no-op when ``rows`` does not exceed the padded count.
+        """Pad the device slices' rows ``[padded_active, rows)`` with neutral values too, for
+        consumers that process a fixed row count every step. Graph-safe (device-only).
 
         Args:
             rows (int): rows that must be valid (active or neutral).
@@ -256,17 +247,20 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
         """megatron-core's ``add_request``, then record the request's sampling features.
 
-        Args:
-            req (DynamicInferenceRequest): the request.
-            *args: forwarded to megatron-core (the prefill chunk length).
-            **kwargs: forwarded to megatron-core.
-
         Raises:
             ValueError: if a request with the same id is already in the context (megatron-core
                 would hold two rows with one id; finishing either would then be ambiguous),
                 except for a later chunk of a chunked-prefill request.
         """
-        request_id = int(req.request_id)
+        try:
+            request_id = -1 if isinstance(req.request_id, bool) else operator.index(req.request_id)
+        except TypeError:
+            request_id = -1
+        if request_id < 0:
+            raise ValueError(
+                f"request ids must be ints >= 0 (-1 marks padding rows), got {req.request_id!r}"
+            )
+        request_features(req.sampling_params)  # refuse bad sampling parameters before any change
         # A later chunk of a chunked prefill comes back under its id (finished_chunk_token_count
         # counts the chunks already added).
         continuing = int(getattr(req, "finished_chunk_token_count", 0) or 0) > 0
@@ -280,15 +274,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
 
     def update_requests(self, *args: Any, **kwargs: Any) -> Any:
         """megatron-core's ``update_requests``; evicted requests leave the sampling registry
-        (the engine adds them again later, under the same id).
-
-        Args:
-            *args: forwarded to megatron-core.
-            **kwargs: forwarded to megatron-core.
-
-        Returns:
-            megatron-core's result.
-        """
+        (the engine adds them again later, under the same id)."""
         result = super().update_requests(*args, **kwargs)
         evicted = result.get("evict_request_ids") if isinstance(result, dict) else None
         if evicted is not None and len(evicted):

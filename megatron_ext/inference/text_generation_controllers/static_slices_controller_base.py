@@ -37,11 +37,11 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from torch import Tensor
 
 from megatron_ext.inference.contexts.sampling_registry import SamplingRequirements
-from megatron_ext.inference.contexts.static_slices_base import (
+from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
+from megatron_ext.inference.contexts.static_slices_context_base import (
     StaticSlicesContextBase,
     check_row_count,
 )
-from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,17 @@ class StaticSlicesControllerBase(TextGenerationController):
         raise NotImplementedError
 
     def _clamped_plan(self, req: SamplingRequirements) -> SamplingPlan:
-        """``req`` with its top-k cap clamped to the vocabulary."""
+        """``req`` with its top-k cap clamped to the vocabulary.
+
+        Raises:
+            ValueError: if a request's ``top_k`` exceeds the logits' width (megatron-core's
+                sampler asserts the same).
+        """
+        width = self._logits_buffer.shape[1]
+        if req.max_top_k > width:
+            raise ValueError(
+                f"top_k ({req.max_top_k}) is larger than the vocabulary of the logits ({width})"
+            )
         return SamplingPlan(
             sample=req.sample,
             top_k_cap=min(req.top_k_cap, self._logits_buffer.shape[1]),

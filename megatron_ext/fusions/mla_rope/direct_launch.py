@@ -1,0 +1,176 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Launching a compiled Triton kernel through its C launcher, without Triton's Python dispatch.
+
+``kernel[grid](...)`` costs ~17 us of host time per call (argument binding, specialisation key,
+cache lookup); calling the C launcher of the ``CompiledKernel`` it returned costs ~8 us. That
+launcher's calling convention is internal to Triton, and two are known:
+
+- ``generated`` (Triton 3.6): each compiled kernel has a generated C module; its ``launch`` takes
+  grid, stream, function, flags, scratch, metadata and hooks, then every kernel argument.
+- ``generic`` (Triton 3.7 to 3.9): one C function, ``driver.utils.launch``, takes the same head,
+  the launcher's argument annotations and packed signature, and a tuple of the kernel arguments.
+
+Which one a compiled kernel has is read from its launcher's structure, not from Triton's version.
+Before the first direct launch of a process on a device, :func:`verified` launches a probe kernel
+both ways and compares what they wrote (pointers, 32- and 64-bit integers, a None pointer and
+constexprs among the arguments); any difference or error switches the direct launch off for the
+process, with a warning, and every launch takes Triton's JIT path. It is also skipped under the
+interpreter, while Triton launch hooks are set (profilers see every launch), for kernels that need
+scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
+"""
+
+import os
+import warnings
+from typing import Callable, Dict, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+
+ENABLED = not INTERPRETED and os.environ.get("MEGATRON_EXT_DIRECT_LAUNCH", "1") != "0"
+
+# (grid x, grid y, grid z, raw stream, kernel arguments in signature order, constexprs included)
+DirectLaunch = Callable[[int, int, int, int, tuple], None]
+
+# Device index -> whether the probe launched directly wrote what the JIT launch wrote.
+_VERIFIED: Dict[int, bool] = {}
+
+
+def _hook_active(hook) -> bool:
+    # Triton keeps its launch hooks as HookChain objects (a list of calls, often empty).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def hooks_set() -> bool:
+    """Whether a profiler or tool registered Triton launch hooks (the direct launch skips them)."""
+    runtime = triton.knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+def _generic_launch():
+    """The active driver's shared C launch function (Triton 3.7+), or None."""
+    try:
+        return triton.runtime.driver.active.utils.launch
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def convention(launcher) -> Optional[str]:
+    """``"generic"``, ``"generated"`` or None (unknown: launch through the JIT)."""
+    if type(launcher).__name__ != "CudaLauncher" or not callable(getattr(launcher, "launch", None)):
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    if getattr(launcher, "gsan_enabled", False):
+        return None
+    if hasattr(launcher, "arg_annotations") or hasattr(launcher, "kernel_signature"):
+        # A launcher wrapped for tensor descriptors rewrites its arguments: not ours to skip.
+        if launcher.launch is not _generic_launch():
+            return None
+        if not hasattr(launcher, "arg_annotations") or not hasattr(launcher, "kernel_signature"):
+            return None
+        return "generic"
+    return "generated"
+
+
+def bind(compiled) -> Optional[DirectLaunch]:
+    """The direct launch of ``compiled`` (what ``kernel[grid](...)`` returned), or None."""
+    if not ENABLED or compiled is None:
+        return None
+    try:
+        launcher = compiled.run  # loads the module on first use
+        kind = convention(launcher)
+        if kind is None:
+            return None
+        c_launch, function, packed = launcher.launch, compiled.function, compiled.packed_metadata
+        cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        if kind == "generic":
+            annotations, signature = launcher.arg_annotations, launcher.kernel_signature
+    except AttributeError:
+        return None
+
+    if kind == "generated":
+
+        def launch(gx, gy, gz, stream, args, _keep=compiled):
+            c_launch(
+                gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None, None,
+                None, *args,
+            )  # fmt: skip
+
+    else:
+
+        def launch(gx, gy, gz, stream, args, _keep=compiled):
+            c_launch(
+                gx, gy, gz, stream, function, cooperative, pdl, packed, None, None, None, None,
+                None, annotations, signature, args,
+            )  # fmt: skip
+
+    return launch
+
+
+@triton.jit
+def _probe_kernel(out_ptr, add_ptr, scale, offset, n, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    idx = tl.arange(0, BLOCK)
+    mask = idx < n
+    value = idx.to(tl.int64) * scale + offset + SHIFT
+    if add_ptr is not None:
+        value += tl.load(add_ptr + idx, mask=mask, other=0)
+    tl.store(out_ptr + idx, value, mask=mask)
+
+
+# Odd and above 2**32, so that both launches share one specialisation (no ==1, no %16, int64).
+_PROBE_JIT = (2**33 + 3, 2**34 + 5)
+_PROBE_DIRECT = (2**35 + 7, 2**36 + 9)
+
+
+def _probe(device: torch.device) -> Optional[str]:
+    """Launch the probe through the JIT and directly; what went wrong, or None."""
+    block, n, shift, guard = 64, 50, 3, -12345
+    out = torch.full((2, block + 8), guard, dtype=torch.int64, device=device)
+    compiled = _probe_kernel[(1,)](out[0], None, *_PROBE_JIT, n, BLOCK=block, SHIFT=shift)
+    launch = bind(compiled)
+    if launch is None:
+        return f"unknown launcher {type(getattr(compiled, 'run', None)).__name__}"
+    stream = torch.cuda.current_stream(device).cuda_stream
+    launch(1, 1, 1, stream, (out[1].data_ptr(), None, *_PROBE_DIRECT, n, block, shift))
+    idx = torch.arange(block + 8, dtype=torch.int64, device=device)
+    expected = torch.full_like(out, guard)
+    for row, (scale, offset) in enumerate((_PROBE_JIT, _PROBE_DIRECT)):
+        expected[row, :n] = idx[:n] * scale + offset + shift
+    if not torch.equal(out, expected):
+        return "the probe kernel's direct launch wrote other values than its JIT launch"
+    return None
+
+
+def verified(device: torch.device) -> Optional[bool]:
+    """Whether direct launches work on ``device``: probed once per process and device.
+
+    Returns None while a CUDA graph is being captured and the probe has not run yet (it has to
+    synchronise); the caller launches through the JIT and asks again later.
+    """
+    if not ENABLED:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _VERIFIED.get(index)
+    if known is not None:
+        return known
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        with torch.cuda.device(index):
+            reason = _probe(torch.device("cuda", index))
+    except Exception as error:  # noqa: BLE001 (any failure means: do not use it)
+        reason = f"{type(error).__name__}: {error}"
+    ok = reason is None
+    if not ok:
+        warnings.warn(
+            f"megatron_ext: direct kernel launch disabled on Triton {triton.__version__} "
+            f"({reason}); launching through Triton's JIT (about 10 us more host time per call)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _VERIFIED[index] = ok
+    return ok
