@@ -48,6 +48,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 # one flag that needs it before torch is imported.
 if "--deterministic" in sys.argv:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+if __name__ == "__main__":
+    # megatron-core's imports below warn that Transformer Engine / Apex are absent; not needed here.
+    from megatron_ext.utils import ignore_optional_dependency_warnings
+
+    ignore_optional_dependency_warnings()
 
 import torch
 import torch.distributed as dist

@@ -188,11 +188,12 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
     TE_FREE_MLA: (
         Patch(
             _MCORE_MLA,
-            "HAVE_TE",
-            "megatron_ext.transformer.sdpa_attention:TE_FREE_HAVE_TE",
-            "0.16's MLA module sets HAVE_TE from names that megatron-core defines as mocks when "
-            "Transformer Engine is absent, then isinstance() on a mock fails in its constructor",
-            when="megatron_ext.transformer.sdpa_attention:mla_misreads_missing_te",
+            "TELinear",
+            "megatron_ext.transformer.sdpa_attention:AbsentTELinear",
+            "without Transformer Engine, 0.16's MLA module imports megatron-core's mock TELinear "
+            "(not a class) and its constructor's isinstance(linear_proj, TELinear) raises; a "
+            "class nothing is an instance of gives the answer TE's absence means",
+            when="megatron_ext.transformer.sdpa_attention:is_mock_te_linear",
         ),
     ),
 }

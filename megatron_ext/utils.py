@@ -1,6 +1,6 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Helpers shared across megatron_ext: the megatron-core version gate."""
+"""Helpers shared across megatron_ext: the megatron-core version gate, quiet CLIs."""
 
 import ast
 import importlib.util
@@ -100,3 +100,16 @@ def is_megatron_core_min_version(minimum: str) -> bool:
         bool: True if the installed release is ``minimum`` or newer.
     """
     return get_megatron_core_version() >= Version(minimum)
+
+
+# megatron-core warns at import, once per module, that optional Transformer Engine / Apex are
+# missing; megatron_ext works without them, so its command-line tools hide these (and only these).
+OPTIONAL_DEPENDENCY_WARNING = r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed.*"
+
+
+def ignore_optional_dependency_warnings() -> None:
+    """Hide megatron-core's "Transformer Engine / Apex not installed" warnings (for CLIs: call it
+    in a ``warnings.catch_warnings()`` block or a script's ``__main__``, not in library code)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=OPTIONAL_DEPENDENCY_WARNING, category=UserWarning)

@@ -58,15 +58,20 @@ def outcomes(xml_path: Path) -> Dict[str, str]:
 
 
 def stage(checkout: Path, out: Path) -> Tuple[Path, List[str]]:
-    """A working directory with the checkout's tests, and the paths to append for
-    ``megatron.training``: the checkout's ``megatron/core`` must not shadow the installed one."""
+    """A working directory with the checkout's tests, and the paths to append for the checkout's
+    ``megatron`` packages other than ``core`` (``training``, ``legacy``, ``rl``: the tests' conftest
+    imports them): the checkout's ``megatron/core`` must not shadow the installed one."""
     work = out / "_stage"
     training = out / "_megatron_training"
-    for link, target in (
+    links = [
         (work / "tests", checkout / "tests"),
         (work / "pyproject.toml", checkout / "pyproject.toml"),
-        (training / "megatron" / "training", checkout / "megatron" / "training"),
-    ):
+    ]
+    packages = checkout / "megatron"
+    for package in sorted(packages.iterdir()) if packages.is_dir() else ():
+        if package.is_dir() and package.name != "core":
+            links.append((training / "megatron" / package.name, package))
+    for link, target in links:
         if target.exists() and not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(target)

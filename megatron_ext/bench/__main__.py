@@ -17,10 +17,13 @@ import os
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, TextIO
 
 import torch
+
+from megatron_ext.utils import ignore_optional_dependency_warnings
 
 BENCHMARKS: Dict[str, str] = {
     "rope": "MLA query RoPE kernels, megatron-core's against megatron_ext's",
@@ -155,7 +158,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rc = 0
     for name in names:
         tee = _Tee(sys.stdout)
-        with contextlib.redirect_stdout(tee):
+        with contextlib.redirect_stdout(tee), warnings.catch_warnings():
+            ignore_optional_dependency_warnings()
             status = _benchmark_main(name)([*rest, "--out", str(out)])
         rc |= status
         sections.append({"name": name, "status": status, "output": tee.copy.getvalue()})

@@ -469,12 +469,16 @@ def _check_interpreted() -> int:
                     mine, cos, sin, qk, emb
                 )
             err = (mine.view_as(theirs).double() - theirs.double()).abs().max().item()
-            # Interpreted, megatron-core rounds each product; ours fuses one: a few ulp apart.
-            ok = err <= 4 * torch.finfo(dtype).eps * max(1.0, theirs.abs().max().item())
+            # Interpreted, megatron-core rounds each product separately while ours forms the FMA
+            # its compiled kernel forms on a GPU, so here they are a few ulp apart; the bitwise
+            # comparison is a GPU test.
+            ulp = 4 * torch.finfo(dtype).eps * max(1.0, theirs.abs().max().item())
+            ok = err <= ulp
             failures += not ok
             print(
                 f"interpreter {dtype} {'bwd' if backward else 'fwd'}: max |ours - megatron-core| "
-                f"= {err:.3g} ({'ok' if ok else 'MISMATCH'})"
+                f"= {err:.3g} ({'within' if ok else 'MISMATCH: beyond'} 4 ulp; the interpreter "
+                "does not compile megatron-core's FMAs, so bits are compared on a GPU only)"
             )
     return 1 if failures else 0
 
@@ -493,7 +497,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--out", default=None, help="directory for rope.json")
+    parser.add_argument(
+        "--out", default=None, help="directory for rope.json (GPU runs; the CPU check has none)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

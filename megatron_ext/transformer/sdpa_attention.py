@@ -10,7 +10,7 @@ listed below, implemented with PyTorch's SDPA only.
 """
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,27 +33,18 @@ except ImportError:  # pragma: no cover - torch < 2.3 is below this package's fl
     SDPBackend, sdpa_kernel = None, None
 
 
-# What megatron-core 0.16's MLA module should have read for HAVE_TE without Transformer Engine.
-# Put there by megatron_ext.patches (TE_FREE_MLA) when this class is built.
-TE_FREE_HAVE_TE = False
+class AbsentTELinear:
+    """Stands in for ``TELinear`` in megatron-core 0.16's MLA module when Transformer Engine is
+    absent (put there by :mod:`megatron_ext.patches`, ``te_free_mla``): no module is an instance."""
 
 
-def mla_misreads_missing_te(mla_have_te: bool) -> bool:
-    """Whether megatron-core's MLA module says Transformer Engine is present while it is not.
+def is_mock_te_linear(te_linear: Any) -> bool:
+    """Whether the MLA module's ``TELinear`` is megatron-core's mock rather than a class.
 
-    0.16 derives its ``HAVE_TE`` from importing ``TELinear`` & co., which megatron-core defines as
-    mocks without Transformer Engine; its constructor then calls ``isinstance`` on a mock. 0.19
-    imports the authoritative flag.
-
-    Args:
-        mla_have_te: the MLA module's ``HAVE_TE``.
-
-    Returns:
-        bool: True when it disagrees with ``megatron.core.extensions.transformer_engine``.
+    0.16 imports ``TELinear`` from ``megatron.core.extensions.transformer_engine``, which without
+    TE builds it on a ``MagicMock``; 0.19's MLA module sets it to None instead.
     """
-    from megatron.core.extensions import transformer_engine as mcore_te
-
-    return bool(mla_have_te) and not mcore_te.HAVE_TE
+    return te_linear is not None and not isinstance(te_linear, type)
 
 
 _BACKEND_NAMES = {

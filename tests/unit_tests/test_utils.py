@@ -85,3 +85,20 @@ def test_package_exposes_the_readme_entry_points_lazily():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_cli_filter_hides_only_megatron_cores_optional_dependency_warnings():
+    import warnings
+
+    from megatron_ext.utils import ignore_optional_dependency_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ignore_optional_dependency_warnings()
+        for message in (
+            "Transformer Engine and Apex are not installed. Falling back to Torch.",
+            "Apex is not installed. Falling back to Torch Norm",
+            "a real problem",
+        ):
+            warnings.warn(message, UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["a real problem"]

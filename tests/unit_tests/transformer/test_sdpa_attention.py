@@ -382,27 +382,32 @@ class TestErrors:
 
 
 def test_mla_builds_without_transformer_engine():
-    """megatron-core 0.16's MLA module must not take TE's mocks for real classes without TE.
+    """megatron-core 0.16's MLA module must not call isinstance() on TE's mock without TE.
 
-    Building SDPADotProductAttention applies the declared TE_FREE_MLA patch, where it applies;
-    undo restores megatron-core's value.
+    Building SDPADotProductAttention applies the declared TE_FREE_MLA patch where the MLA
+    module's TELinear is a mock; megatron-core's HAVE_TE is never written; undo restores it.
     """
     from megatron.core.extensions import transformer_engine as mcore_te
     from megatron.core.transformer import multi_latent_attention as mcore_mla
 
     from megatron_ext import patches
+    from megatron_ext.transformer.sdpa_attention import AbsentTELinear
 
     if mcore_te.HAVE_TE:
         pytest.skip("Transformer Engine is installed; the correction does not apply")
     patches.undo_patches(patches.TE_FREE_MLA)
-    before = mcore_mla.HAVE_TE
+    have_te, te_linear = mcore_mla.HAVE_TE, mcore_mla.TELinear
     SDPADotProductAttention(
         make_config(), 1, AttnMaskType.causal, "self", k_channels=8, v_channels=4
     )
-    assert mcore_mla.HAVE_TE is False
-    assert patches.is_applied(patches.TE_FREE_MLA) is bool(before)
+    assert mcore_mla.HAVE_TE is have_te
+    mocked = te_linear is not None and not isinstance(te_linear, type)
+    assert patches.is_applied(patches.TE_FREE_MLA) is mocked
+    assert (mcore_mla.TELinear is AbsentTELinear) is mocked
+    if mocked:
+        assert not isinstance(torch.nn.Linear(2, 2), mcore_mla.TELinear)
     patches.undo_patches(patches.TE_FREE_MLA)
-    assert mcore_mla.HAVE_TE is before
+    assert mcore_mla.TELinear is te_linear and mcore_mla.HAVE_TE is have_te
 
 
 # ----------------------------------------------------------------------------------------------
