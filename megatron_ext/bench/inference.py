@@ -719,7 +719,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             "device-to-host synchronisations per step; speedup = ratio of the interleaved "
             "medians [min-max of the per-round ratios])"
             if cuda
-            else " (CPU correctness check: configurations run, nothing timed)"
+            else " (CPU correctness check: configurations run; the CPU times kept in the JSON "
+            "are not benchmark figures)"
         )
     )
     print(_table(report["rows"], cuda))
