@@ -66,14 +66,11 @@ def convention(launcher) -> Optional[str]:
         return None
     if getattr(launcher, "gsan_enabled", False):
         return None
-    if hasattr(launcher, "arg_annotations") or hasattr(launcher, "kernel_signature"):
-        # A launcher wrapped for tensor descriptors rewrites its arguments: not ours to skip.
-        if launcher.launch is not _generic_launch():
-            return None
-        if not hasattr(launcher, "arg_annotations") or not hasattr(launcher, "kernel_signature"):
-            return None
-        return "generic"
-    return "generated"
+    generic = (hasattr(launcher, "arg_annotations"), hasattr(launcher, "kernel_signature"))
+    if not any(generic):
+        return "generated"
+    # A launcher wrapped for tensor descriptors rewrites its arguments: not ours to skip.
+    return "generic" if all(generic) and launcher.launch is _generic_launch() else None
 
 
 def bind(compiled) -> Optional[DirectLaunch]:

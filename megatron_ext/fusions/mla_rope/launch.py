@@ -224,7 +224,7 @@ class CachedLaunch:
             return
         direct = self.direct
         if (
-            direct is not None
+            direct
             and torch._C._cuda_getDevice() == self.device_index
             and not direct_launch.hooks_set()
         ):
@@ -259,7 +259,8 @@ class CachedLaunch:
             and device is not None
             and direct_launch.verified(torch.device("cuda", device))
         ):
-            self.direct = direct_launch.bind(compiled)
+            # False, not None, for a kernel the direct launch cannot take: no rebinding per call.
+            self.direct = direct_launch.bind(compiled) or False
 
 
 def prepare(

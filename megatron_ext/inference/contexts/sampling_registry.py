@@ -126,7 +126,7 @@ class RequestSamplingRegistry:
 
     def requirements(self) -> SamplingRequirements:
         """What the recorded requests need, aggregated."""
-        max_top_k = max((k for k in self._top_k_counts if k > 1), default=0)
+        max_top_k = max(self._top_k_counts, default=0)
         return SamplingRequirements(
             sample=self._counts["non_greedy"] > 0,
             top_k_cap=top_k_cap_for(max_top_k),
@@ -134,5 +134,5 @@ class RequestSamplingRegistry:
             log_probs=self._counts["log_probs"] > 0,
             greedy=self._counts["greedy"] > 0,
             full_vocab=self._counts["full_vocab"] > 0,
-            max_top_k=max(self._top_k_counts, default=0),
+            max_top_k=max_top_k,
         )

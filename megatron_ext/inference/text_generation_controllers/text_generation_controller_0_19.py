@@ -57,16 +57,17 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         top_k = meta["top_k"][:n]
         top_p = meta["top_p"][:n]
         unfiltered = top_k < 1
+        max_top_k = int(top_k.max()) if n else 0
         plan = SamplingPlan(
             sample=bool((top_k != 1).any()),
-            top_k_cap=top_k_cap_for(int(top_k.max()) if n else 0),
+            top_k_cap=top_k_cap_for(max_top_k),
             top_p=bool((unfiltered & (top_p > 0)).any()),
             log_probs=bool(
                 meta["return_log_probs"][:n].any() or (meta["top_n_logprobs"][:n] > 0).any()
             ),
             greedy=bool((top_k == 1).any()),
             full_vocab=bool((unfiltered & (top_p <= 0)).any()),
-            max_top_k=int(top_k.max()) if n else 0,
+            max_top_k=max_top_k,
         )
         return self._clamped_plan(plan)
 
