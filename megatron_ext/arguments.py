@@ -126,7 +126,8 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
     """Raise unless the contiguous-load MLA RoPE would actually run with this configuration.
 
     megatron-core reaches its fused MLA RoPE (the code the extension replaces) only for MLA with
-    yarn RoPE, ``apply_rope_fusion`` on, and no inference-time latent caching.
+    yarn RoPE, ``apply_rope_fusion`` on, and no inference-time latent caching; with the extension
+    it runs in training and in static-batching inference.
 
     Args:
         args: a Megatron-LM argument namespace (``multi_latent_attention``, ``rope_type``,
@@ -171,7 +172,11 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
                 "unless it is 'rope'"
             )
     if field("cache_mla_latents", False):
-        problems.append("cache_mla_latents is on (inference latent caching never fuses RoPE)")
+        problems.append(
+            "cache_mla_latents is on (dynamic-batching latent caching applies RoPE unfused, "
+            "through the inference context; the fused RoPE runs in training and static-batching "
+            "inference)"
+        )
     variant = field("experimental_attention_variant", None)
     if variant is not None:
         problems.append(

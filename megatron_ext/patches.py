@@ -238,13 +238,18 @@ def _spec_constant_targets(entry: SpecConstantsPatch) -> List[Tuple[Any, str, An
         if entry.optional:
             return []
         raise
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_ext.models.gpt.gpt_layer_specs import iter_module_specs
     from megatron_ext.transformer.multi_latent_attention import megatron_core_to_ext_classes
 
     mapping = megatron_core_to_ext_classes()
     found = {}  # one entry per spec object, however many globals reach it
     for value in list(vars(module).values()):
-        if isinstance(value, (type, type(module))) or callable(value):
+        # 0.19.2's ModuleSpec is callable: only functions, classes and modules are passed over.
+        if isinstance(value, (type, type(module))) or (
+            callable(value) and not isinstance(value, ModuleSpec)
+        ):
             continue
         for spec in iter_module_specs(value):
             if isinstance(spec.module, type) and spec.module in mapping:

@@ -27,7 +27,7 @@ from megatron_ext.utils import ignore_optional_dependency_warnings
 
 BENCHMARKS: Dict[str, str] = {
     "rope": "MLA query RoPE kernels, megatron-core's against megatron_ext's",
-    "inference": "dynamic-inference step bookkeeping, megatron-core's against static slices",
+    "inference": "dynamic-inference bookkeeping (static slices) and static MLA generation",
 }
 DEFAULT_OUT = Path("results") / "bench"
 REPORT_NAME = "report.md"

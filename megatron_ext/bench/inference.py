@@ -34,6 +34,10 @@ flash-attn is not required), ``N`` concurrent greedy requests, extension off and
 tokens per second (median decode step of a batch), off and on alternating for
 ``--engine-repeats`` rounds after one discarded warm-up batch each.
 
+Static MLA rows (:mod:`megatron_ext.bench.static_inference`): greedy generation of a small MLA
+GPT under megatron-core's static-batching inference, the MLA RoPE flag off and on: prefill and
+per-token decode time.
+
 Without a GPU the run is a correctness check, not a benchmark: extension and megatron-core must
 generate the same tokens through megatron-core's engine, and the bookkeeping configurations run
 (with the ``--max-requests`` and ``--sampling`` given) to check that they work; no timing or
@@ -50,6 +54,8 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from megatron_ext.bench.static_inference import SIZES, run_static_mla, static_mla_table
 
 VARIANTS = ("stock", "ext-eager", "ext-graphed")
 
@@ -102,6 +108,14 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         help="concurrent requests of the engine rows (default: 256 1024 on a GPU; none on CPU; "
         "give no value to skip them)",
     )
+    parser.add_argument(
+        "--static-mla-batches",
+        type=int,
+        nargs="*",
+        default=None,
+        help="batch sizes of the static-batching MLA generation section, RoPE flag off/on "
+        "(default: 1 16 on a GPU; none on CPU; give no value to skip it)",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "engine_repeats"):
         value = getattr(args, name)
@@ -109,7 +123,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup is not None and args.warmup < 0:
         parser.error("--warmup must be >= 0")
-    for name in ("max_requests", "engine_requests"):
+    for name in ("max_requests", "engine_requests", "static_mla_batches"):
         values = getattr(args, name) or []
         if any(v < 1 for v in values):
             parser.error(f"--{name.replace('_', '-')} values must be >= 1")
@@ -613,10 +627,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.vocab_size = 32000 if cuda else 1024
     if args.engine_requests is None:
         args.engine_requests = [256, 1024] if cuda else []
-    if args.engine_requests and not cuda:
+    if args.static_mla_batches is None:
+        args.static_mla_batches = [1, 16] if cuda else []
+    if (args.engine_requests or args.static_mla_batches) and not cuda:
         print(
-            "inference benchmark: --engine-requests needs a CUDA GPU (the small GPT's engine "
-            "run is a GPU benchmark); refused",
+            "inference benchmark: --engine-requests and --static-mla-batches need a CUDA GPU "
+            "(their models' runs are GPU benchmarks); refused",
             file=sys.stderr,
         )
         return 2
@@ -646,6 +662,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["rows"] += _run_config(max_requests, sampling, args, cuda, variants)
         for requests in args.engine_requests:
             report["engine_rows"] += _engine_rows(requests, args)
+    if args.static_mla_batches:
+        report["static_mla_rows"] = run_static_mla(
+            args.static_mla_batches, prompt=256, new_tokens=32, rounds=2 if args.quick else 5
+        )
 
     failed = False
     summary: List[str] = []
@@ -702,6 +722,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"{value['round_max']:.2f}x; {_verdict(value)}; target >= 1.2x, floor 1.0x)"
                 + (" <- worst engine row" if requests == worst_engine else "")
             )
+    static_rows = report.get("static_mla_rows") or []
+    if static_rows:
+        by_key = {(r["batch"], r["mode"]): r for r in static_rows}
+        ratios = {
+            batch: by_key[(batch, "off")]["decode_ms_per_token"]
+            / by_key[(batch, "on")]["decode_ms_per_token"]
+            for batch in sorted({r["batch"] for r in static_rows})
+        }
+        worst_batch = min(ratios, key=ratios.get)
+        summary.append(
+            f"static MLA generation: decode per token {ratios[worst_batch]:.2f}x with the flag at "
+            f"batch {worst_batch} (worst of batches {sorted(ratios)})"
+        )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
@@ -732,6 +765,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{args.engine_repeats} rounds after one discarded warm-up batch per engine"
         )
         print(_engine_table(report["engine_rows"]))
+    if report.get("static_mla_rows"):
+        print(
+            "=== table: static-batching MLA generation (StaticInferenceContext), "
+            f"{SIZES['num_layers']} MLA layers, hidden {SIZES['hidden_size']}, "
+            f"{SIZES['num_attention_heads']} heads, bf16, SDPA core attention, greedy; off = "
+            "megatron-core's unfused RoPE (it refuses fused RoPE in inference), on = "
+            "--mla-rope-contiguous-load; synchronised wall time per forward, eager, medians "
+            "over interleaved rounds"
+        )
+        print(static_mla_table(report["static_mla_rows"]))
     return 1 if failed else 0
 
 

@@ -52,24 +52,38 @@ def test_quick_start_names_the_main_jobs_report_directory():
 
 
 def _python_blocks():
-    """(marker or None, code) for every ```python block; a ``<!-- readme-block: sketch -->``
-    line right before a block marks it as a sketch that the tests only compile."""
-    pattern = r"(?:<!-- readme-block: (\w+) -->\n)?```python\n(.*?)\n```"
-    return [(m.group(1), m.group(2)) for m in re.finditer(pattern, README, flags=re.S)]
+    """(marker, path, code) for every ```python block. A ``<!-- readme-block: sketch -->`` line
+    right before a block marks a sketch that the tests only compile; ``<!-- readme-block: excerpt
+    PATH -->`` marks lines quoted from a file of the repository."""
+    pattern = r"(?:<!-- readme-block: (\w+)(?: (\S+))? -->\n)?```python\n(.*?)\n```"
+    return [m.groups() for m in re.finditer(pattern, README, flags=re.S)]
 
 
 def test_readme_python_blocks_are_marked_or_run():
     blocks = _python_blocks()
     assert len(blocks) >= 3
-    assert {marker for marker, _ in blocks} <= {None, "sketch"}
-    assert sum(marker is None for marker, _ in blocks) >= 2
+    assert {marker for marker, _, _ in blocks} <= {None, "sketch", "excerpt"}
+    assert all((marker == "excerpt") == (path is not None) for marker, path, _ in blocks)
+    assert sum(marker is None for marker, _, _ in blocks) >= 2
 
 
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_block_runs_as_written(index):
     """Every unmarked block runs as written on CPU; a sketch compiles and its megatron_ext
-    imports resolve (it also needs megatron.training and a GPU, which CI does not have)."""
-    marker, code = _python_blocks()[index]
+    imports resolve (it also needs megatron.training and a GPU, which CI does not have); an
+    excerpt's lines are its file's, in the file's order (the file runs where it can)."""
+    marker, path, code = _python_blocks()[index]
+    if marker == "excerpt":
+        source = (REPO_ROOT / path).read_text().splitlines()
+        position = 0
+        for line in filter(str.strip, code.splitlines()):
+            try:
+                position = source.index(line, position) + 1
+            except ValueError:
+                pytest.fail(
+                    f"README block {index}: {line!r} is not in {path} (after line {position})"
+                )
+        return
     if marker == "sketch":
         compile(code, f"README block {index}", "exec")
         for line in code.splitlines():

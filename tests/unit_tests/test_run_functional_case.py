@@ -437,3 +437,46 @@ def test_committed_golden_values_are_well_formed(path):
     metrics = runner.load_case(path.parent).metrics
     golden = runner.load_golden(path, metrics)
     assert set(metrics) <= set(golden)
+
+
+def test_a_case_whose_required_module_is_missing_is_not_run_and_says_why(tmp_path):
+    case = make_case(tmp_path, extra_yaml='REQUIRES: ["json", "megatron_ext_no_such.module"]\n')
+    outcome = run(case, tmp_path)
+    assert outcome.status == runner.NEEDS_HARDWARE
+    assert "needs megatron_ext_no_such.module" in outcome.messages[0]
+    assert not (tmp_path / "out" / "result.json").exists()
+    present = make_case(tmp_path, name="present", extra_yaml='REQUIRES: ["json"]\n')
+    assert run(present, tmp_path, generate_golden=True).status == runner.GOLDEN_WRITTEN
+
+
+@pytest.mark.parametrize("value", ['"json"', "[1]", '[""]'])
+def test_requires_must_be_a_list_of_module_names(tmp_path, value):
+    case = make_case(tmp_path, extra_yaml=f"REQUIRES: {value}\n")
+    with pytest.raises(ValueError, match="REQUIRES must be a list of module names"):
+        runner.load_case(case)
+
+
+def test_inference_case_takes_the_flag_from_megatron_trainings_parser():
+    pytest.importorskip(
+        "megatron.training.arguments",
+        reason="megatron.training is not installed (the megatron-core 0.19 wheel ships it)",
+    )
+    import importlib.util
+
+    from megatron_ext import applied_megatron_ext, apply_megatron_ext, undo_megatron_ext
+
+    script = CASES_ROOT / "gpt" / "inference_static_active_slices" / "run_case.py"
+    spec = importlib.util.spec_from_file_location("inference_case", script)
+    case = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(case)
+    args = case.parse_args(["--out", "unused", "--megatron-training-parser"])
+    for mode, expected in (("off", False), ("on", True)):
+        parsed = case.megatron_training_args(args, mode)
+        assert parsed.inference_static_active_slices is expected
+        assert parsed.mla_rope_contiguous_load is False
+        assert (parsed.num_layers, parsed.hidden_size) == (args.num_layers, args.hidden_size)
+        try:
+            apply_megatron_ext(parsed)
+            assert applied_megatron_ext()["inference_static_active_slices"] is expected
+        finally:
+            undo_megatron_ext()

@@ -50,6 +50,9 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
 
         Returns:
             SamplingPlan: hashable plan; part of the CUDA graph cache key.
+
+        Raises:
+            ValueError: if a request's ``top_k`` is not below the vocabulary size.
         """
         context = self.inference_wrapped_model.inference_context
         n = self._active_request_count()
@@ -58,6 +61,12 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         top_p = meta["top_p"][:n]
         unfiltered = top_k < 1
         max_top_k = int(top_k.max()) if n else 0
+        if max_top_k >= self.vocab_size:
+            # 0.19's sampler asserts top_k < vocab_size (0.16's only top_k <= the logits' width).
+            raise ValueError(
+                f"top_k ({max_top_k}) must be smaller than the model's vocabulary "
+                f"({self.vocab_size})"
+            )
         plan = SamplingPlan(
             sample=bool((top_k != 1).any()),
             top_k_cap=top_k_cap_for(max_top_k),

@@ -14,6 +14,9 @@ returns a copy in which
 
 :func:`to_megatron_core_spec` is the inverse. The input spec is never modified.
 
+:func:`get_gpt_layer_local_mla_spec` is a layer spec for Megatron-LM's ``--spec`` option: MLA
+without Transformer Engine.
+
 :func:`patch_megatron_core_gpt_specs` / :func:`unpatch_megatron_core_gpt_specs` apply and undo
 the flag's patches of megatron-core (:mod:`megatron_ext.patches` lists them) without checking a
 configuration.
@@ -30,6 +33,7 @@ from megatron_ext.transformer.multi_latent_attention import megatron_core_to_ext
 from megatron_ext.transformer.sdpa_attention import SDPADotProductAttention, resolve_sdpa_backends
 
 __all__ = [
+    "get_gpt_layer_local_mla_spec",
     "to_megatron_ext_spec",
     "to_megatron_core_spec",
     "count_mla_attention_specs",
@@ -290,6 +294,33 @@ def iter_module_specs(obj: Any) -> Iterator[ModuleSpec]:
             stack.extend(reversed([getattr(node, f.name, None) for f in dataclasses.fields(node)]))
         elif isinstance(node, (list, tuple)):
             stack.extend(reversed(node))
+
+
+def get_gpt_layer_local_mla_spec(config: Any, vp_stage: Optional[int] = None) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with MLA and the SDPA core attention.
+
+    For megatron.training 0.19's ``--transformer-impl local --spec
+    megatron_ext.models.gpt.gpt_layer_specs get_gpt_layer_local_mla_spec``, which calls it with
+    the model config; the MLA class is whatever megatron-core's spec builder builds (megatron_ext's
+    while ``--mla-rope-contiguous-load`` is applied). SDPA runs its math backend, whose backward is
+    deterministic.
+
+    Args:
+        config: the model config (``qk_layernorm`` and ``normalization`` are read; a 0.19
+            ``GPTModelConfig`` passes them through from its transformer config).
+        vp_stage: the virtual pipeline stage (unused: the layers are all alike).
+
+    Returns:
+        ModuleSpec: the layer spec.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        multi_latent_attention=True,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    return to_megatron_ext_spec(spec, mla_rope_contiguous_load=False, sdpa_backends=["math"])
 
 
 # ----------------------------------------------------------------------------------------------

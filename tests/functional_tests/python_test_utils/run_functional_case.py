@@ -22,6 +22,8 @@ A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`
 * ``COMPARE_MODES``: when true, every run in the output must equal the first bit for bit (e.g.
   the flag off and on).
 * ``GOLDEN``: ``bitwise`` (default) or ``none``.
+* ``REQUIRES``: Python modules the case needs (e.g. ``megatron.training``, which only some
+  megatron-core wheels ship); where one cannot be found the case is not run, and says why.
 * ``GOLDEN_PENDING``: why a case has no golden values yet (e.g. no machine of its size has run it).
   It changes nothing at run time: without golden values the case fails unless
   ``--generate-golden`` is given; the repository test accepts the missing files only with it.
@@ -32,10 +34,12 @@ Usage::
 
 A directory without ``model_config.yaml`` is searched for cases. Exit status: 0 when every case
 passed (or had its golden values written), 1 when any failed, 2 when none failed but some need
-more GPUs than this machine has (0 with ``--allow-missing-hardware``).
+more GPUs than this machine has, or a module from ``REQUIRES`` it lacks (0 with
+``--allow-missing-hardware``).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -66,6 +70,7 @@ KNOWN_KEYS = {
     "COMPARE_MODES",
     "GOLDEN",
     "GOLDEN_PENDING",
+    "REQUIRES",
     "TEST_TYPE",
     "DESCRIPTION",
 }
@@ -142,6 +147,7 @@ class CaseConfig:
     metrics: List[str]
     compare_modes: bool
     golden: str
+    requires: List[str] = field(default_factory=list)
     raw: Dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -253,6 +259,9 @@ def load_case(case_dir: Path) -> CaseConfig:
         raise ValueError(
             f"{where}: COMPARE_MODES must be true or false, got {_kind(compare_modes)}"
         )
+    requires = raw.get("REQUIRES", [])
+    if not isinstance(requires, list) or not all(isinstance(m, str) and m for m in requires):
+        raise ValueError(f"{where}: REQUIRES must be a list of module names, got {_kind(requires)}")
     return CaseConfig(
         path=case_dir,
         name=f"{case_dir.parent.name}/{case_dir.name}",
@@ -265,6 +274,7 @@ def load_case(case_dir: Path) -> CaseConfig:
         metrics=metrics,
         compare_modes=compare_modes,
         golden=golden,
+        requires=requires,
         raw=raw,
     )
 
@@ -650,6 +660,13 @@ def _timing_lines(result: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
 def run_case(
     case: CaseConfig,
     out_dir: Path,
@@ -681,6 +698,14 @@ def run_case(
         outcome.messages.append(
             f"needs a machine with {case.nproc} GPUs (this one has {available_gpus}); not run, "
             "no golden values checked"
+        )
+        return outcome
+    missing = [m for m in case.requires if not _module_available(m)]
+    if missing:
+        outcome.status = NEEDS_HARDWARE
+        outcome.messages.append(
+            f"needs {', '.join(missing)}, which this environment does not have; not run, no "
+            "golden values checked"
         )
         return outcome
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -845,7 +870,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--allow-missing-hardware",
         action="store_true",
-        help="exit 0 when the only unrun cases need more GPUs",
+        help="exit 0 when the only unrun cases need more GPUs or a module this environment lacks",
     )
     args = parser.parse_args(argv)
 

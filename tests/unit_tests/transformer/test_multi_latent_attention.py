@@ -13,7 +13,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_latent_attention as mcore_mla
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from mla_rope_testlib import pin_megatron_core_autotuners
+from mla_rope_testlib import assert_bitwise_equal, pin_megatron_core_autotuners
 
 from megatron_ext import patches
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
@@ -250,9 +250,9 @@ def test_context_parallel_thd_lengths_checked_when_on_the_host():
         cu_seqlens_kv=torch.tensor([0, 8, 14], dtype=torch.int32),
     )
     with pytest.raises(ValueError, match="sequence 1 has length 6"):
-        ext_mla._check_context_parallel_lengths(module, (None, None, None, odd), {})
+        ext_mla._check_context_parallel_lengths(module, odd)
     with pytest.raises(ValueError, match="multiple of 2 \\* cp_size = 4"):
-        ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": odd})
+        ext_mla._check_context_parallel_lengths(module, odd)
     padded = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=odd.cu_seqlens_q,
@@ -260,9 +260,9 @@ def test_context_parallel_thd_lengths_checked_when_on_the_host():
         cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
         cu_seqlens_kv_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
     )
-    ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": padded})
+    ext_mla._check_context_parallel_lengths(module, padded)
     module.pg_collection.cp = _Group(1)
-    ext_mla._check_context_parallel_lengths(module, (None,), {"packed_seq_params": odd})
+    ext_mla._check_context_parallel_lengths(module, odd)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the real kernels")
@@ -310,6 +310,208 @@ def test_real_kernels_agree_under_interpreter(
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     for name in base_result[2]:
         torch.testing.assert_close(base_result[2][name], ext_result[2][name], atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Static-batching inference: the fused RoPE from the context's sequence offset
+
+
+def static_context(max_sequence_length=16, batch=2):
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    return StaticInferenceContext(batch, max_sequence_length)
+
+
+@pytest.fixture
+def rope_tables(monkeypatch):
+    """Record the cos/sin rows handed to megatron_ext's kernels (computing with the double)."""
+    seen = []
+
+    def recording(reference):
+        def wrapper(*args, **kwargs):
+            seen.append(args[2 if reference is mla_rope_reference.rope_kv else 1].clone())
+            return reference(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        ext_rope, "fused_apply_mla_rope_for_q", recording(mla_rope_reference.rope_q)
+    )
+    monkeypatch.setattr(
+        ext_rope, "fused_apply_mla_rope_for_kv", recording(mla_rope_reference.rope_kv)
+    )
+    return seen
+
+
+def generate_rows(module, hidden, prefill, max_sequence_length=16):
+    """Query/key/value of a prefill of ``prefill`` tokens, then one decode step per token."""
+    context = static_context(max_sequence_length, hidden.shape[1])
+    rows = [module.get_query_key_value_tensors(hidden[:prefill], inference_context=context)[:3]]
+    for position in range(prefill, hidden.shape[0]):
+        context.sequence_len_offset = position
+        context.enable_decode_mode()
+        step = module.get_query_key_value_tensors(
+            hidden[position : position + 1], inference_context=context
+        )
+        rows.append(step[:3])
+    return [torch.cat(parts) for parts in zip(*rows)]
+
+
+def test_static_inference_rotates_from_the_context_offset(rope_tables, cpu_current_device):
+    config = make_config("cpu")
+    _, ext = build_pair(config)
+    hidden, _ = make_inputs(config, "sbhd", seq=9)
+    with ext_rope_applied(), torch.no_grad():
+        full = ext.get_query_key_value_tensors(hidden)[:3]
+        full_cos = rope_tables[0]
+        stepped = generate_rows(ext, hidden, prefill=4)
+    # One q and one kv call for the full forward and per step; each step got rows offset.. of the
+    # same table bits.
+    assert len(rope_tables) == 2 * (1 + 1 + 9 - 4)
+    offsets = [0] + list(range(4, 9))
+    for step, offset in enumerate(offsets):
+        for cos in rope_tables[2 + 2 * step : 4 + 2 * step]:
+            assert torch.equal(cos, full_cos[offset : offset + cos.shape[0]])
+    for a, b in zip(stepped, full):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert "get_cached_cos_sin" not in vars(ext.rotary_pos_emb)
+
+
+def test_static_inference_matches_megatron_core_unfused_path(rope_spies, cpu_current_device):
+    """megatron-core refuses the fused path with a context; its unfused path is the reference."""
+    _, fused = build_pair(make_config("cpu"))
+    unfused, _ = build_pair(make_config("cpu", apply_rope_fusion=False))
+    hidden, _ = make_inputs(make_config("cpu"), "sbhd", seq=9)
+    with torch.no_grad():
+        with pytest.raises(AssertionError, match="Inference with MLA RoPE fusion is not supported"):
+            mcore_mla.MLASelfAttention.get_query_key_value_tensors(
+                fused, hidden[:4], inference_context=static_context()
+            )
+        want = generate_rows(unfused, hidden, prefill=4)
+        with ext_rope_applied():
+            got = generate_rows(fused, hidden, prefill=4)
+    assert rope_spies["ext"] == ["q", "kv"] * 6 and rope_spies["mcore"] == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_static_inference_refusals(rope_spies, cpu_current_device):
+    _, ext = build_pair(make_config("cpu"))
+    hidden, _ = make_inputs(make_config("cpu"), "sbhd", seq=4)
+    dynamic = types.SimpleNamespace(is_static_batching=lambda: False)
+    thd = PackedSeqParams(qkv_format="thd")
+    context = static_context(max_sequence_length=8)
+    with ext_rope_applied(), torch.no_grad():
+        with pytest.raises(ValueError, match="static-batching inference .* only"):
+            ext.get_query_key_value_tensors(hidden, inference_context=dynamic)
+        with pytest.raises(ValueError, match="qkv_format='thd'"):
+            ext.get_query_key_value_tensors(hidden, None, None, thd, inference_context=context)
+        context.sequence_len_offset = torch.tensor(2)
+        with pytest.raises(TypeError, match="non-negative int"):
+            ext.get_query_key_value_tensors(hidden, inference_context=context)
+        context.sequence_len_offset = 5
+        with pytest.raises(ValueError, match="positions 5..8, past the context's max_sequence"):
+            ext.get_query_key_value_tensors(hidden, inference_context=context)
+        assert "get_cached_cos_sin" not in vars(ext.rotary_pos_emb)
+        # The deprecated keyword reaches the same path.
+        context.sequence_len_offset = 4
+        ext.get_query_key_value_tensors(hidden, inference_params=context)
+    assert rope_spies["ext"] == ["q", "kv"]
+
+
+@pytest.fixture
+def kernel_io(monkeypatch):
+    """Record the inputs (cloned, before the in-place query kernel) and outputs of megatron_ext's
+    real kernels."""
+    calls = []
+    for name in ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"):
+        real = getattr(ext_rope, name)
+
+        def recording(*args, _real=real, _name=name, **kwargs):
+            inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            out = _real(*args, **kwargs)
+            calls.append((_name, _real, inputs, out))
+            return out
+
+        monkeypatch.setattr(ext_rope, name, recording)
+    return calls
+
+
+def check_decode_rows_against_full_sequence(kernel_io, device, dtype, heads, batch, offsets):
+    """Each decode step's rotated rows, bitwise against the same rows of a full-sequence call.
+
+    The step's own pre-RoPE rows are planted at the step's position of a full-length input, so
+    the comparison isolates the RoPE from the projections (whose bits may depend on the row count).
+
+    Returns:
+        int: kernel calls compared.
+    """
+    config = make_config(
+        device, num_attention_heads=heads, params_dtype=dtype, bf16=dtype == torch.bfloat16
+    )
+    _, ext = build_pair(config, device, dtype)
+    seq = max(offsets) + 1
+    hidden, _ = make_inputs(config, "sbhd", device, dtype, seq=seq, batch=batch)
+    gen = torch.Generator(device=device).manual_seed(11)
+    checked = 0
+    with ext_rope_applied(), torch.no_grad():
+        # What a training forward over `seq` tokens rotates with: rows 0..seq-1.
+        cos, sin = type(ext.rotary_pos_emb).get_cached_cos_sin(ext.rotary_pos_emb, seq, dtype=dtype)
+        for offset in offsets:
+            kernel_io.clear()
+            context = static_context(seq, batch)
+            context.sequence_len_offset = offset
+            ext.get_query_key_value_tensors(hidden[offset : offset + 1], inference_context=context)
+            for name, real, inputs, out in kernel_io:
+                planted = []
+                for x in inputs[: 2 if name.endswith("_kv") else 1]:
+                    full = torch.randn((seq, *x.shape[1:]), generator=gen, device=device)
+                    full = full.to(x.dtype)
+                    full[offset : offset + 1] = x
+                    planted.append(full)
+                tables = 2 if name.endswith("_kv") else 1
+                rest = inputs[tables + 2 :]
+                want = real(*planted, cos, sin, *rest)
+                outs = out if isinstance(out, tuple) else (out,)
+                wants = want if isinstance(want, tuple) else (want,)
+                for got_part, want_part in zip(outs, wants):
+                    assert_bitwise_equal(
+                        got_part, want_part[offset : offset + 1], f"{name} at offset {offset}"
+                    )
+                checked += 1
+    return checked
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU variant runs the compiled kernels")
+@pytest.mark.parametrize("heads,batch", [(4, 1), (3, 2)])
+def test_decode_rows_bitwise_equal_to_full_sequence_interpreted(
+    heads, batch, kernel_io, cpu_current_device
+):
+    checked = check_decode_rows_against_full_sequence(
+        kernel_io, "cpu", torch.float32, heads, batch, offsets=[0, 1, 6]
+    )
+    assert checked == 2 * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,batch", [(8, 1), (40, 3), (128, 2)])
+def test_gpu_decode_rows_bitwise_equal_to_full_sequence(heads, batch, dtype, kernel_io):
+    """Autotuned and at every config of the autotuner; 40 heads leave a partial head block."""
+    from megatron_ext.fusions.mla_rope.launch import AUTOTUNE_CONFIGS, pinned_kernel_config
+
+    checked = 0
+    for config in (None,) + AUTOTUNE_CONFIGS:
+        pinned = (
+            contextlib.nullcontext()
+            if config is None
+            else pinned_kernel_config(config.block_h, config.num_warps)
+        )
+        with pinned:
+            checked += check_decode_rows_against_full_sequence(
+                kernel_io, "cuda", dtype, heads, batch, offsets=[0, 1, 63, 511, 4095]
+            )
+    assert checked == 2 * 5 * (1 + len(AUTOTUNE_CONFIGS))
 
 
 # ----------------------------------------------------------------------------------------------

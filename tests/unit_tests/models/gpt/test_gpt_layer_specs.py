@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron_ext import patches
 from megatron_ext.models.gpt.gpt_layer_specs import (
     count_mla_attention_specs,
+    get_gpt_layer_local_mla_spec,
     is_megatron_core_gpt_specs_patched,
     patch_megatron_core_gpt_specs,
     to_megatron_core_spec,
@@ -292,10 +293,13 @@ def test_patched_modules_are_every_megatron_core_module_that_names_mla():
     patched = set()
     for entry in patches.PATCHES[patches.MLA_ROPE_CONTIGUOUS_LOAD]:
         try:
-            importlib.import_module(entry.module)
+            module = importlib.import_module(entry.module)
         except ImportError:
             continue
-        patched.add(entry.module)
+        # An optional patch whose attribute this release lacks (0.19's DSA variant specs) does not
+        # count as patched.
+        if isinstance(entry, patches.SpecConstantsPatch) or hasattr(module, entry.attribute):
+            patched.add(entry.module)
     rope_modules = {"megatron.core.fusions.fused_mla_yarn_rope_apply", mcore_mla.__name__}
     assert naming == patched - rope_modules
 
@@ -416,3 +420,23 @@ def test_te_spec_builder_is_patched_too():
     finally:
         unpatch_megatron_core_gpt_specs()
     assert _mcore_and_ext_counts(spec)[0] == 0
+
+
+def test_local_mla_spec_for_megatron_trainings_spec_option():
+    """What megatron.training 0.19's --spec calls with the model config: megatron-core's local MLA
+    layer with the SDPA core attention; its MLA class follows the flag's patch."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_mla_spec(config)
+    attention = spec.submodules.self_attention
+    assert attention.module is mcore_mla.MLASelfAttention
+    assert attention.submodules.core_attention.module is SDPADotProductAttention
+    assert attention.submodules.core_attention.params["sdpa_backends"] is not None
+    assert attention.submodules.q_layernorm is not None
+    try:
+        patch_megatron_core_gpt_specs()
+        patched = get_gpt_layer_local_mla_spec(config, vp_stage=0)
+    finally:
+        unpatch_megatron_core_gpt_specs()
+    assert patched.submodules.self_attention.module is ExtMLASelfAttention

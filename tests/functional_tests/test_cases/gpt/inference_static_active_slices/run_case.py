@@ -69,6 +69,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--block-size-tokens", type=int, default=16)
     p.add_argument("--kv-blocks", type=int, default=240, help="KV blocks (small: forces pausing)")
     p.add_argument("--paused-kv-blocks", type=int, default=48)
+    p.add_argument(
+        "--megatron-training-parser",
+        action="store_true",
+        help="take the model sizes and --inference-static-active-slices from megatron.training's "
+        "parser extended with add_megatron_ext_args, and apply them with apply_megatron_ext, as a "
+        "Megatron-LM inference script does",
+    )
     args = p.parse_args(argv)
     if args.out is None and args.output_json is None:
         p.error("give --out DIR or --output-json PATH")
@@ -97,9 +104,40 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> List[Tuple[List[
     return requests
 
 
+def megatron_training_args(args: argparse.Namespace, mode: str) -> argparse.Namespace:
+    """The case's model sizes and the flag (``mode`` "on"), parsed by megatron.training's parser
+    extended with ``add_megatron_ext_args``."""
+    from megatron.training.arguments import parse_args as parse_megatron_args
+
+    from megatron_ext.arguments import add_megatron_ext_args
+
+    argv = [
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", str(args.num_attention_heads), "--group-query-attention",
+        "--num-query-groups", str(args.num_query_groups), "--ffn-hidden-size",
+        str(args.ffn_hidden_size), "--vocab-size", str(args.vocab_size),
+        "--max-position-embeddings", str(args.max_sequence_length), "--seq-length",
+        str(args.max_sequence_length), "--seed", str(args.seed), "--tokenizer-type",
+        "NullTokenizer", "--bf16",
+    ]  # fmt: skip
+    if mode == "on":
+        argv.append("--inference-static-active-slices")
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    try:
+        parsed = parse_megatron_args(extra_args_provider=add_megatron_ext_args)
+    finally:
+        sys.argv = saved
+    sizes = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size")
+    for name in sizes:
+        if getattr(parsed, name) != getattr(args, name):
+            raise RuntimeError(f"megatron.training parsed {name}={getattr(parsed, name)!r}")
+    return parsed
+
+
 def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, requests):
     """Generate every request with the extension ``mode`` ("off"/"on")."""
     import megatron_ext.inference as ext_inference
+    from megatron_ext import apply_megatron_ext, undo_megatron_ext
     from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
     from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
         StaticSlicesTextGenerationController,
@@ -110,12 +148,14 @@ def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, req
         allow_dynamic_inference_without_flash_attn,
     )
 
-    if mode == "on":
+    if args.megatron_training_parser:
+        apply_megatron_ext(megatron_training_args(args, mode))
+    elif mode == "on":
         ext_inference.enable_static_active_slices()
     try:
         engine, context, controller = build_small_gpt_engine(model, args, dtype)
     finally:
-        ext_inference.disable_static_active_slices()
+        undo_megatron_ext()
     extended = isinstance(context, StaticSlicesInferenceContext) and isinstance(
         controller, StaticSlicesTextGenerationController
     )
@@ -178,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             mcore_context.triton_append_key_value_cache = None
         ensure_model_parallel()
-        from megatron.core import package_info
+        from megatron_ext.testing.environment import run_environment
 
         model, _ = build_small_gpt(args, dtype)
         requests = make_requests(args, args.vocab_size)
@@ -204,11 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     result = {
         "runs": runs,
-        "environment": {
-            "megatron_core": package_info.__version__,
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        },
+        "environment": run_environment(),
         "requests": len(requests),
         "identical": not problems,
         "problems": problems,
