@@ -6,10 +6,11 @@ The static copies (allocated once, ``max_requests`` rows): ``active_request_meta
 ``active_request_ids``, ``..._query_lengths``, ``..._kv_length_offsets``, ``..._output_lengths``
 and ``active_request_last_token_idxs`` (computed on the device).
 
-``build_active_slices`` / ``pad_active_slices`` are upstream's contract, for callers that want
-them. The step itself (``initialize_attention_state``) uses :meth:`refresh_active_slices`, which
-leaves the same rows but reads the paused/active counts from a device tensor, so one captured
-CUDA graph serves every step whatever the counts (host cost: two fills and a replay).
+One implementation writes them, :meth:`StaticSlicesInferenceContext._write_slices`: copy some
+rows from the per-request tensors, fill others with neutral values, leave the rest, with the row
+counts read from a device tensor, so that one captured CUDA graph serves every call whatever the
+counts. Upstream's ``build_active_slices`` and ``pad_active_slices`` are two uses of it; each
+step (``initialize_attention_state``) is a third, both in one pass.
 """
 
 from typing import Any, List
@@ -17,7 +18,6 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
-from megatron_ext.inference.contexts.static_slices_buffers import SliceTable
 from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
@@ -35,15 +35,15 @@ _BITS_BY_ITEMSIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
 
-    Takes megatron-core's arguments. Graph-safe (no host synchronisation): ``build_active_slices``
-    and ``pad_active_slices`` for fixed counts, :meth:`refresh_active_slices` for any counts
-    (replayed from a CUDA graph unless ``cuda_graph_active_slices`` is set to False).
+    Takes megatron-core's arguments. Graph-safe (no host synchronisation):
+    ``build_active_slices``, ``pad_active_slices`` and each step's slices, replayed from one CUDA
+    graph unless ``cuda_graph_active_slices`` is set to False.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
-        # Replay refresh_active_slices from a CUDA graph on CUDA devices; a plain attribute so
-        # that the constructor keeps megatron-core's exact signature.
+        # Replay the slices' writes from a CUDA graph on CUDA devices; a plain attribute so that
+        # the constructor keeps megatron-core's exact signature.
         self.cuda_graph_active_slices = True
         self._slices_graph = None
         super().__init__(*args, **kwargs)
@@ -65,7 +65,6 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             # suspended engine actually frees the memory.
             self.active_request_metadata = None
             self._device_active_slices = None
-            self._slice_table = None
             self._slices_graph = None
             self._gather_groups = None
 
@@ -80,8 +79,8 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             setattr(self, attr, torch.empty(rows, dtype=torch.int32, device=device))
         self.active_request_last_token_idxs = torch.zeros(rows, dtype=torch.int32, device=device)
 
-        # The static copies in a fixed order, with their neutral values; the last-token indices
-        # are computed, not copied, so they are padded but have no source.
+        # The copied static copies in a fixed order (that of _slice_sources), with their neutral
+        # values; the last-token indices are computed, not copied.
         statics: List[Tensor] = [getattr(self, attr) for _, attr, _ in REQUEST_SLICE_FIELDS]
         templates = [
             torch.full_like(static, ACTIVE_REQUEST_PAD_VALUES[name])
@@ -90,18 +89,14 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         for label, static in self.active_request_metadata.items():
             statics.append(static)
             templates.append(torch.full_like(static, pad_value(label, static.dtype)))
-        statics.append(self.active_request_last_token_idxs)
-        templates.append(torch.zeros_like(self.active_request_last_token_idxs))
-        self._slice_table = SliceTable(statics, templates)
-        self._slice_table.fill_rows(0, rows)
 
-        # refresh_active_slices' inputs: [paused, active] on the device, the row numbers, and
-        # the copied fields grouped by element width (gathered as raw bits, one gather per
-        # group). The sources are megatron-core's tensors, allocated with ours and never
-        # rebound until the next allocation, which also drops the graph captured over them.
-        self._slice_counts = torch.zeros(2, dtype=torch.int64, device=device)
+        # _write_slices' inputs: [paused, copy, pad start, pad stop] on the device, the row
+        # numbers, and the copied fields grouped by element width (gathered as raw bits, one
+        # gather per group). The sources are megatron-core's tensors, allocated with ours and
+        # never rebound until the next allocation, which also drops the graph captured over them.
+        self._slice_counts = torch.zeros(4, dtype=torch.int64, device=device)
         self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
-        copied = list(zip(statics[:-1], templates[:-1], self._slice_sources()))
+        copied = list(zip(statics, templates, self._slice_sources()))
         groups = {}
         for static, template, source in copied:
             groups.setdefault(static.dtype.itemsize, []).append((static, template, source))
@@ -126,6 +121,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             metadata=self.active_request_metadata,
         )
         self.static_slices_generation += 1
+        self._write_slices(0, 0, 0, rows)
 
     def _slice_sources(self) -> List[Tensor]:
         # Looked up on every call rather than kept: megatron-core owns these attributes.
@@ -139,7 +135,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         """Copy rows ``[paused, paused + batch_size)`` of every per-request tensor into rows
         ``[0, batch_size)`` of its static copy, and compute the last-token indices.
 
-        Rows past the active requests hold stale data until :meth:`pad_active_slices`.
+        Rows past ``batch_size`` keep what they held until :meth:`pad_active_slices`.
 
         Args:
             batch_size (int): rows to copy: at least the active request count.
@@ -153,14 +149,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._require_static_slices("build_active_slices")
         self._check_build_batch_size(batch_size)
         self._slices_neutral_past_active = False
-        if batch_size == 0:
-            return
-        paused = self.paused_request_count
-        self._slice_table.copy_rows(self._slice_sources(), paused, batch_size)
-        src = slice(paused, paused + batch_size)
-        last_token_idxs = self.active_request_last_token_idxs[:batch_size]
-        torch.cumsum(self.request_query_lengths[src], dim=0, dtype=torch.int32, out=last_token_idxs)
-        last_token_idxs.sub_(1)
+        self._write_slices(self.paused_request_count, batch_size, 0, 0)
 
     def pad_active_slices(self) -> None:
         """Fill rows ``[active, padded_active)`` of every static copy with neutral values
@@ -172,21 +161,28 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._require_static_slices("pad_active_slices")
         active = self._active_request_count()
         padded = min(self.padded_active_request_count, self.max_requests)
-        if padded <= active:
-            return
-        self._slice_table.fill_rows(active, padded)
+        if padded > active:
+            self._write_slices(self.paused_request_count, 0, active, padded)
 
-    def refresh_active_slices(self) -> None:
-        """This step's slices: rows ``[0, padded)`` as :meth:`build_active_slices` with the
-        padded count and :meth:`pad_active_slices` leave them, neutral values past them.
-
-        Raises:
-            RuntimeError: if the tensor state is deallocated.
-        """
-        self._require_static_slices("refresh_active_slices")
-        self._slice_counts[0].fill_(self.paused_request_count)
-        self._slice_counts[1].fill_(self._active_request_count())
+    def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's attention-state set-up, then this step's slices in one pass: what
+        ``build_active_slices(active)`` and ``pad_active_slices()`` up to ``max_requests`` leave."""
+        super().initialize_attention_state(*args, **kwargs)
+        self._require_static_slices("initialize_attention_state")
+        active = self._active_request_count()
+        self._write_slices(self.paused_request_count, active, active, self.max_requests)
         self._slices_neutral_past_active = True
+
+    def _pad_device_slices(self, start: int, stop: int) -> None:
+        # extend_active_padding's fill, through the one implementation.
+        self._write_slices(self.paused_request_count, 0, start, stop)
+
+    def _write_slices(self, paused: int, copy: int, pad_start: int, pad_stop: int) -> None:
+        """Rows ``[0, copy)`` of each static copy from rows ``paused..`` of its source, rows
+        ``[pad_start, pad_stop)`` neutral, the others unchanged (``copy <= pad_start`` where both
+        are given). Replays the one graph of :meth:`_write_slices_from_device_counts` on CUDA."""
+        for index, value in enumerate((paused, copy, pad_start, pad_stop)):
+            self._slice_counts[index].fill_(value)
         use_graph = (
             self.cuda_graph_active_slices
             and self._slice_counts.is_cuda
@@ -194,45 +190,44 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             and not torch.cuda.is_current_stream_capturing()
         )
         if not use_graph:
-            self._refresh_from_device_counts()
+            self._write_slices_from_device_counts()
             return
         if self._slices_graph is None:
-            self._slices_graph = self._capture_refresh()
+            self._slices_graph = self._capture_write_slices()
         self._slices_graph.replay()
 
-    def _refresh_from_device_counts(self) -> None:
-        """GRAPH-SAFE body of :meth:`refresh_active_slices`: every shape is ``max_requests``
-        rows, and the counts are read from ``_slice_counts`` on the device."""
-        paused, active = self._slice_counts[0], self._slice_counts[1]
+    def _write_slices_from_device_counts(self) -> None:
+        """GRAPH-SAFE body of :meth:`_write_slices`: every shape is ``max_requests`` rows, and
+        the counts are read from ``_slice_counts`` on the device."""
+        paused, copy, pad_start, pad_stop = self._slice_counts.unbind(0)
         rows = self._row_numbers
-        valid = rows < active
-        # Rows past the active requests read a clamped, in-bounds row and take the neutral value.
+        copied = rows < copy
+        padded = (rows >= pad_start) & (rows < pad_stop)
+        # Rows that are not copied read a clamped, in-bounds row and discard it.
         index = torch.clamp(rows + paused, max=self.max_requests - 1)
         for statics, templates, sources in self._gather_groups:
             gathered = torch.stack(sources).index_select(1, index)
-            torch._foreach_copy_(statics, torch.where(valid, gathered, templates).unbind(0))
-        lengths = torch.where(valid, self.request_query_lengths.index_select(0, index), 0)
+            kept = torch.where(padded, templates, torch.stack(statics))
+            torch._foreach_copy_(statics, torch.where(copied, gathered, kept).unbind(0))
+        lengths = torch.where(copied, self.request_query_lengths.index_select(0, index), 0)
         last = torch.cumsum(lengths, dim=0, dtype=torch.int32).sub_(1)
-        self.active_request_last_token_idxs.copy_(torch.where(valid, last, 0))
+        neutral = ACTIVE_REQUEST_PAD_VALUES["last_token_idxs"]
+        kept = torch.where(padded, neutral, self.active_request_last_token_idxs)
+        self.active_request_last_token_idxs.copy_(torch.where(copied, last, kept))
 
-    def _capture_refresh(self) -> "torch.cuda.CUDAGraph":
+    def _capture_write_slices(self) -> "torch.cuda.CUDAGraph":
         # One eager run on a side stream first, so that lazy initialisation stays out of the
         # capture; it writes the same values the replay will.
         current = torch.cuda.current_stream(self._slice_counts.device)
         side = torch.cuda.Stream(device=self._slice_counts.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._refresh_from_device_counts()
+            self._write_slices_from_device_counts()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._refresh_from_device_counts()
+            self._write_slices_from_device_counts()
         return graph
-
-    def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
-        """megatron-core's attention-state set-up, then :meth:`refresh_active_slices`."""
-        super().initialize_attention_state(*args, **kwargs)
-        self.refresh_active_slices()
 
     # ---------------------------------------------------------------------- logits rows
 
@@ -262,4 +257,4 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         super().reset(*args, **kwargs)
         self._sampling_registry.clear()
         if self._device_active_slices is not None:
-            self._slice_table.fill_rows(0, self.max_requests)
+            self._write_slices(0, 0, 0, self.max_requests)

@@ -223,9 +223,12 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         self._require_static_slices("extend_active_padding")
         self._publish_pending_static_slices()
         start = max(self.padded_active_request_count, self._active_request_count())
-        if rows <= start or self._slices_neutral_past_active:
-            return
-        pad = slice(start, rows)
+        if rows > start and not self._slices_neutral_past_active:
+            self._pad_device_slices(start, rows)
+
+    def _pad_device_slices(self, start: int, stop: int) -> None:
+        """Neutral values into rows ``[start, stop)`` of the device slices."""
+        pad = slice(start, stop)
         slices = self._device_active_slices
         for name, _, _ in REQUEST_SLICE_FIELDS:
             getattr(slices, name)[pad].fill_(ACTIVE_REQUEST_PAD_VALUES[name])

@@ -275,7 +275,8 @@ class StaticSlicesControllerBase(TextGenerationController):
 
         Raises:
             TypeError: if logits is not a Tensor or rows not an int.
-            ValueError: on a logits shape the buffer cannot hold, or rows outside
+            ValueError: on a logits shape the buffer cannot hold, fewer rows than the step's
+                active requests (last-token logits) or active tokens, or rows outside
                 [active requests, max_logit_rows].
         """
         context = self.inference_wrapped_model.inference_context
@@ -285,6 +286,16 @@ class StaticSlicesControllerBase(TextGenerationController):
             raise ValueError(f"expected logits of shape [1, S, V], got {tuple(logits.shape)}")
         count = self._region_rows() if rows is None else self._check_rows(rows)
         flat = logits.squeeze(0)
+        # Rows missing here would be sampled from the previous step's logits (or, per token,
+        # gathered out of range): the counts are host ints, so the check costs no sync.
+        if context.materializes_only_last_token_logits:
+            needed, what = self._active_request_count(), "active requests (one row each)"
+        else:
+            needed, what = context.active_token_count, "active tokens"
+        if flat.size(0) < needed:
+            raise ValueError(
+                f"logits have {flat.size(0)} rows, fewer than this step's {needed} {what}"
+            )
         buffer = self._ensure_logits_buffer(flat.size(1), flat.dtype)
         if context.materializes_only_last_token_logits:
             count = flat.size(0)

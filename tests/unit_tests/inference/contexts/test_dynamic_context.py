@@ -507,11 +507,10 @@ def test_build_and_pad_do_not_synchronize_on_gpu():
             min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
         )
         ctx.pad_active_slices()
-        ctx.refresh_active_slices()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    # The per-step refresh ran from its CUDA graph (and check_active_slices compared the result
-    # with plain slicing after every step of run_random).
+    # The slices' one implementation ran from its CUDA graph (and check_active_slices compared
+    # the result with plain slicing after every step of run_random).
     assert ctx._slices_graph is not None
 
 
@@ -732,29 +731,47 @@ def test_deferred_publication_adds_no_step_work_and_reads_the_same(seed):
     UPSTREAM_HAS_ACTIVE_SLICES,
     reason="megatron-core 0.19 builds the slices host-side with upstream's own methods",
 )
-def test_refresh_equals_build_then_pad():
-    """The per-step device-count refresh leaves rows [0, padded) exactly as the explicit
-    build_active_slices(padded) + pad_active_slices() do, and neutral rows after them."""
+def test_step_slices_equal_build_then_pad():
+    """Each step's slices leave rows [0, padded) exactly as the explicit
+    build_active_slices(padded) + pad_active_slices() do; build leaves the rows past its batch as
+    they were, and pad touches only [active, padded)."""
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        pytest.skip("on megatron-core 0.19 the step uses upstream's build/pad themselves")
     ctx = make_context()
     driver = RandomDriver(ctx, 21)
     driver.arrive(8)
+
+    def snapshot():
+        rows = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
+        rows.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
+        rows["last"] = _as_list(ctx.active_request_last_token_idxs)
+        return rows
+
     compared = 0
     for _ in range(300):
         driver.step()
         if ctx.total_request_count == 0:
             continue
-        ctx.refresh_active_slices()
-        refreshed = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
-        refreshed.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
-        refreshed["last"] = _as_list(ctx.active_request_last_token_idxs)
+        ctx.initialize_attention_state()  # the next step's slices, from the updated requests
+        active = ctx.total_request_count - ctx.paused_request_count
         padded = min(ctx.padded_active_request_count, ctx.max_requests - ctx.paused_request_count)
+        # Marks past the batch, which build must keep (a neutral fill would erase them).
+        ctx.active_request_ids[padded:] = 12345
+        ctx.active_request_last_token_idxs[padded:] = 54321
+        stepped = snapshot()
         ctx.build_active_slices(padded)
+        after_build = snapshot()
+        assert set(after_build["request_ids"][padded:]) <= {12345}
         ctx.pad_active_slices()
-        built = {n: _as_list(getattr(ctx, a)) for n, (a, _) in _REQUEST_FIELDS.items()}
-        built.update({k: _as_list(v) for k, v in ctx.active_request_metadata.items()})
-        built["last"] = _as_list(ctx.active_request_last_token_idxs)
+        built = snapshot()
+        pad_stop = min(ctx.padded_active_request_count, ctx.max_requests)
         for key in built:
-            assert refreshed[key][:padded] == built[key][:padded], key
+            assert stepped[key][:active] == built[key][:active], key
+            assert stepped[key][active:padded] == built[key][active:padded], key  # both neutral
+            assert after_build[key][padded:] == stepped[key][padded:], key
+            assert built[key][:active] == after_build[key][:active], key
+            assert built[key][pad_stop:] == after_build[key][pad_stop:], key
+        assert set(built["request_ids"][active:pad_stop]) <= {-1}
         compared += 1
     assert compared > 100
 

@@ -444,6 +444,22 @@ def test_row_counts_below_the_active_requests_are_refused():
     assert host["tokens"][:5].tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("materialize", [True, False], ids=["last_token", "all_tokens"])
+def test_logits_with_fewer_rows_than_the_step_needs_are_refused(materialize):
+    """Stock megatron-core raises on such logits; sampling the missing rows from the previous
+    step's buffer (or gathering past the rows) would be silently wrong."""
+    stack = make_stack(max_requests=16, materialize_only_last_token_logits=materialize)
+    add_requests(stack, [dict(top_k=1)] * 5)
+    context, controller = stack.context, stack.controller
+    context.initialize_attention_state()
+    needed = 5 if materialize else context.active_token_count
+    logits = torch.randn(1, needed - 1, VOCAB, device=_device())
+    what = "active requests" if materialize else "active tokens"
+    with pytest.raises(ValueError, match=f"fewer than this step's {needed} {what}"):
+        controller.stage_logits(logits)
+    controller.stage_logits(torch.randn(1, needed, VOCAB, device=_device()))
+
+
 def test_top_k_candidate_sampler_keeps_ties_and_respects_k():
     """The candidate path (every sampling row top-k) draws only among the k largest logits,
     ties with the k-th included, and uses the temperature."""
