@@ -32,7 +32,10 @@ Engine rows: megatron-core's ``DynamicInferenceEngine`` with the small GPT of th
 functional case (``megatron_ext.testing.small_gpt``; plain-torch paged-KV attention, since
 flash-attn is not required), ``N`` concurrent greedy requests, extension off and on: decode
 tokens per second (median decode step of a batch), off and on alternating for
-``--engine-repeats`` rounds after one discarded warm-up batch each.
+``--engine-repeats`` rounds after one discarded warm-up batch each. The off/on ratio is the
+geometric mean of the paired per-round ratios, with its 95% bootstrap interval
+(:mod:`megatron_ext.bench.stats`); the summary says whether the interval's half-width is within
+3%.
 
 Static MLA rows (:mod:`megatron_ext.bench.static_inference`): greedy generation of a small MLA
 GPT under megatron-core's static-batching inference, the MLA RoPE flag off and on: prefill and
@@ -56,6 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_ext.bench.static_inference import SIZES, run_static_mla, static_mla_table
+from megatron_ext.bench.stats import paired_ratio_interval
 
 VARIANTS = ("stock", "ext-eager", "ext-graphed")
 
@@ -90,7 +94,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "--engine-repeats",
         type=int,
         default=None,
-        help="interleaved off/on rounds of the engine rows (default 4; 2 with --quick)",
+        help="interleaved off/on rounds of the engine rows (default 12; 4 with --quick); the "
+        "ratio's 95%% interval narrows with more",
     )
     parser.add_argument(
         "--sampling",
@@ -393,7 +398,8 @@ def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]
     Both engines are built first (the same weights: one seed); then each round runs one batch of
     ``requests`` requests to completion on each engine in turn (the order alternates), after one
     discarded warm-up batch per engine (it captures the extension's graphs). A batch's figure is
-    its median decode step; a row's is the median over rounds, with min and max.
+    its median decode step; a row's is the median over rounds, with min and max; the off/on ratio
+    is the geometric mean of the paired per-round ratios with a 95% bootstrap interval.
     """
     from types import SimpleNamespace
 
@@ -509,7 +515,14 @@ def _speedups(rows: List[Dict[str, Any]]) -> Dict[Tuple[int, str, str], Dict[str
 
 
 def _verdict(value: Dict[str, float]) -> str:
-    """Whether a speedup differs from parity by more than its per-round spread."""
+    """Whether a speedup differs from parity: by its confidence interval where it has one, else
+    by its per-round spread."""
+    if "low" in value:
+        if value["low"] > 1.0:
+            return "faster: the interval is above 1.00"
+        if value["high"] < 1.0:
+            return "slower: the interval is below 1.00"
+        return "the interval contains 1.00"
     if value["round_min"] > 1.0:
         return "faster in every round"
     if value["round_max"] < 1.0:
@@ -563,34 +576,38 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
 
 
 def _engine_ratio(rows: List[Dict[str, Any]], requests: int) -> Optional[Dict[str, float]]:
+    """Decode tokens/s on over off: the geometric mean of the paired per-round ratios, with its
+    95% bootstrap interval (:func:`megatron_ext.bench.stats.paired_ratio_interval`)."""
     pair = {r["mode"]: r for r in rows if r["requests"] == requests}
     if "off" not in pair or "on" not in pair:
         return None
-    off, on = pair["off"], pair["on"]
-    per_round = [
-        b / a for a, b in zip(off["decode_tokens_per_s_rounds"], on["decode_tokens_per_s_rounds"])
-    ]
-    return {
-        "speedup": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
-        "round_min": min(per_round),
-        "round_max": max(per_round),
-    }
+    off, on = pair["off"]["decode_tokens_per_s_rounds"], pair["on"]["decode_tokens_per_s_rounds"]
+    if len(off) < 2:
+        per_round = [b / a for a, b in zip(off, on)]
+        return {"speedup": per_round[0], "round_min": per_round[0], "round_max": per_round[0]}
+    interval = paired_ratio_interval(off, on)
+    return {"speedup": interval.pop("ratio"), **interval}
+
+
+def _ratio_text(value: Dict[str, float]) -> str:
+    if "low" not in value:
+        return f"{value['speedup']:.2f}x [one round]"
+    return (
+        f"{value['speedup']:.3f}x [{value['low']:.3f}-{value['high']:.3f}, "
+        f"+-{100 * value['half_width']:.1f}%; {value['round_min']:.2f}-{value['round_max']:.2f}]"
+    )
 
 
 def _engine_table(rows: List[Dict[str, Any]]) -> str:
     lines = [
         "| concurrent requests | extension | median decode step ms | decode tokens/s "
-        "[round min-max] | speedup [round min-max] |",
+        "[round min-max] | speedup [95% interval; round min-max] |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         value = _engine_ratio(rows, r["requests"]) if r["mode"] == "on" else None
         spread = r["decode_tokens_per_s_spread"]
-        speedup = (
-            "-"
-            if value is None
-            else f"{value['speedup']:.2f}x [{value['round_min']:.2f}-{value['round_max']:.2f}]"
-        )
+        speedup = "-" if value is None else _ratio_text(value)
         lines.append(
             f"| {r['requests']} | {r['mode']} | {r['median_decode_step_ms']:.2f} | "
             f"{r['decode_tokens_per_s']:.0f} [{spread['min']:.0f}-{spread['max']:.0f}] | "
@@ -616,7 +633,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.repeats is None:
         args.repeats = (3 if args.quick else 7) if cuda else 2
     if args.engine_repeats is None:
-        args.engine_repeats = 2 if args.quick else 4
+        args.engine_repeats = 4 if args.quick else 12
     if args.warmup is None:
         args.warmup = (5 if args.quick else 20) if cuda else 1
     if args.sampling is None:
@@ -716,10 +733,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             worst_engine = min(ratios, key=lambda k: ratios[k]["speedup"])
             report["worst_engine_row"] = {"requests": worst_engine, **ratios[worst_engine]}
         for requests, value in ratios.items():
+            settled = (
+                "one round: no interval"
+                if "half_width" not in value
+                else f"interval half-width {100 * value['half_width']:.1f}% "
+                + ("(settled: <= 3%)" if value["half_width"] <= 0.03 else "(> 3%: more rounds)")
+            )
             summary.append(
-                f"engine, {requests} concurrent requests: decode {value['speedup']:.2f}x "
-                f"tokens/s with the extension (rounds {value['round_min']:.2f}-"
-                f"{value['round_max']:.2f}x; {_verdict(value)}; target >= 1.2x, floor 1.0x)"
+                f"engine, {requests} concurrent requests: decode {_ratio_text(value)} tokens/s "
+                f"with the extension ({_verdict(value)}; {settled}; target >= 1.2x, floor 1.0x)"
                 + (" <- worst engine row" if requests == worst_engine else "")
             )
     static_rows = report.get("static_mla_rows") or []

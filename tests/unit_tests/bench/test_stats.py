@@ -1,0 +1,69 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Confidence intervals of the benchmarks' paired off/on ratios."""
+
+import math
+import random
+
+import pytest
+
+from megatron_ext.bench.stats import paired_ratio_interval
+
+
+def test_a_constant_ratio_has_a_point_interval():
+    off = [100.0, 120.0, 90.0, 110.0]
+    on = [x * 1.25 for x in off]
+    value = paired_ratio_interval(off, on)
+    assert value["ratio"] == pytest.approx(1.25)
+    assert value["low"] == pytest.approx(1.25) and value["high"] == pytest.approx(1.25)
+    assert value["half_width"] == pytest.approx(0.0, abs=1e-12)
+    assert value["rounds"] == 4
+
+
+def test_machine_drift_between_rounds_cancels_in_paired_ratios():
+    """Rounds whose absolute figures swing by 2x but whose off/on pairs agree to 1% give a
+    tight interval around the true ratio."""
+    rng = random.Random(3)
+    off, on = [], []
+    for _ in range(20):
+        level = rng.uniform(50, 100)
+        off.append(level * rng.uniform(0.995, 1.005))
+        on.append(1.1 * level * rng.uniform(0.995, 1.005))
+    value = paired_ratio_interval(off, on)
+    assert value["low"] < 1.1 < value["high"]
+    assert value["half_width"] < 0.01
+
+
+def test_noisier_rounds_widen_the_interval_and_more_rounds_narrow_it():
+    rng = random.Random(5)
+
+    def rounds(count, noise):
+        off = [100.0] * count
+        on = [100.0 * math.exp(rng.gauss(0.0, noise)) for _ in range(count)]
+        return paired_ratio_interval(off, on)["half_width"]
+
+    assert rounds(8, 0.10) > rounds(8, 0.01)
+    assert rounds(64, 0.05) < rounds(6, 0.05)
+
+
+def test_the_interval_is_reproducible_and_covers_the_estimate():
+    off, on = [10.0, 11.0, 9.0, 10.5, 9.5], [10.5, 11.0, 9.9, 10.4, 10.2]
+    first, second = paired_ratio_interval(off, on), paired_ratio_interval(off, on)
+    assert first == second
+    assert first["low"] <= first["ratio"] <= first["high"]
+    assert first["round_min"] == pytest.approx(10.4 / 10.5)
+    assert first["round_max"] == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize(
+    "off,on,kwargs,message",
+    [
+        ([1.0, 2.0], [1.0], {}, "paired rounds needed"),
+        ([1.0], [1.0], {}, "at least 2 rounds"),
+        ([1.0, 0.0], [1.0, 1.0], {}, "must be positive"),
+        ([1.0, 2.0], [1.0, 2.0], {"confidence": 1.0}, "confidence must be in"),
+    ],
+)
+def test_bad_input_is_refused(off, on, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        paired_ratio_interval(off, on, **kwargs)
