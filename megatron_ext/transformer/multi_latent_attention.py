@@ -131,7 +131,9 @@ class _ContiguousLoadRopeMixin:
         Raises:
             MegatronExtRopeNotAppliedError: if RoPE fusion is on and megatron_ext's RoPE patch is
                 not applied.
-            ValueError: for a dynamic-batching context, or a step past ``max_sequence_length``.
+            ValueError: for a dynamic-batching context, thd input under a static one, or a step
+                past ``max_sequence_length`` (before any RoPE kernel runs).
+            TypeError: if the context's ``sequence_len_offset`` is not a host int.
         """
         inference_context = deprecate_inference_params(inference_context, inference_params)
         args = (hidden_states, key_value_states, position_ids, packed_seq_params)
