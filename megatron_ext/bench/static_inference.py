@@ -8,7 +8,7 @@ A section of ``python -m megatron_ext.bench inference``: a small MLA GPT
 per batch size: prefill time and per-token decode time (wall time of each synchronised forward,
 eager, as a user's generation loop sees it). Token agreement is the functional case's concern
 (``gpt/mla_rope_contiguous_load_static_inference``): this untrained bf16 model's greedy choices
-come within rounding of ties, so its tokens are kept in the JSON only.
+come within rounding of ties, so whether they agreed is kept in the JSON only.
 """
 
 import statistics

@@ -95,6 +95,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         # gather per group). The sources are megatron-core's tensors, allocated with ours and
         # never rebound until the next allocation, which also drops the graph captured over them.
         self._slice_counts = torch.zeros(4, dtype=torch.int64, device=device)
+        # What _slice_counts holds, so that a call fills only the counts that changed (in steady
+        # decoding, none: the paused and active counts rarely move).
+        self._slice_counts_written = [0, 0, 0, 0]
         self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
         copied = list(zip(statics, templates, self._slice_sources()))
         groups = {}
@@ -182,7 +185,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         ``[pad_start, pad_stop)`` neutral, the others unchanged (``copy <= pad_start`` where both
         are given). Replays the one graph of :meth:`_write_slices_from_device_counts` on CUDA."""
         for index, value in enumerate((paused, copy, pad_start, pad_stop)):
-            self._slice_counts[index].fill_(value)
+            if self._slice_counts_written[index] != value:
+                self._slice_counts[index].fill_(value)
+                self._slice_counts_written[index] = value
         use_graph = (
             self.cuda_graph_active_slices
             and self._slice_counts.is_cuda

@@ -75,7 +75,7 @@ KNOWN_KEYS = {
     "DESCRIPTION",
 }
 
-PASSED, FAILED, GOLDEN_WRITTEN, NEEDS_HARDWARE = "PASSED", "FAILED", "GOLDEN WRITTEN", "NOT RUN"
+PASSED, FAILED, GOLDEN_WRITTEN, NOT_RUN = "PASSED", "FAILED", "GOLDEN WRITTEN", "NOT RUN"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -694,7 +694,7 @@ def run_case(
     """
     outcome = CaseOutcome(case.name, FAILED)
     if case.nproc > available_gpus:
-        outcome.status = NEEDS_HARDWARE
+        outcome.status = NOT_RUN
         outcome.messages.append(
             f"needs a machine with {case.nproc} GPUs (this one has {available_gpus}); not run, "
             "no golden values checked"
@@ -702,7 +702,7 @@ def run_case(
         return outcome
     missing = [m for m in case.requires if not _module_available(m)]
     if missing:
-        outcome.status = NEEDS_HARDWARE
+        outcome.status = NOT_RUN
         outcome.messages.append(
             f"needs {', '.join(missing)}, which this environment does not have; not run, no "
             "golden values checked"
@@ -916,7 +916,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (args.out / "summary.md").write_text(summary_markdown(outcomes))
     if any(o.status == FAILED for o in outcomes):
         return 1
-    if any(o.status == NEEDS_HARDWARE for o in outcomes) and not args.allow_missing_hardware:
+    if any(o.status == NOT_RUN for o in outcomes) and not args.allow_missing_hardware:
         return 2
     return 0
 
