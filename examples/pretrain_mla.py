@@ -45,9 +45,11 @@ from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 # cuBLAS reads this when it initialises: it must be set before the first CUDA call, so parse the
-# one flag that needs it before torch is imported.
+# one flag that needs it before torch is imported. megatron-core refuses deterministic_mode with
+# Transformer Engine's attention unless TE's non-deterministic algorithms are off too.
 if "--deterministic" in sys.argv:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 if __name__ == "__main__":
     # megatron-core's imports below warn that Transformer Engine / Apex are absent; not needed here.
     from megatron_ext.utils import ignore_optional_dependency_warnings
@@ -408,6 +410,20 @@ def have_transformer_engine() -> bool:
     except ImportError:
         return False
     return True
+
+
+def transformer_engine_version() -> Optional[str]:
+    """The installed Transformer Engine release, or None without one."""
+    if not have_transformer_engine():
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package in ("transformer_engine", "transformer_engine_torch"):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def use_te(args: argparse.Namespace) -> bool:
@@ -899,7 +915,7 @@ def environment() -> Dict[str, Any]:
         "triton": triton.__version__,
         "python": sys.version.split()[0],
         "device": torch.cuda.get_device_name(),
-        "transformer_engine": have_transformer_engine(),
+        "transformer_engine": transformer_engine_version(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
 

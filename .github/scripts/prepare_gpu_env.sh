@@ -15,13 +15,16 @@
 #   3. puts the megatron-core wheel of --mcore into --wheels-dir/megatron-core-<version>/
 #      (downloaded from PyPI, unless a matching wheel is already there: offline runners can be
 #      pre-seeded) and installs it into the environment;
-#   4. on GitHub Actions, puts the environment first on PATH for the following steps and exports
+#   4. with --transformer-engine VERSION, installs Transformer Engine the way
+#      scripts/transformer_engine_offline.sh does (its torch extension built against the image's
+#      torch release; the build is kept in --te-cache, default ~/.cache/megatron_ext/te);
+#   5. on GitHub Actions, puts the environment first on PATH for the following steps and exports
 #      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`) and
-#      PYTHONPATH (the checkout, so megatron_ext imports from it).
+#      PYTHONPATH (the checkout, so megatron_ext imports from it, and Transformer Engine's site).
 #
 # Usage:
 #   bash .github/scripts/prepare_gpu_env.sh --python 3.12 --mcore 0.16.1 [--min-gpus 1]
-#       [--venv DIR] [--wheels-dir DIR]
+#       [--venv DIR] [--wheels-dir DIR] [--transformer-engine VERSION] [--te-cache DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -31,6 +34,8 @@ min_gpus=1
 tmp="${RUNNER_TEMP:-${TMPDIR:-/tmp}}"
 venv=""
 wheels_root="$tmp/megatron-core-wheels"
+te_version=""
+te_cache="${HOME:-$tmp}/.cache/megatron_ext/te"
 
 while (($#)); do
     case "$1" in
@@ -39,7 +44,9 @@ while (($#)); do
         --min-gpus) min_gpus="$2"; shift 2 ;;
         --venv) venv="$2"; shift 2 ;;
         --wheels-dir) wheels_root="$2"; shift 2 ;;
-        -h | --help) sed -n '3,24p' "$0"; exit 0 ;;
+        --transformer-engine) te_version="$2"; shift 2 ;;
+        --te-cache) te_cache="$2"; shift 2 ;;
+        -h | --help) sed -n '3,28p' "$0"; exit 0 ;;
         *) echo "prepare_gpu_env.sh: unknown argument '$1'" >&2; exit 2 ;;
     esac
 done
@@ -103,6 +110,22 @@ echo "== installing megatron-core $mcore; megatron_ext from the checkout (PYTHON
 "$python" -m pip install --quiet --no-deps --no-index "${found[@]}"
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$python" -c \
     'import megatron.core, megatron_ext; print("megatron-core", megatron.core.__version__)'
+
+te_site=""
+if [[ -n "$te_version" ]]; then
+    torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
+    te_out="$te_cache/te-$te_version-torch-$torch_version-py$py_version"
+    te_site="$venv/transformer-engine"
+    echo "== Transformer Engine $te_version for torch $torch_version ($te_out)"
+    if [[ ! -f "$te_out/parts/SHA256SUMS" ]]; then
+        bash scripts/transformer_engine_offline.sh prepare --out "$te_out" \
+            --torch "$torch_version" --te "$te_version" --python "$base_python"
+    fi
+    PATH="$venv/bin:$PATH" bash scripts/transformer_engine_offline.sh install \
+        --parts "$te_out/parts" --target "$te_site"
+    PYTHONPATH="$te_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH
+fi
 
 if [[ -n "${GITHUB_PATH:-}" ]]; then
     echo "$venv/bin" >>"$GITHUB_PATH"

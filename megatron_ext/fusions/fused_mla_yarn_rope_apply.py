@@ -146,6 +146,17 @@ def _calibrate_ownership(device: torch.device) -> None:
     _EXCLUSIVE_REFS[device.type] = _ExclusiveRefsProbe.seen.pop()
 
 
+def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
+    """Whether autograd forbids modifying ``t`` in place: a view made inside a custom Function,
+    by a multi-output op, or under no-grad or inference mode."""
+    if not t._is_view():
+        return False
+    creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)
+    if creation_meta is None:  # no way to tell: treat every view as refused (still correct)
+        return True
+    return creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
+
+
 class _FusedMLARoPEQ(torch.autograd.Function):
     """In-place RoPE on the query's last emb_dim elements."""
 
@@ -178,9 +189,16 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             remove_interleaving=remove_interleaving,
             position_ids=position_ids,
         )
-        # Autograd must know t changed: anything that saved it for backward then fails loudly
-        # instead of silently using rotated values.
-        ctx.mark_dirty(t)
+        if _autograd_refuses_in_place(t):
+            # A view autograd cannot rebase onto this Function: Transformer Engine's linears
+            # return their output as a view made inside their own Function. Rotate behind
+            # autograd's back as megatron-core does; the version bump still makes a backward
+            # that saved t (or anything sharing its storage) fail loudly.
+            torch.autograd.graph.increment_version(t)
+        else:
+            # Autograd must know t changed: anything that saved it for backward then fails
+            # loudly instead of silently using rotated values.
+            ctx.mark_dirty(t)
         ctx.save_for_backward(cos, sin, cu_seqlens_q, position_ids)
         ctx.args = (qk_head_dim, emb_dim, cp_rank, cp_size, inverse, remove_interleaving)
         ctx.config = PINNED.get()
@@ -236,8 +254,11 @@ def fused_apply_mla_rope_for_q(
     [rotated even | rotated odd], or interleaved again with ``remove_interleaving``. A leaf that
     requires grad (which no in-place op may modify; megatron-core rotates its data behind
     autograd's back) gets a rotated copy: megatron-core's output and leaf gradient, the leaf
-    unchanged. The backward rotates the incoming gradient in place only when autograd hands it
-    over exclusively; otherwise (a caller's ``backward(g)``, a second branch) it writes a copy.
+    unchanged. A view autograd refuses to modify in place (one made inside a custom Function, such
+    as Transformer Engine's linear layers return) is rotated in place with autograd told only of
+    the version change, as megatron-core does. The backward rotates the incoming gradient in place
+    only when autograd hands it over exclusively; otherwise (a caller's ``backward(g)``, a second
+    branch) it writes a copy.
 
     Not checked, since each needs a device-to-host sync: that ``cu_seqlens_q`` is non-decreasing,
     that cos/sin cover every position, and that with ``cp_size > 1`` every sequence length is a

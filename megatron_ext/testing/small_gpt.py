@@ -34,6 +34,7 @@ def build_small_gpt(args: Any, dtype: torch.dtype) -> Tuple[Any, Any]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_ext.testing.local_block_spec import local_block_spec
     from megatron_ext.testing.torch_paged_attention import TorchPagedSelfAttention
 
     config = TransformerConfig(
@@ -55,7 +56,7 @@ def build_small_gpt(args: Any, dtype: torch.dtype) -> Tuple[Any, Any]:
     torch.manual_seed(args.seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=local_block_spec(spec, args.num_layers),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
         position_embedding_type="rope",

@@ -87,6 +87,7 @@ def build_small_mla_gpt(
 
     from megatron_ext import apply_megatron_ext, undo_megatron_ext
     from megatron_ext.models.gpt.gpt_layer_specs import get_gpt_layer_local_mla_spec
+    from megatron_ext.testing.local_block_spec import local_block_spec
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -124,7 +125,7 @@ def build_small_mla_gpt(
     model = GPTModel(
         config=config,
         # The MLA class follows the flag applied (or undone) above.
-        transformer_layer_spec=get_gpt_layer_local_mla_spec(config),
+        transformer_layer_spec=local_block_spec(get_gpt_layer_local_mla_spec(config), num_layers),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",  # MLA applies its own yarn RoPE

@@ -4,9 +4,11 @@
 
 megatron-core 0.19 already builds ``active_request_metadata`` and the last-token indices itself,
 in pinned host memory that it publishes to the GPU once per step. This class reuses upstream's
-``build_active_slices``/``pad_active_slices``, adds the request tensors upstream does not slice,
-pads every label (upstream pads only the sampling parameters) and publishes its additions to the
-GPU in one copy, next to upstream's own bookkeeping transfer.
+``build_active_slices``/``pad_active_slices`` unchanged and does its own additions (the request
+tensors upstream does not slice, padding of every label where upstream pads only the sampling
+parameters, one copy of the whole set to the GPU) in ``publish_active_slices``, which its caller
+runs after ``initialize_attention_state``. A step whose consumer reads none of the slices (the
+engine sampling with megatron-core's own sampler) skips it and costs what stock costs.
 """
 
 from typing import Any, List, Optional, Tuple
@@ -38,13 +40,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
-        # When False, the additions to upstream's slicing (host copies, padding, the device
-        # copy) wait until device_active_slices is read: a controller that samples with
-        # megatron-core's own sampler reads none of them, and must not pay for them every step.
-        # A plain attribute so that the constructor keeps megatron-core's exact signature.
-        self.publish_static_slices_every_step = True
-        # (paused count, batch size, active count, padded count) of a deferred step.
-        self._pending_static_slices: Optional[Tuple[int, int, int, int]] = None
+        # (paused count, batch size, active count, padded count) of the step built last, until
+        # it is published; None once update_requests has changed the rows it would copy.
+        self._built_step: Optional[Tuple[int, int, int, int]] = None
         super().__init__(*args, **kwargs)
 
     def initialize_all_tensors(self) -> None:
@@ -73,6 +71,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         for name, attr, _ in REQUEST_SLICE_FIELDS:
             setattr(self, attr, self._ext_host[name])
         self._pad_all_rows()
+        self._ext_device.buffer.copy_(self._ext_host.buffer)
 
         metadata = {
             label: self._ext_device[f"metadata:{label}"] for label in self.active_request_metadata
@@ -98,11 +97,8 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self.active_request_last_token_idxs.zero_()
 
     def build_active_slices(self, batch_size: int) -> None:
-        """Upstream's slicing (metadata and last-token indices), plus the request ids and
-        lengths. Host-side on this release (the bookkeeping lives in pinned host memory).
-
-        With ``publish_static_slices_every_step`` False, the request ids and lengths are copied
-        when ``device_active_slices`` is next read, before ``update_requests``.
+        """Upstream's slicing (metadata and last-token indices, host-side on this release); the
+        request ids and lengths follow in :meth:`publish_active_slices`.
 
         Args:
             batch_size (int): rows to copy: at least the active request count.
@@ -115,64 +111,44 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._require_static_slices("build_active_slices")
         self._check_build_batch_size(batch_size)
         super().build_active_slices(batch_size)
-        if not self.publish_static_slices_every_step:
-            self._pending_static_slices = (self.paused_request_count, batch_size, 0, 0)
-            return
-        self._copy_request_slices(self.paused_request_count, batch_size)
+        self._built_step = (self.paused_request_count, batch_size, 0, 0)
+        self._active_slices_published = False
 
-    def _copy_request_slices(self, paused: int, batch_size: int) -> None:
+    def pad_active_slices(self) -> None:
+        """Upstream's padding of the sampling parameters; every other label and the request ids
+        and lengths are padded in :meth:`publish_active_slices` (see
+        ``ACTIVE_METADATA_PAD_VALUES``)."""
+        self._require_static_slices("pad_active_slices")
+        super().pad_active_slices()
+        if self._built_step is not None:
+            paused, batch_size, _, _ = self._built_step
+            padded = min(self.padded_active_request_count, self.max_requests)
+            self._built_step = (paused, batch_size, self._active_request_count(), padded)
+
+    def _publish_active_slices(self) -> None:
+        """The request ids and lengths into the host slices, every label's padding, then one
+        copy of the whole set to the device."""
+        if self._built_step is None:
+            raise RuntimeError(
+                "publish_active_slices: update_requests() ran after this step's "
+                "build_active_slices(), so its rows are gone; publish before update_requests()"
+            )
+        paused, batch_size, active, padded = self._built_step
         src = slice(paused, paused + batch_size)
         for _, attr, source in REQUEST_SLICE_FIELDS:
             getattr(self, attr)[:batch_size] = getattr(self, source)[src]
-
-    def pad_active_slices(self) -> None:
-        """Upstream's padding of the sampling parameters, plus every other label and the request
-        ids and lengths (see ``ACTIVE_METADATA_PAD_VALUES``); deferred like
-        ``build_active_slices``."""
-        self._require_static_slices("pad_active_slices")
-        super().pad_active_slices()
-        active = self._active_request_count()
-        padded = min(self.padded_active_request_count, self.max_requests)
-        pending = self._pending_static_slices
-        if pending is not None:
-            self._pending_static_slices = (pending[0], pending[1], active, padded)
-            return
         if padded > active:
             self._pad_rows(slice(active, padded))
-
-    def _publish_pending_static_slices(self) -> None:
-        """Do a deferred step's additions now: the same host copies and padding as
-        ``build_active_slices``/``pad_active_slices``, then the device copy."""
-        pending, self._pending_static_slices = self._pending_static_slices, None
-        if pending is None:
-            return
-        paused, batch_size, active, padded = pending
-        self._copy_request_slices(paused, batch_size)
-        if padded > active:
-            self._pad_rows(slice(active, padded))
-        self._ext_device.buffer.copy_(self._ext_host.buffer)
-
-    def transfer_bookkeeping_to_gpu(self, *args: Any, **kwargs: Any) -> Any:
-        """Publish the static slices to the device (unless deferred), then upstream's
-        bookkeeping.
-
-        Our copy is enqueued first so that the event upstream may record after its own transfer
-        also covers it.
-        """
-        deferred = self._pending_static_slices is not None
-        if not deferred and self.config.async_sched_mode == AsyncScheduleMode.LEGACY:
-            # The pinned source is rewritten only by the next step's build_active_slices, which
-            # runs after this step's sampled tokens were read back (a stream sync).
-            self._ext_device.buffer.copy_(self._ext_host.buffer, non_blocking=True)
-        elif not deferred:
-            # Async scheduling re-stages the host buffers while copies are in flight.
-            self._ext_device.buffer.copy_(self._ext_host.buffer)
-        return super().transfer_bookkeeping_to_gpu(*args, **kwargs)
+        # In legacy scheduling the pinned source is rewritten only by the next step's
+        # build_active_slices, after this step's sampled tokens were read back (a stream sync);
+        # async scheduling re-stages the host buffers while copies are in flight.
+        legacy = self.config.async_sched_mode == AsyncScheduleMode.LEGACY
+        self._ext_device.buffer.copy_(self._ext_host.buffer, non_blocking=legacy)
 
     def update_requests(self, *args: Any, **kwargs: Any) -> Any:
-        """megatron-core's ``update_requests`` (see the mixin); a deferred step's additions are
-        dropped, since the request tensors they would copy from change here."""
-        self._pending_static_slices = None
+        """megatron-core's ``update_requests`` (see the mixin); an unpublished step can no longer
+        be published, since the request tensors it would copy from change here."""
+        self._built_step = None
         return super().update_requests(*args, **kwargs)
 
     def last_token_logits(self, logits: Tensor) -> Tensor:
@@ -190,7 +166,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
     def reset(self, *args: Any, **kwargs: Any) -> None:
         """megatron-core's ``reset``, then forget every request and re-pad the slices."""
         super().reset(*args, **kwargs)
-        self._pending_static_slices = None
+        self._built_step = None
         self._sampling_registry.clear()
         if self._device_active_slices is not None:
             self._pad_all_rows()
+            self._ext_device.buffer.copy_(self._ext_host.buffer)
+        self._active_slices_published = True

@@ -129,6 +129,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         # True while every row past the active requests is known to hold neutral values (set by
         # a context that refreshes all rows each step), so extend_active_padding has no work.
         self._slices_neutral_past_active = False
+        # False between a build_active_slices whose rows have not reached the device slices yet
+        # and the publish_active_slices that puts them there (0.19 only; see that method).
+        self._active_slices_published = True
 
     def _require_static_slices(self, what: str) -> None:
         if self._device_active_slices is None:
@@ -142,18 +145,46 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     def device_active_slices(self) -> ActiveSlices:
         """Device-resident static buffers of the active requests (see :class:`ActiveSlices`).
 
-        A context that defers publishing them (0.19, ``publish_static_slices_every_step``
-        False) completes them here; read them before ``update_requests``.
+        They hold this step's rows once :meth:`publish_active_slices` has run.
 
         Raises:
-            RuntimeError: if the tensor state is deallocated.
+            RuntimeError: if the tensor state is deallocated, or this step's slices were built
+                and not yet published.
         """
-        self._require_static_slices("device_active_slices")
-        self._publish_pending_static_slices()
+        self._require_published("device_active_slices")
         return self._device_active_slices
 
-    def _publish_pending_static_slices(self) -> None:
-        """Hook: complete slices whose publication a context defers (0.19); no-op here."""
+    def publish_active_slices(self) -> None:
+        """Put this step's active slices into ``device_active_slices``.
+
+        The order of a step: ``initialize_attention_state`` (which builds and pads the slices),
+        then this method, then readers of ``device_active_slices`` (forward pass, sampling), then
+        ``update_requests``. On megatron-core 0.16 building and padding write the device slices
+        directly, so this only checks the order and is graph-safe. On 0.19 upstream builds its
+        slices in pinned host memory; this method adds the request ids and lengths and the padding
+        there and copies the whole set to the device once. Called at most once per step: later
+        calls in the same step do nothing.
+
+        Raises:
+            RuntimeError: if the tensor state is deallocated, or ``update_requests`` ran after
+                this step's ``build_active_slices`` (the rows to publish are gone).
+        """
+        self._require_static_slices("publish_active_slices")
+        if not self._active_slices_published:
+            self._publish_active_slices()
+            self._active_slices_published = True
+
+    def _publish_active_slices(self) -> None:
+        """Hook: a context that builds its slices off the device copies them there (0.19)."""
+
+    def _require_published(self, what: str) -> None:
+        self._require_static_slices(what)
+        if not self._active_slices_published:
+            raise RuntimeError(
+                f"{what}: this step's active slices are built but not published; call "
+                "publish_active_slices() after initialize_attention_state() and before "
+                "update_requests()"
+            )
 
     @property
     def max_logit_rows(self) -> int:
@@ -220,8 +251,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
             RuntimeError: if the tensor state is deallocated.
         """
         check_row_count("rows", rows, 0, self.max_requests, "the context's max_requests")
-        self._require_static_slices("extend_active_padding")
-        self._publish_pending_static_slices()
+        self._require_published("extend_active_padding")
         start = max(self.padded_active_request_count, self._active_request_count())
         if rows > start and not self._slices_neutral_past_active:
             self._pad_device_slices(start, rows)

@@ -265,7 +265,8 @@ class StaticSlicesControllerBase(TextGenerationController):
         """Copy the last-token logits of this step into the static logits buffer.
 
         Runs outside the graph-safe region (the forward pass's output has a new address every
-        step). Device-only: no host synchronisation.
+        step), after the context's ``publish_active_slices``. Device-only: no host
+        synchronisation.
 
         Args:
             logits (Tensor): forward-pass output ``[1, S, V]``: last-token rows when the context
@@ -278,6 +279,8 @@ class StaticSlicesControllerBase(TextGenerationController):
             ValueError: on a logits shape the buffer cannot hold, fewer rows than the step's
                 active requests (last-token logits) or active tokens, or rows outside
                 [active requests, max_logit_rows].
+            RuntimeError: with one logit row per token, if the context has not published this
+                step's slices (the gather reads their last-token indices).
         """
         context = self.inference_wrapped_model.inference_context
         if not isinstance(logits, Tensor):

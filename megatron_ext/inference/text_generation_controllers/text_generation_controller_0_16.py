@@ -60,7 +60,9 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         """megatron-core's forward step, then the logits copied into the static buffer."""
         logits = super()._dynamic_step_forward_logits(input_ids, position_ids)
         rows = self._region_rows()
-        self.inference_wrapped_model.inference_context.extend_active_padding(rows)
+        context = self.inference_wrapped_model.inference_context
+        context.publish_active_slices()  # only checks the order: 0.16 builds on the device
+        context.extend_active_padding(rows)
         self.stage_logits(logits, rows=rows)
         return logits
 

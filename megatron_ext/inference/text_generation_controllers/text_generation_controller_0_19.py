@@ -18,7 +18,7 @@ of the logits into its static buffer; upstream's bucketed sampler does less laun
 same tokens, so an eager step of this controller is megatron-core's step.
 """
 
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
@@ -95,21 +95,16 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
             and context.config.async_sched_mode == AsyncScheduleMode.LEGACY
         )
 
-    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
-        """megatron-core's step initialisation; the context's additions to upstream's slices
-        are published this step only if the region samples (otherwise on first read)."""
-        context = self.inference_wrapped_model.inference_context
-        context.publish_static_slices_every_step = self.region_samples_this_step()
-        return super()._dynamic_step_context_init(*args, **kwargs)
-
     def _dynamic_step_forward_logits(self, input_ids: Tensor, position_ids: Tensor):
-        """megatron-core's forward step, then, when the region samples this step, this step's
-        logits rows copied into the static buffer."""
+        """megatron-core's forward step, then, when the region samples this step, the context's
+        active slices published and this step's logits rows copied into the static buffer. A step
+        sampled by megatron-core's sampler publishes nothing: it reads none of the slices."""
         logits = super()._dynamic_step_forward_logits(input_ids, position_ids)
         if not self.region_samples_this_step():
             return logits
         rows = self._region_rows()
         context = self.inference_wrapped_model.inference_context
+        context.publish_active_slices()
         context.extend_active_padding(rows)
         # 0.19 leaves the logits in self._all_logits_cuda, which may be its own [1, max_rows, V]
         # buffer; only the leading rows belong to this step.

@@ -1043,6 +1043,54 @@ def test_in_place_rope_on_an_activation_saved_for_backward_fails_loudly():
         (saved_user.sum() + out.sum()).backward()
 
 
+class _ViewingLinear(torch.autograd.Function):
+    """Returns its output as a view made inside the Function, as Transformer Engine's linears do
+    (autograd then refuses to modify that view in place)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 1.0).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_query_made_as_a_view_inside_a_custom_function():
+    """With Transformer Engine's linears the query is such a view: mark_dirty on it raises
+    "a view created inside a custom Function". The drop-in rotates it in place as megatron-core
+    does, with the same output and gradient as on a plain activation, and a backward that saved
+    its storage still fails loudly."""
+    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=21)
+    weight = randn(t.shape, torch.float32, DEVICE, _gen(22))
+
+    def run(make_query):
+        leaf = t.clone().requires_grad_(True)
+        q = make_query(leaf)
+        with pinned_kernel_config(2, 1):
+            out = fused_apply_mla_rope_for_q(q, cos, sin, case.qk_head_dim, case.emb_dim)
+        (out * weight).sum().backward()
+        return q, out.detach(), leaf.grad
+
+    q, out, grad = run(_ViewingLinear.apply)
+    assert rope._autograd_refuses_in_place(q)
+    plain_q, plain_out, plain_grad = run(lambda leaf: leaf * 1.0)
+    assert not rope._autograd_refuses_in_place(plain_q)
+    assert q.data_ptr() == out.data_ptr(), "rotated in place"
+    assert_bitwise_equal(out, plain_out, "output")
+    assert_bitwise_equal(grad, plain_grad, "gradient")
+
+    leaf = t.clone().requires_grad_(True)
+    weight_leaf = torch.ones(t.shape[-1], requires_grad=True)
+    q = _ViewingLinear.apply(leaf)
+    saved_user = q * weight_leaf  # saves q
+    with pinned_kernel_config(2, 1):
+        out = fused_apply_mla_rope_for_q(q, cos, sin, case.qk_head_dim, case.emb_dim)
+    # autograd names either the saved tensor or the view whose base changed: both are loud.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|modified inplace"):
+        (saved_user.sum() + out.sum()).backward()
+
+
 def test_cos_sin_narrower_than_emb_dim_are_refused():
     """Megatron-LM issues #5317/#5799: rotary_percent < 1 gave cos/sin narrower than emb_dim,
     and the kernels read past each row (NaN from iteration 2). The drop-ins refuse it."""

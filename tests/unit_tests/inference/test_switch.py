@@ -63,6 +63,7 @@ def test_enable_redirects_megatron_core_constructors():
     assert ReexportedContext is DynamicInferenceContext
     # The objects work: a step initialises the static slices.
     context.initialize_attention_state()
+    context.publish_active_slices()
     assert context.device_active_slices.request_ids.numel() == context.max_requests
 
 

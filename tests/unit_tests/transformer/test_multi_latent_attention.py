@@ -533,6 +533,17 @@ def ext_kernel_calls(monkeypatch):
     return calls
 
 
+def assert_flag_bitwise(base, ext, hidden, params, ext_kernel_calls):
+    """megatron-core's module, then ours under the flag: megatron_ext's two kernels ran, and output
+    and gradients are bitwise megatron-core's."""
+    base_result = forward_backward(base, hidden, params)
+    assert ext_kernel_calls == []
+    with ext_rope_applied():
+        ext_result = forward_backward(ext, hidden, params)
+    assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
+    assert_bitwise(base_result, ext_result)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["sbhd", "thd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -543,12 +554,7 @@ def test_gpu_bitwise_equal_to_megatron_core(fmt, dtype, ext_kernel_calls, monkey
     pin_megatron_core_autotuners(monkeypatch, config.num_attention_heads)
     base, ext = build_pair(config, "cuda", dtype, sdpa_backends=["math"])
     hidden, params = make_inputs(config, fmt, "cuda", dtype, seq=64)
-    base_result = forward_backward(base, hidden, params)
-    assert ext_kernel_calls == []
-    with ext_rope_applied():
-        ext_result = forward_backward(ext, hidden, params)
-    assert ext_kernel_calls == ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
-    assert_bitwise(base_result, ext_result)
+    assert_flag_bitwise(base, ext, hidden, params, ext_kernel_calls)
 
 
 @pytest.mark.gpu
@@ -574,3 +580,51 @@ def test_gpu_recompute_uses_megatron_ext_kernels_in_backward(ext_kernel_calls, m
     assert len(ext_kernel_calls) == 4
     grads = {n: p.grad.detach().clone() for n, p in ext.named_parameters()}
     assert_bitwise(base_result, (out.detach(), hidden_ext.grad.detach(), grads))
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer Engine: megatron-core's TE layer spec, TE's core attention and linears
+
+
+def te_attention_pair(config):
+    """megatron-core's MLA and the flag's from megatron-core's own TE spec builder, same weights.
+
+    The flag-on spec comes from the real builder while the flag's patches are applied, so the test
+    also shows that the builder picks ``ExtMLASelfAttention`` under the flag.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
+
+    def attention_spec():
+        spec = mcore_specs.get_gpt_layer_with_transformer_engine_spec(
+            multi_latent_attention=True, qk_layernorm=True
+        )
+        return spec.submodules.self_attention
+
+    stock = attention_spec()
+    with ext_rope_applied():
+        flagged = attention_spec()
+    assert stock.module is mcore_mla.MLASelfAttention
+    assert flagged.module is ExtMLASelfAttention
+    assert flagged.submodules.core_attention is stock.submodules.core_attention
+    torch.manual_seed(0)
+    kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal)
+    base = stock.module(config, stock.submodules, **kwargs)
+    ext = flagged.module(config, flagged.submodules, **kwargs)
+    ext.load_state_dict(base.state_dict())
+    return base, ext
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+def test_gpu_transformer_engine_spec_bitwise_equal_to_megatron_core(
+    fmt, ext_kernel_calls, monkeypatch
+):
+    pytest.importorskip("transformer_engine.pytorch", reason="Transformer Engine is not installed")
+    # TE's fused attention backward may accumulate with atomics unless told not to; the two sides
+    # may then differ by its order, not by the RoPE.
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    config = make_config("cuda", bf16=True, params_dtype=torch.bfloat16, deterministic_mode=True)
+    pin_megatron_core_autotuners(monkeypatch, config.num_attention_heads)
+    base, ext = te_attention_pair(config)
+    hidden, params = make_inputs(config, fmt, "cuda", torch.bfloat16, seq=64)
+    assert_flag_bitwise(base, ext, hidden, params, ext_kernel_calls)

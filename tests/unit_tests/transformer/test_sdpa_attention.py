@@ -562,8 +562,9 @@ class TestGPU:
         te_attn = TEDotProductAttention(**kwargs).cuda()
         ours = SDPADotProductAttention(**kwargs).cuda()
         q, k, v = sbhd_inputs(128, 128, dtype=torch.bfloat16, device="cuda")
+        causal = dict(attn_mask_type=AttnMaskType.causal)  # required by TE's forward on 0.16
         torch.testing.assert_close(
-            ours(q, k, v, None), te_attn(q, k, v, None), atol=2e-2, rtol=2e-2
+            ours(q, k, v, None, **causal), te_attn(q, k, v, None, **causal), atol=2e-2, rtol=2e-2
         )
         lengths, padded = [40, 24, 64], [48, 32, 64]
         q, k, v, params = thd_case(lengths, padded, dtype=torch.bfloat16, device="cuda")

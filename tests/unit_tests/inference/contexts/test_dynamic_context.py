@@ -99,6 +99,7 @@ def check_active_slices(ctx: StaticSlicesInferenceContext) -> Dict[str, int]:
     active = total - paused
     padded = min(ctx.padded_active_request_count, ctx.max_requests)
     assert padded >= active
+    ctx.publish_active_slices()
     device = ctx.device_active_slices
 
     for name, (attr, source) in _REQUEST_FIELDS.items():
@@ -682,30 +683,34 @@ def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, r
 
 
 @pytest.mark.skipif(
-    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's deferred publication only"
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's host-side slices only"
 )
 @pytest.mark.parametrize("seed", [13, 14])
-def test_deferred_publication_adds_no_step_work_and_reads_the_same(seed):
-    """With publish_static_slices_every_step False, initialize_attention_state does upstream's
-    work only (the extension's host slices and device buffer stay untouched), megatron-core's
-    state stays bitwise stock's, and reading device_active_slices then gives the slices that
-    publishing every step gives."""
+def test_unpublished_step_does_only_upstreams_work_and_publishing_gives_the_slices(seed):
+    """0.19: initialize_attention_state does upstream's work only (the extension's host slices
+    and device buffer stay untouched, reading device_active_slices raises), megatron-core's
+    state stays bitwise stock's, and publish_active_slices then gives the slices of stock's
+    active rows."""
     _, _, stock_snaps = _run_stock(seed, 200, {}, {})
 
     ext = make_context()
-    ext.publish_static_slices_every_step = False
     check_against_stock = _check_slices_against(stock_snaps)
     untouched = {"steps": 0}
 
     def check(ctx) -> Dict[str, int]:
         device = ctx._ext_device.buffer
         # Upstream's own metadata slices share the host buffer and are written by upstream;
-        # the extension's request slices and the device copy must be as the last read left them.
+        # the extension's request slices and the device copy must be as the last publish left
+        # them.
         for name, attr, _ in REQUEST_SLICE_FIELDS:
             assert torch.equal(getattr(ctx, attr), last[name]), name
         assert torch.equal(device, last["device"])
+        with pytest.raises(RuntimeError, match="built but not published"):
+            _ = ctx.device_active_slices
+        with pytest.raises(RuntimeError, match="built but not published"):
+            ctx.extend_active_padding(ctx.max_requests)
         untouched["steps"] += 1
-        counts = check_against_stock(ctx)  # reads device_active_slices: publishes
+        counts = check_against_stock(ctx)  # publishes, then compares
         for name, attr, _ in REQUEST_SLICE_FIELDS:
             last[name] = getattr(ctx, attr).clone()
         last["device"] = device.clone()
@@ -725,6 +730,33 @@ def test_deferred_publication_adds_no_step_work_and_reads_the_same(seed):
         driver.step()
     assert ext_snaps == stock_snaps
     assert untouched["steps"] > 100
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's host-side slices only"
+)
+def test_publish_after_update_requests_is_refused():
+    """0.19: once update_requests has changed the request tensors, the step built before it
+    cannot be published (its rows are gone); the next step's build and publish work again."""
+    ctx = make_context()
+    rng = random.Random(5)
+    device = ctx.request_ids.device
+    for i in range(3):
+        ctx.add_request(make_request(i, 5 + i, rng, num_tokens_to_generate=30))
+    ctx.initialize_attention_state()
+    ctx.publish_active_slices()
+    ctx.publish_active_slices()  # a second call in the same step does nothing
+    ctx.update_requests(
+        torch.ones(3, dtype=torch.uint8, device=device), torch.arange(3, device=device)
+    )
+    ctx.initialize_attention_state()
+    ctx.update_requests(
+        torch.ones(3, dtype=torch.uint8, device=device), torch.arange(3, device=device)
+    )
+    with pytest.raises(RuntimeError, match="update_requests"):
+        ctx.publish_active_slices()
+    ctx.initialize_attention_state()
+    assert check_active_slices(ctx)["active"] == 3
 
 
 @pytest.mark.skipif(

@@ -108,6 +108,7 @@ def prepare_region(stack, logits: torch.Tensor) -> int:
     """Initialise the step and place ``logits`` (one row per active request) in the buffer."""
     context, controller = stack.context, stack.controller
     context.initialize_attention_state()
+    context.publish_active_slices()
     rows = controller._region_rows()
     controller.logits_buffer[: logits.shape[0]].copy_(logits)
     return rows
@@ -205,8 +206,10 @@ def test_eager_steps_are_megatron_cores_own_sampler(monkeypatch):
     monkeypatch.setattr(controller, "stage_logits", refuse)
     ours, _ = run_engine(build_engine(stack), requests)
     assert ours == stock
-    # The context's additions to upstream's slices were deferred (nobody read them).
-    assert not stack.context.publish_static_slices_every_step
+    # Nothing published the context's additions to upstream's slices (nobody read them): the
+    # last step's slices are still unpublished.
+    with pytest.raises(RuntimeError, match="built but not published"):
+        _ = stack.context.device_active_slices
     # The comparison covers sampled (not only greedy) rows.
     assert any(
         params.top_k != 1 and len(ours[i]["generated_tokens"]) > 1
@@ -452,6 +455,7 @@ def test_logits_with_fewer_rows_than_the_step_needs_are_refused(materialize):
     add_requests(stack, [dict(top_k=1)] * 5)
     context, controller = stack.context, stack.controller
     context.initialize_attention_state()
+    context.publish_active_slices()
     needed = 5 if materialize else context.active_token_count
     logits = torch.randn(1, needed - 1, VOCAB, device=_device())
     what = "active requests" if materialize else "active tokens"
