@@ -63,6 +63,52 @@ from megatron_ext.bench.stats import paired_ratio_interval
 
 VARIANTS = ("stock", "ext-eager", "ext-graphed")
 
+# The engine rows' GPT models (megatron-core's local layer spec, plain-torch paged attention).
+# "small" is host-bound: the per-step bookkeeping is a large share of a decode step. "1b" (about
+# 1.0e9 parameters, 20 layers) is the case where the forward pass dominates.
+ENGINE_MODELS: Dict[str, Dict[str, int]] = {
+    "small": dict(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=512,
+        vocab_size=2048,
+    ),
+    "1b": dict(
+        num_layers=20,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=32000,
+    ),
+}
+
+# Sampling parameters of the engine rows' requests: megatron-core's greedy rule, or top-k.
+ENGINE_SAMPLING: Dict[str, Dict[str, Any]] = {
+    "greedy": dict(top_k=1),
+    "top_k": dict(top_k=20, temperature=0.8),
+}
+
+
+def engine_model_parameters(name: str) -> int:
+    """Parameters of an engine-row model (untied embeddings, plain MLP, grouped-query attention).
+
+    Args:
+        name (str): a key of :data:`ENGINE_MODELS`.
+
+    Returns:
+        int: the parameter count, biases and norms included.
+    """
+    m = ENGINE_MODELS[name]
+    h, f, layers, vocab = m["hidden_size"], m["ffn_hidden_size"], m["num_layers"], m["vocab_size"]
+    kv = h // m["num_attention_heads"] * m["num_query_groups"]
+    attention = h * (h + 2 * kv) + (h + 2 * kv) + h * h + h
+    mlp = 2 * h * f + f + h
+    norms = 4 * h
+    return layers * (attention + mlp + norms) + 2 * vocab * h + 2 * h
+
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.bench inference")
@@ -112,6 +158,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         default=None,
         help="concurrent requests of the engine rows (default: 256 1024 on a GPU; none on CPU; "
         "give no value to skip them)",
+    )
+    parser.add_argument(
+        "--engine-models",
+        nargs="+",
+        default=None,
+        choices=sorted(ENGINE_MODELS),
+        help="models of the engine rows (default: small 1b; small with --quick)",
     )
     parser.add_argument(
         "--static-mla-batches",
@@ -391,9 +444,12 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Decode tokens per second of megatron-core's engine around the small GPT, extension off
-    and on, ``requests`` concurrent greedy requests, measured interleaved.
+def _engine_rows(
+    requests: int, model_name: str, sampling: str, args: argparse.Namespace
+) -> List[Dict[str, Any]]:
+    """Decode tokens per second of megatron-core's engine around a GPT of
+    :data:`ENGINE_MODELS`, extension off and on, ``requests`` concurrent requests sampled as
+    :data:`ENGINE_SAMPLING` says, measured interleaved.
 
     Both engines are built first (the same weights: one seed); then each round runs one batch of
     ``requests`` requests to completion on each engine in turn (the order alternates), after one
@@ -414,12 +470,7 @@ def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]
     prompt, generate, block = 8, 24 if args.quick else 48, 16
     blocks_per_request = (prompt + generate + block) // block + 1
     sizes = SimpleNamespace(
-        num_layers=2,
-        hidden_size=128,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=512,
-        vocab_size=2048,
+        **ENGINE_MODELS[model_name],
         max_sequence_length=512,
         seed=1234,
         device="cuda",
@@ -447,7 +498,9 @@ def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]
         gen = torch.Generator().manual_seed(0)
         for _ in range(requests):
             tokens = torch.randint(0, sizes.vocab_size - 1, (prompt,), generator=gen).tolist()
-            params = SamplingParams(num_tokens_to_generate=generate, termination_id=-1, top_k=1)
+            params = SamplingParams(
+                num_tokens_to_generate=generate, termination_id=-1, **ENGINE_SAMPLING[sampling]
+            )
             engine.add_request(next_id[0], tokens, params)
             next_id[0] += 1
         decode: List[Tuple[float, int]] = []
@@ -479,6 +532,9 @@ def _engine_rows(requests: int, args: argparse.Namespace) -> List[Dict[str, Any]
         rows.append(
             {
                 "mode": mode,
+                "model": model_name,
+                "parameters": engine_model_parameters(model_name),
+                "sampling": sampling,
                 "requests": requests,
                 "rounds": args.engine_repeats,
                 "decode_steps_per_round": statistics.median(n for _, _, n in runs[mode]),
@@ -575,10 +631,17 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _engine_ratio(rows: List[Dict[str, Any]], requests: int) -> Optional[Dict[str, float]]:
-    """Decode tokens/s on over off: the geometric mean of the paired per-round ratios, with its
-    95% bootstrap interval (:func:`megatron_ext.bench.stats.paired_ratio_interval`)."""
-    pair = {r["mode"]: r for r in rows if r["requests"] == requests}
+def _engine_key(row: Dict[str, Any]) -> Tuple[str, str, int]:
+    return row.get("model", "small"), row.get("sampling", "greedy"), row["requests"]
+
+
+def _engine_ratio(
+    rows: List[Dict[str, Any]], key: Tuple[str, str, int]
+) -> Optional[Dict[str, float]]:
+    """Decode tokens/s on over off in one (model, sampling, requests) configuration: the geometric
+    mean of the paired per-round ratios, with its 95% bootstrap interval
+    (:func:`megatron_ext.bench.stats.paired_ratio_interval`)."""
+    pair = {r["mode"]: r for r in rows if _engine_key(r) == key}
     if "off" not in pair or "on" not in pair:
         return None
     off, on = pair["off"]["decode_tokens_per_s_rounds"], pair["on"]["decode_tokens_per_s_rounds"]
@@ -600,16 +663,18 @@ def _ratio_text(value: Dict[str, float]) -> str:
 
 def _engine_table(rows: List[Dict[str, Any]]) -> str:
     lines = [
-        "| concurrent requests | extension | median decode step ms | decode tokens/s "
-        "[round min-max] | speedup [95% interval; round min-max] |",
-        "| --- | --- | --- | --- | --- |",
+        "| model | sampling | concurrent requests | extension | median decode step ms | "
+        "decode tokens/s [round min-max] | speedup [95% interval; round min-max] |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        value = _engine_ratio(rows, r["requests"]) if r["mode"] == "on" else None
+        model, sampling, requests = _engine_key(r)
+        value = _engine_ratio(rows, _engine_key(r)) if r["mode"] == "on" else None
         spread = r["decode_tokens_per_s_spread"]
         speedup = "-" if value is None else _ratio_text(value)
         lines.append(
-            f"| {r['requests']} | {r['mode']} | {r['median_decode_step_ms']:.2f} | "
+            f"| {model} | {sampling} | {requests} | {r['mode']} | "
+            f"{r['median_decode_step_ms']:.2f} | "
             f"{r['decode_tokens_per_s']:.0f} [{spread['min']:.0f}-{spread['max']:.0f}] | "
             f"{speedup} |"
         )
@@ -638,6 +703,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.warmup = (5 if args.quick else 20) if cuda else 1
     if args.sampling is None:
         args.sampling = ["greedy"] if args.quick or not cuda else ["greedy", "top_k"]
+    if args.engine_models is None:
+        args.engine_models = ["small"] if args.quick else ["small", "1b"]
     if args.max_requests is None:
         args.max_requests = [256, 1024] if cuda else [32]
     if args.vocab_size is None:
@@ -677,8 +744,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for max_requests in args.max_requests:
             for sampling in args.sampling:
                 report["rows"] += _run_config(max_requests, sampling, args, cuda, variants)
-        for requests in args.engine_requests:
-            report["engine_rows"] += _engine_rows(requests, args)
+        for model_name in args.engine_models:
+            for sampling in args.sampling:
+                for requests in args.engine_requests:
+                    report["engine_rows"] += _engine_rows(requests, model_name, sampling, args)
     if args.static_mla_batches:
         report["static_mla_rows"] = run_static_mla(
             args.static_mla_batches, prompt=256, new_tokens=32, rounds=2 if args.quick else 5
@@ -725,14 +794,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     )
         engine = report["engine_rows"]
         ratios = {
-            requests: _engine_ratio(engine, requests)
-            for requests in sorted({r["requests"] for r in engine})
+            key: _engine_ratio(engine, key) for key in sorted({_engine_key(r) for r in engine})
         }
         ratios = {k: v for k, v in ratios.items() if v is not None}
         if ratios:
-            worst_engine = min(ratios, key=lambda k: ratios[k]["speedup"])
-            report["worst_engine_row"] = {"requests": worst_engine, **ratios[worst_engine]}
-        for requests, value in ratios.items():
+            # The worst row by the interval's lower end: what the data cannot rule out.
+            worst_engine = min(ratios, key=lambda k: ratios[k].get("low", ratios[k]["speedup"]))
+            model, sampling, requests = worst_engine
+            report["worst_engine_row"] = {
+                "model": model,
+                "sampling": sampling,
+                "requests": requests,
+                **ratios[worst_engine],
+            }
+        for key, value in ratios.items():
+            model, sampling, requests = key
             settled = (
                 "one round: no interval"
                 if "half_width" not in value
@@ -740,9 +816,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 + ("(settled: <= 3%)" if value["half_width"] <= 0.03 else "(> 3%: more rounds)")
             )
             summary.append(
-                f"engine, {requests} concurrent requests: decode {_ratio_text(value)} tokens/s "
-                f"with the extension ({_verdict(value)}; {settled}; target >= 1.2x, floor 1.0x)"
-                + (" <- worst engine row" if requests == worst_engine else "")
+                f"engine, {model} model, {sampling}, {requests} concurrent requests: decode "
+                f"{_ratio_text(value)} tokens/s with the extension ({_verdict(value)}; {settled})"
+                + (" <- worst engine row" if key == worst_engine else "")
             )
     static_rows = report.get("static_mla_rows") or []
     if static_rows:
@@ -781,10 +857,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(_table(report["rows"], cuda))
     if report["engine_rows"]:
         print(
-            "=== table: decode throughput through megatron-core's DynamicInferenceEngine, small "
-            "GPT (2 layers, hidden 128, vocab 2048, bf16), greedy, attention "
-            "TorchPagedSelfAttention (plain torch, paged KV); off/on interleaved, "
-            f"{args.engine_repeats} rounds after one discarded warm-up batch per engine"
+            "=== table: decode throughput through megatron-core's DynamicInferenceEngine, GPT "
+            "models "
+            + "; ".join(
+                f"{name}: {m['num_layers']} layers, hidden {m['hidden_size']}, vocab "
+                f"{m['vocab_size']}, {engine_model_parameters(name) / 1e9:.2f}e9 parameters"
+                for name, m in ENGINE_MODELS.items()
+                if name in args.engine_models
+            )
+            + "; bf16, attention TorchPagedSelfAttention (plain torch, paged KV); sampling "
+            + "; ".join(f"{k} {v}" for k, v in ENGINE_SAMPLING.items() if k in args.sampling)
+            + f"; off/on interleaved, {args.engine_repeats} rounds after one discarded warm-up "
+            "batch per engine; speedup: geometric mean of the paired per-round ratios, 95% "
+            "bootstrap interval (its half-width against the 3% target)"
         )
         print(_engine_table(report["engine_rows"]))
     if report.get("static_mla_rows"):

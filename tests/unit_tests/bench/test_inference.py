@@ -2,29 +2,78 @@
 
 """The inference benchmark's engine verdicts: paired rounds, an interval, and what it decides."""
 
+from types import SimpleNamespace
+
+import pytest
+import torch
+
 from megatron_ext.bench import inference
+from megatron_ext.testing.small_gpt import build_small_gpt
+from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
 
 
-def _rows(off, on, requests=256):
+def _rows(off, on, requests=256, model="small", sampling="greedy"):
+    common = {"requests": requests, "model": model, "sampling": sampling}
     return [
-        {"mode": "off", "requests": requests, "decode_tokens_per_s_rounds": off},
-        {"mode": "on", "requests": requests, "decode_tokens_per_s_rounds": on},
+        {"mode": "off", **common, "decode_tokens_per_s_rounds": off},
+        {"mode": "on", **common, "decode_tokens_per_s_rounds": on},
     ]
 
 
+SMALL_256 = ("small", "greedy", 256)
+
+
 def test_engine_ratio_is_decided_by_its_interval():
-    faster = inference._engine_ratio(_rows([100, 80, 120, 90], [110, 88, 132, 99]), 256)
+    faster = inference._engine_ratio(_rows([100, 80, 120, 90], [110, 88, 132, 99]), SMALL_256)
     assert abs(faster["speedup"] - 1.1) < 1e-9 and faster["low"] > 1.0
     assert inference._verdict(faster) == "faster: the interval is above 1.00"
     assert "+-0.0%" in inference._ratio_text(faster)
-    mixed = inference._engine_ratio(_rows([100, 100, 100, 100], [90, 110, 95, 108]), 256)
+    mixed = inference._engine_ratio(_rows([100, 100, 100, 100], [90, 110, 95, 108]), SMALL_256)
     assert inference._verdict(mixed) == "the interval contains 1.00"
     assert mixed["half_width"] > 0.03
-    assert inference._engine_ratio(_rows([100, 100], [90, 110]), 1024) is None
+    assert inference._engine_ratio(_rows([100, 100], [90, 110]), ("small", "greedy", 1024)) is None
 
 
 def test_a_single_round_has_no_interval():
-    one = inference._engine_ratio(_rows([100.0], [120.0]), 256)
+    one = inference._engine_ratio(_rows([100.0], [120.0]), SMALL_256)
     assert one == {"speedup": 1.2, "round_min": 1.2, "round_max": 1.2}
     assert inference._ratio_text(one) == "1.20x [one round]"
     assert inference._verdict(one) == "faster in every round"
+
+
+def test_engine_ratio_pairs_only_rows_of_one_configuration():
+    """Rows of another model or sampling mode at the same request count are not paired."""
+    rows = _rows([100, 100, 100], [120, 120, 120]) + _rows(
+        [100, 100, 100], [80, 80, 80], model="1b", sampling="top_k"
+    )
+    assert abs(inference._engine_ratio(rows, SMALL_256)["speedup"] - 1.2) < 1e-9
+    assert abs(inference._engine_ratio(rows, ("1b", "top_k", 256))["speedup"] - 0.8) < 1e-9
+    assert inference._engine_ratio(rows, ("1b", "greedy", 256)) is None
+    table = inference._engine_table(
+        [
+            dict(
+                r,
+                median_decode_step_ms=1.0,
+                decode_tokens_per_s=100.0,
+                decode_tokens_per_s_spread={"min": 100.0, "max": 100.0},
+            )
+            for r in rows
+        ]
+    )
+    assert "| 1b | top_k | 256 | on |" in table and "0.800x" in table
+
+
+def test_engine_model_parameter_counts():
+    """The count the table prints is the model's own (the small model built on CPU); the large
+    model is the about-1e9-parameter case."""
+    if torch.cuda.is_available():
+        pytest.skip("builds the model on CPU")
+    sizes = SimpleNamespace(
+        **inference.ENGINE_MODELS["small"], max_sequence_length=512, seed=1, device="cpu"
+    )
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        model, _ = build_small_gpt(sizes, torch.float32)
+    built = sum(p.numel() for p in model.parameters())
+    assert inference.engine_model_parameters("small") == built
+    assert 0.9e9 < inference.engine_model_parameters("1b") < 1.2e9

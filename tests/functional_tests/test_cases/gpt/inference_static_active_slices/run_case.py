@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -163,16 +162,6 @@ def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, req
         raise RuntimeError(
             f"mode {mode!r} built {type(context).__name__} and " f"{type(controller).__name__}"
         )
-    step_times: List[float] = []
-    original_step = engine.step_modern
-
-    def timed_step(*a, **k):
-        start = time.perf_counter()
-        result = original_step(*a, **k)
-        step_times.append((time.perf_counter() - start) * 1e3)
-        return result
-
-    engine.step_modern = timed_step
     start = time.perf_counter()
     with allow_dynamic_inference_without_flash_attn():
         outputs, stats = run_engine(engine, requests)
@@ -191,7 +180,6 @@ def run_mode(mode: str, model, args: argparse.Namespace, dtype: torch.dtype, req
         max_paused=stats["max_paused"],
         evicted=stats["evicted"],
         seconds=elapsed,
-        median_step_time_ms=statistics.median(step_times) if step_times else 0.0,
         context_class=type(context).__name__,
         controller_class=type(controller).__name__,
     )
@@ -257,8 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"[{run['mode']}] {run['context_class']}/{run['controller_class']}: "
             f"{run['finished_requests']} requests, {len(run['generated tokens'])} tokens, "
             f"{run['engine_steps']} steps, max paused {run['max_paused']}, evicted "
-            f"{run['evicted']}, {run['seconds']:.1f} s, median step "
-            f"{run['median_step_time_ms']:.2f} ms"
+            f"{run['evicted']}, {run['seconds']:.1f} s"
             + (
                 f", {run['sampling_cuda_graphs']} sampling graphs"
                 if "sampling_cuda_graphs" in run
