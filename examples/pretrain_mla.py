@@ -82,6 +82,7 @@ from megatron_ext.arguments import (
     undo_megatron_ext,
 )
 from megatron_ext.models.gpt.gpt_layer_specs import to_megatron_ext_spec
+from megatron_ext.testing.local_block_spec import local_block_spec
 from megatron_ext.testing.network import free_port
 
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -504,7 +505,8 @@ def build_layer_spec(args: argparse.Namespace, mode: str, config: MLATransformer
     With the flag on, ``apply_megatron_ext`` makes megatron-core's own spec function build
     megatron_ext's MLA class (and refuses configurations the flag cannot act on); with it off,
     ``undo_megatron_ext`` restores megatron-core's. Without Transformer Engine the spec's local
-    core attention is swapped for the SDPA one, in both modes.
+    core attention is swapped for the SDPA one, in both modes, and the block gets torch's final
+    norm.
 
     Args:
         args: parsed arguments.
@@ -512,7 +514,7 @@ def build_layer_spec(args: argparse.Namespace, mode: str, config: MLATransformer
         config: the transformer config (checked by ``apply_megatron_ext``).
 
     Returns:
-        ModuleSpec: the layer spec.
+        ModuleSpec or TransformerBlockSubmodules: the TE layer spec, or the local block spec.
     """
     if mode == "on":
         apply_megatron_ext(args, mla_rope_contiguous_load=True, config=config)
@@ -525,12 +527,15 @@ def build_layer_spec(args: argparse.Namespace, mode: str, config: MLATransformer
     spec = mcore_specs.get_gpt_layer_local_spec(
         multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"
     )
-    return to_megatron_ext_spec(
+    spec = to_megatron_ext_spec(
         spec,
         mla_rope_contiguous_load=False,  # the flag (above) already decided the MLA class
         sdpa_core_attention=True,
         sdpa_backends=sdpa_backends(args),
     )
+    # Given a layer spec, megatron-core picks TE's final norm wherever TE imports; local means
+    # torch's, so that a local run is the same model with or without TE installed.
+    return local_block_spec(spec, args.num_layers)
 
 
 def build_model(args: argparse.Namespace, mode: str):

@@ -136,3 +136,24 @@ def test_compare_modes(example):
     problems = example.compare_modes(differ)
     assert any("initial parameters differ" in p for p in problems)
     assert any("lm loss differs first at step 2" in p for p in problems)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_local_block_is_megatron_cores_own_where_te_is_absent(example, mode, mcore_parallel_state):
+    """The local run's block spec: what megatron-core's block builds from the layer spec in an
+    environment without Transformer Engine or Apex (the one the golden values come from), and
+    torch's final norm wherever TE is installed."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    args = example.parse_args(["--transformer-impl", "local", "--num-layers", "3"])
+    config = example.build_config(args)
+    try:
+        block = example.build_layer_spec(args, mode, config)
+    finally:
+        example.undo_megatron_ext()
+    assert block.layer_norm is WrappedTorchNorm
+    assert len(block.layer_specs) == 3 and all(s is block.layer_specs[0] for s in block.layer_specs)
+    if transformer_block.LayerNormImpl is WrappedTorchNorm:  # neither TE nor Apex here
+        stock = transformer_block._get_block_submodules(config, block.layer_specs[0])
+        assert stock == block
