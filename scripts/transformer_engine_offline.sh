@@ -86,17 +86,9 @@ prepare() {
   local src="$out/src" t1
   t1=$(now)
   rm -rf "$src" && mkdir -p "$src"
+  # Without build isolation the sdist's metadata step finds the build environment's torch.
   "$venv/bin/python" -m pip download -q --no-deps --no-binary=:all: --no-build-isolation \
-    -d "$src" "transformer_engine_torch==$te_version" 2>/dev/null || true
-  if ! ls "$src"/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
-    # pip download of an sdist runs its metadata step, which this package's setup.py fails outside
-    # a build; fetch the archive from the index's page instead.
-    local url
-    url=$(curl -fsSL "https://pypi.org/simple/transformer-engine-torch/" \
-      | grep -o "https://[^\"#]*transformer_engine_torch-$te_version\.tar\.gz" | head -n 1)
-    [ -n "$url" ] || die "prepare: no source distribution of transformer_engine_torch $te_version"
-    curl -fsSL -o "$src/transformer_engine_torch-$te_version.tar.gz" "$url"
-  fi
+    -d "$src" "transformer_engine_torch==$te_version"
   tar -xzf "$src"/transformer_engine_torch-*.tar.gz -C "$src"
   (cd "$src/transformer_engine_torch-$te_version" \
     && NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 MAX_JOBS="$jobs" \

@@ -632,7 +632,7 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
 
 
 def _engine_key(row: Dict[str, Any]) -> Tuple[str, str, int]:
-    return row.get("model", "small"), row.get("sampling", "greedy"), row["requests"]
+    return row["model"], row["sampling"], row["requests"]
 
 
 def _engine_ratio(

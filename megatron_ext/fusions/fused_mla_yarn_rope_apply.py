@@ -149,12 +149,10 @@ def _calibrate_ownership(device: torch.device) -> None:
 def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
     """Whether autograd forbids modifying ``t`` in place: a view made inside a custom Function,
     by a multi-output op, or under no-grad or inference mode."""
-    if not t._is_view():
-        return False
-    creation_meta = getattr(torch._C._autograd, "_get_creation_meta", None)
-    if creation_meta is None:  # no way to tell: treat every view as refused (still correct)
-        return True
-    return creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
+    return (
+        t._is_view()
+        and torch._C._autograd._get_creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
+    )
 
 
 class _FusedMLARoPEQ(torch.autograd.Function):

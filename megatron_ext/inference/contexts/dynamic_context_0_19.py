@@ -40,9 +40,10 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
-        # (paused count, batch size, active count, padded count) of the step built last, until
-        # it is published; None once update_requests has changed the rows it would copy.
-        self._built_step: Optional[Tuple[int, int, int, int]] = None
+        # (build_active_slices' batch size, whether pad_active_slices ran) of the step built last,
+        # until it is published; None once update_requests has changed the rows it would copy.
+        # The paused, active and padded counts it needs do not change before update_requests.
+        self._built_step: Optional[Tuple[int, bool]] = None
         super().__init__(*args, **kwargs)
 
     def initialize_all_tensors(self) -> None:
@@ -111,7 +112,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._require_static_slices("build_active_slices")
         self._check_build_batch_size(batch_size)
         super().build_active_slices(batch_size)
-        self._built_step = (self.paused_request_count, batch_size, 0, 0)
+        self._built_step = (batch_size, False)
         self._active_slices_published = False
 
     def pad_active_slices(self) -> None:
@@ -121,9 +122,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self._require_static_slices("pad_active_slices")
         super().pad_active_slices()
         if self._built_step is not None:
-            paused, batch_size, _, _ = self._built_step
-            padded = min(self.padded_active_request_count, self.max_requests)
-            self._built_step = (paused, batch_size, self._active_request_count(), padded)
+            self._built_step = (self._built_step[0], True)
 
     def _publish_active_slices(self) -> None:
         """The request ids and lengths into the host slices, every label's padding, then one
@@ -133,11 +132,14 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
                 "publish_active_slices: update_requests() ran after this step's "
                 "build_active_slices(), so its rows are gone; publish before update_requests()"
             )
-        paused, batch_size, active, padded = self._built_step
+        batch_size, padded_too = self._built_step
+        paused = self.paused_request_count
         src = slice(paused, paused + batch_size)
         for _, attr, source in REQUEST_SLICE_FIELDS:
             getattr(self, attr)[:batch_size] = getattr(self, source)[src]
-        if padded > active:
+        active = self._active_request_count()
+        padded = min(self.padded_active_request_count, self.max_requests)
+        if padded_too and padded > active:
             self._pad_rows(slice(active, padded))
         # In legacy scheduling the pinned source is rewritten only by the next step's
         # build_active_slices, after this step's sampled tokens were read back (a stream sync);
