@@ -45,6 +45,10 @@ def run_static_mla(
     """
     from megatron_ext import undo_megatron_ext
     from megatron_ext.testing.small_mla_gpt import build_small_mla_gpt, greedy_generate, prompts_for
+    from megatron_ext.testing.synthetic import ensure_model_parallel
+
+    # The engine rows set this up when they run first; --static-mla-batches alone must too.
+    ensure_model_parallel()
 
     # Built off, then on: the flag's patch stays applied, which the off model (fusion off, stock
     # MLA class) never reaches.

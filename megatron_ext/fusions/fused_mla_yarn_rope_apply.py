@@ -204,16 +204,17 @@ class _FusedMLARoPEQ(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """Rotate ``grad`` back: in place when :func:`_owns` says it is ours, else into a copy."""
+        """Rotate ``grad`` back: in place when :func:`_owns` says it is ours, else into a new
+        tensor."""
         _refuse_double_backward(grad)
         cos, sin, cu_seqlens_q, position_ids = ctx.saved_tensors
         qk_head_dim, emb_dim, cp_rank, cp_size, inverse, keep = ctx.args
         python_refs = sys.getrefcount(grad)  # first, as in _ExclusiveRefsProbe.backward
-        if not _owns(grad, python_refs):
-            grad = grad.clone(memory_format=torch.contiguous_format)
+        # Not ours: rotated into a new tensor by one kernel that only reads grad.
+        rotate = mla_rope_q_bwd_ if _owns(grad, python_refs) else mla_rope_q_bwd
         token = PINNED.set(ctx.config)
         try:
-            mla_rope_q_bwd_(
+            grad = rotate(
                 grad,
                 cos,
                 sin,
@@ -256,7 +257,7 @@ def fused_apply_mla_rope_for_q(
     as Transformer Engine's linear layers return) is rotated in place with autograd told only of
     the version change, as megatron-core does. The backward rotates the incoming gradient in place
     only when autograd hands it over exclusively; otherwise (a caller's ``backward(g)``, a second
-    branch) it writes a copy.
+    branch) one kernel reads it and writes the result into a new tensor.
 
     Not checked, since each needs a device-to-host sync: that ``cu_seqlens_q`` is non-decreasing,
     that cos/sin cover every position, and that with ``cp_size > 1`` every sequence length is a

@@ -1,10 +1,10 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Input checks and launch plans of the MLA RoPE kernels.
+"""Input checks of the MLA RoPE kernels.
 
-Everything here runs once per (shapes, strides, dtypes, devices, flags): the launch cache in
-:mod:`megatron_ext.fusions.mla_rope.launch` keeps what a plan computes, so these checks may format
-messages freely. Nothing here reads a device tensor's values (no host sync); what can only be
+Everything here runs once per (shapes, strides, dtypes, devices, flags): the launch plans built
+from what it returns (:mod:`megatron_ext.fusions.mla_rope.plans`) are cached, so these checks may
+format messages freely. Nothing here reads a device tensor's values (no host sync); what can only be
 checked that way is listed in :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.
 fused_apply_mla_rope_for_q`.
 """
@@ -254,8 +254,8 @@ def check_flags(rotary_interleaved, **flags) -> None:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A checked launch: rows x heads of one tensor, and the table and sequence arguments."""
+class Checked:
+    """Checked inputs: rows x heads of one tensor, and the table and sequence arguments."""
 
     layout: Layout
     cos_rows: int
@@ -266,9 +266,9 @@ class Plan:
     cp_size: int
 
 
-def _plan_common(
+def _check_common(
     name, x, lay, cos, sin, emb_dim, cu_seqlens, cu_name, cp_rank, cp_size, position_ids
-) -> Plan:
+) -> Checked:
     check_runnable(name, x)
     seq_num = 0
     if cu_seqlens is not None:
@@ -283,13 +283,26 @@ def _plan_common(
     # Only sbhd without position_ids knows the largest position on the host: seq_len - 1.
     min_rows = x.shape[0] if (cu_seqlens is None and position_ids is None) else 1
     cos_rows, stride_cos, stride_sin = check_tables(cos, sin, emb_dim, x.device, min_rows)
-    return Plan(lay, cos_rows, stride_cos, stride_sin, seq_num, cp_rank, cp_size)
+    return Checked(lay, cos_rows, stride_cos, stride_sin, seq_num, cp_rank, cp_size)
 
 
-def plan_q(
-    t, cos, sin, qk_head_dim, emb_dim, cu_seqlens, cp_rank, cp_size, position_ids, name="t"
-) -> Plan:
-    """Check a query kernel's inputs (``t`` is rotated in place)."""
+def check_q(
+    t,
+    cos,
+    sin,
+    qk_head_dim,
+    emb_dim,
+    cu_seqlens,
+    cp_rank,
+    cp_size,
+    position_ids,
+    name,
+    in_place=True,
+    **flags,
+) -> Checked:
+    """Check a query kernel's inputs and its bool ``flags`` (``t`` is rotated in place, or only
+    read when not ``in_place``: its elements may then share memory)."""
+    check_flags(False, **flags)
     check_tensor(name, t, SUPPORTED_DTYPES)
     check_int("qk_head_dim", qk_head_dim, 0)
     check_emb_dim(emb_dim)
@@ -299,16 +312,18 @@ def plan_q(
             f"{name}'s head dim is {lay.head_dim}, but qk_head_dim + emb_dim = "
             f"{qk_head_dim} + {emb_dim}"
         )
-    check_no_overlap(name, t)
-    return _plan_common(
+    if in_place:
+        check_no_overlap(name, t)
+    return _check_common(
         name, t, lay, cos, sin, emb_dim, cu_seqlens, "cu_seqlens_q", cp_rank, cp_size, position_ids
     )
 
 
-def plan_kv(
-    kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids
-) -> Plan:
-    """Check the key/value forward's inputs."""
+def check_kv(
+    kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids, keep
+) -> Checked:
+    """Check the key/value forward's inputs and its ``remove_interleaving`` flag (``keep``)."""
+    check_flags(False, remove_interleaving=keep)
     check_tensor("kv", kv, SUPPORTED_DTYPES)
     check_tensor("k_pos_emb", k_pos_emb, SUPPORTED_DTYPES)
     check_emb_dim(emb_dim)
@@ -325,7 +340,7 @@ def plan_kv(
         )
     if k_pos_emb.stride(-1) != 1:
         raise ValueError("k_pos_emb must have unit stride in its last dimension")
-    return _plan_common(
+    return _check_common(
         "kv",
         kv,
         lay,
@@ -340,10 +355,11 @@ def plan_kv(
     )
 
 
-def plan_kv_bwd(
-    dkey, dvalue, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids
-) -> Plan:
+def check_kv_bwd(
+    dkey, dvalue, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids, keep
+) -> Checked:
     """Check the key/value backward's inputs (row-major copies of dkey/dvalue are launched)."""
+    check_flags(False, remove_interleaving=keep)
     check_tensor("dkey", dkey, SUPPORTED_DTYPES)
     check_tensor("dvalue", dvalue, SUPPORTED_DTYPES)
     check_emb_dim(emb_dim)
@@ -357,7 +373,7 @@ def plan_kv_bwd(
     check_device("dvalue", dvalue, dkey.device)
     # Rows are addressed with one stride: the launch uses contiguous copies where needed.
     lay = layout("dkey", dkey.contiguous(), thd=cu_seqlens is not None)
-    return _plan_common(
+    return _check_common(
         "dkey",
         dkey,
         lay,

@@ -11,8 +11,9 @@ a CUDA graph: a variant first seen during capture runs with ``KernelConfig(16, 4
 
 The launch itself is cached: the drop-ins look up a :class:`CachedLaunch` by everything that
 decides a launch except the data pointers (shapes, strides, dtypes, devices, flags, pointer
-alignment, the pinned config). A miss checks the inputs, picks the config, and launches through
-Triton's JIT, keeping the compiled kernel it returns; a hit launches that compiled kernel through
+alignment, the pinned config). A miss checks the inputs into a launch plan
+(:mod:`megatron_ext.fusions.mla_rope.plans`), picks the config, and launches through Triton's JIT,
+keeping the compiled kernel it returns; a hit launches that compiled kernel through
 its C launcher (:mod:`megatron_ext.fusions.mla_rope.direct_launch`, which says when it falls back
 to the JIT path) with the pointers and the stored arguments.
 """
@@ -125,46 +126,47 @@ def benchmark_us(launch: Callable[[], None]) -> float:
     return triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def tuned_config(kernel, rows: int, head_num: int, args: tuple, meta: dict, in_place: bool):
+def tuned_config(plan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfig:
     """Time each config once per (variant, size) and keep the fastest.
 
     Unlike ``triton.autotune`` with ``restore_value``, which clones and restores the in-place
     tensor inside every timed call (for a one-token launch that copy costs as much as the kernel
     and made its choice noise), in-place kernels are timed on a scratch tensor with the same
     strides, and nothing but the kernel is timed.
+
+    Args:
+        plan: the :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
+        tensors: this call's pointer arguments.
     """
-    variant = tuple(
-        (str(a.dtype), a.stride()) if isinstance(a, torch.Tensor) else a is None for a in args
-    )
-    name = getattr(kernel, "__name__", repr(kernel))
-    key = (name, variant, tuple(sorted((k, str(v)) for k, v in meta.items())))
-    key += (head_num, min(triton.next_power_of_2(max(rows, 1)), MAX_TUNE_ROWS))
+    kernel, rows, head_num = plan.kernel, plan.rows, plan.head_num
+    variant = tuple(None if t is None else (str(t.dtype), t.stride()) for t in tensors)
+    constexprs = tuple(sorted((k, str(v)) for k, v in plan.constexprs().items()))
+    key = (kernel.__name__, variant, constexprs, head_num)
+    key += (min(triton.next_power_of_2(max(rows, 1)), MAX_TUNE_ROWS),)
     config = TUNED.get(key)
     if config is not None:
         return config
-    if args[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return CAPTURE_DEFAULT
-    if in_place:
-        x = args[0]
+    if plan.in_place:
+        x = tensors[0]
         scratch = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-        args = (scratch.copy_(x),) + tuple(args[1:])
+        tensors = (scratch.copy_(x),) + tuple(tensors[1:])
     # Blocks wider than the head count only add masked lanes.
     limit = triton.next_power_of_2(max(1, head_num))
     candidates = [c for c in AUTOTUNE_CONFIGS if c.block_h <= limit] or [AUTOTUNE_CONFIGS[0]]
     timings = {}
     for candidate in candidates:
-        grid = (rows, triton.cdiv(head_num, candidate.block_h))
+        grid = plan.grid(candidate.block_h)[:2]
 
         def launch(c=candidate, grid=grid):
-            kernel[grid](*args, **meta, BLOCK_H=c.block_h, num_warps=c.num_warps)
+            kernel[grid](*tensors, **plan.args, BLOCK_H=c.block_h, num_warps=c.num_warps)
 
         timings[candidate] = benchmark_us(launch)
     config = min(timings, key=timings.get)
     TUNED[key] = config
     return config
 
-
-# Integer arguments whose value would otherwise be specialised into extra compiled variants
 
 # --------------------------------------------------------------------------------------------------
 # The cached launch
@@ -179,44 +181,22 @@ class CachedLaunch:
     """One checked, configured launch of a kernel, replayed with new data pointers.
 
     Args:
-        kernel: the Triton JIT kernel.
-        rows: programs along grid axis 0 (tokens).
-        head_num: heads; grid axis 1 has ``cdiv(head_num, config.block_h)`` programs.
+        plan: the :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
         config: the launch config.
-        n_pointers: how many leading kernel parameters are tensors (passed per call).
-        scalars: the remaining positional arguments (ints), in the kernel's order.
-        meta: the constexpr arguments other than BLOCK_H.
         device: the tensors' device.
-        extra: whatever else the caller needs per call (output shapes, say).
     """
 
-    __slots__ = (
-        "kernel",
-        "grid",
-        "config",
-        "scalars",
-        "meta",
-        "device_index",
-        "direct",
-        "tail",
-        "extra",
-    )
+    __slots__ = ("plan", "kernel", "grid", "config", "device_index", "direct", "tail")
 
-    def __init__(self, kernel, rows, head_num, config, n_pointers, scalars, meta, device, extra):
-        self.kernel = kernel
-        self.grid = (rows, triton.cdiv(head_num, config.block_h), 1) if rows and head_num else None
+    def __init__(self, plan, config: KernelConfig, device: torch.device):
+        self.plan = plan
+        self.kernel = plan.kernel
+        self.grid = plan.grid(config.block_h)
         self.config = config
-        self.scalars = tuple(scalars)
-        self.meta = dict(meta)
         self.device_index = device.index if device.type == "cuda" else None
         self.direct = None
-        self.extra = extra
-        # Every argument after the pointers, constexprs included, in the kernel's signature order:
-        # what the C launcher parses (it ignores the constexprs' values).
-        values = dict(self.meta, BLOCK_H=config.block_h)
-        names = kernel.arg_names[n_pointers:]
-        positional = dict(zip(names, self.scalars))
-        self.tail = tuple(positional[n] if n in positional else values[n] for n in names)
+        # What the C launcher parses after the pointers (it ignores the constexprs' values).
+        self.tail = plan.tail(config.block_h)
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
         """Launch with these pointer arguments (tensors or None, in the kernel's order)."""
@@ -249,8 +229,7 @@ class CachedLaunch:
         with guard:
             compiled = self.kernel[self.grid[:2]](
                 *tensors,
-                *self.scalars,
-                **self.meta,
+                **self.plan.args,
                 BLOCK_H=self.config.block_h,
                 num_warps=self.config.num_warps,
             )
@@ -264,55 +243,29 @@ class CachedLaunch:
 
 
 def prepare(
-    key: tuple,
-    kernel,
-    rows: int,
-    head_num: int,
-    tensors: Sequence[Optional[torch.Tensor]],
-    scalars: Sequence,
-    meta: dict,
-    device: torch.device,
-    in_place: bool,
-    extra=None,
+    key: Optional[tuple], plan, tensors: Sequence[Optional[torch.Tensor]], device: torch.device
 ) -> CachedLaunch:
-    """Build the launch for ``key`` (a cache miss): pick the config, cache the result.
+    """Configure the launch of ``plan`` (a cache miss) and cache it under ``key``.
 
     Args:
         key: the cache key (everything that decides the launch except the data pointers), or
             None to not cache it.
-        kernel: the Triton JIT kernel.
-        rows: tokens (grid axis 0).
-        head_num: heads.
+        plan: the checked :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
         tensors: the pointer arguments of this call (tuning runs on them, or on a scratch copy of
             the first for an in-place kernel).
-        scalars: the other positional arguments.
-        meta: the constexprs other than BLOCK_H.
         device: the tensors' device.
-        in_place: whether the kernel writes its first argument.
-        extra: stored as ``CachedLaunch.extra``.
 
     Returns:
         CachedLaunch: call it with the pointer arguments to launch.
     """
     config = current_config()
     cacheable = True
-    if config is None and rows and head_num:
-        args = tuple(tensors) + tuple(scalars)
+    if config is None and plan.grid(1) is not None:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            config = tuned_config(kernel, rows, head_num, args, meta, in_place)
+            config = tuned_config(plan, tensors)
         # A config chosen during CUDA-graph capture is a stand-in: tune again after capture.
         cacheable = not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    launch = CachedLaunch(
-        kernel,
-        rows,
-        head_num,
-        config or CAPTURE_DEFAULT,
-        len(tensors),
-        scalars,
-        meta,
-        device,
-        extra,
-    )
+    launch = CachedLaunch(plan, config or CAPTURE_DEFAULT, device)
     if cacheable and key is not None:
         if len(LAUNCHES) >= MAX_LAUNCHES:
             LAUNCHES.clear()

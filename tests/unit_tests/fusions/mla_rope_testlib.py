@@ -548,11 +548,13 @@ def parallel_compile(threads: int = 8) -> Iterator[None]:
         yield
 
 
-def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, keep=False):
-    """Compile megatron_ext's query kernel for these inputs at one config, without launching."""
-    from megatron_ext.fusions.mla_rope import kernels, ops
+def plan_ours_q(kernel, case: Case, x, cos, sin, inverse=False, keep=False):
+    """megatron_ext's launch plan of a query kernel for these inputs, and its pointer arguments
+    (the copying kernel's output left out: the caller allocates it)."""
+    from megatron_ext.fusions.mla_rope import plans
 
-    _, _, tensors, scalars, meta = ops.q_launch_args(
+    plan = plans.plan_q(
+        kernel,
         x,
         cos,
         sin,
@@ -566,12 +568,20 @@ def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, 
         case.position_ids,
         "t",
     )
+    return plan, (cos, sin, case.cu_seqlens, plans.contiguous(case.position_ids))
+
+
+def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, keep=False):
+    """Compile megatron_ext's query kernel for these inputs at one config, without launching."""
+    from megatron_ext.fusions.mla_rope import kernels
+
     kernel = kernels.mla_rope_q_bwd_kernel if backward else kernels.mla_rope_q_fwd_kernel
+    plan, tables = plan_ours_q(kernel, case, x, cos, sin, inverse, keep)
     kernel.warmup(
-        *tensors,
-        *scalars,
+        x,
+        *tables,
         grid=(1,),
-        **meta,
+        **plan.args,
         BLOCK_H=config.block_h,
         num_warps=config.num_warps,
     )

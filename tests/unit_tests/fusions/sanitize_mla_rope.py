@@ -7,12 +7,13 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 \\
         python tests/unit_tests/fusions/sanitize_mla_rope.py --quick
 
-Covers the query forward and backward (sbhd, thd with CUDA-graph padding rows, thd with
-context parallelism, position ids; inverse and remove_interleaving) and the key/value forward and
-backward, in bf16 and fp32, with head counts that are not multiples of the head block (5 and 129)
-at pinned configs. PyTorch's caching allocator is disabled so that every tensor is its own
-allocation and an out-of-bounds access is one memcheck can see. Exits non-zero if any output
-differs from the exact model of the kernels' arithmetic (tests/unit_tests/fusions/mla_rope_testlib).
+Covers the query forward and backward, in place and into a new tensor (sbhd, thd with CUDA-graph
+padding rows, thd with context parallelism, position ids; inverse and remove_interleaving) and the
+key/value forward and backward, in bf16 and fp32, with head counts that are not multiples of the
+head block (5 and 129) at pinned configs. PyTorch's caching allocator is disabled so that every
+tensor is its own allocation and an out-of-bounds access is one memcheck can see. Exits non-zero if
+any output differs from the exact model of the kernels' arithmetic
+(tests/unit_tests/fusions/mla_rope_testlib).
 """
 
 import os
@@ -44,6 +45,14 @@ def _check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return ok
 
 
+# (name, function, whether it rotates its input in place): the query kernels.
+_QUERY_CALLS = (
+    ("fwd", rope.mla_rope_q_fwd_, True),
+    ("bwd", rope.mla_rope_q_bwd_, True),
+    ("bwd copying", rope.mla_rope_q_bwd, False),
+)
+
+
 def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfig) -> bool:
     g = torch.Generator().manual_seed(heads)
     case = make_case(layout, heads, "cuda", qk_head_dim=32, emb_dim=64, generator=g)
@@ -51,13 +60,11 @@ def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfi
     cos, sin = make_tables(case.table_rows, 64, dtype, "cuda", generator=g)
     ok = True
     for inverse, keep in ((False, False), (True, True)):
-        for backward in (False, True):
-            fn = rope.mla_rope_q_bwd_ if backward else rope.mla_rope_q_fwd_
-            ref = q_backward_reference if backward else q_forward_reference
-            x = t.clone()
+        for call, fn, in_place in _QUERY_CALLS:
+            ref = q_forward_reference if call == "fwd" else q_backward_reference
             with rope.pinned_kernel_config(config.block_h, config.num_warps):
-                fn(
-                    x,
+                out = fn(
+                    t.clone() if in_place else t,
                     cos,
                     sin,
                     case.qk_head_dim,
@@ -70,11 +77,8 @@ def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfi
                     position_ids=case.position_ids,
                 )
             expected = ref(case, t, cos, sin, inverse, keep, exact_model=True)
-            name = (
-                f"q {'bwd' if backward else 'fwd'} {layout} heads={heads} {dtype} {config} "
-                f"inverse={inverse} keep={keep}"
-            )
-            ok &= _check(name, x.view(case.rows, heads, -1), expected)
+            name = f"q {call} {layout} heads={heads} {dtype} {config} inverse={inverse} keep={keep}"
+            ok &= _check(name, out.view(case.rows, heads, -1), expected)
     return ok
 
 

@@ -24,6 +24,7 @@ from mla_rope_testlib import (
     megatron_core_reference_block_hs,
     megatron_core_reference_skip_reason,
     parallel_compile,
+    plan_ours_q,
     q_backward_reference,
     q_forward_reference,
     randn,
@@ -45,7 +46,7 @@ from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     mla_rope_q_fwd_,
     pinned_kernel_config,
 )
-from megatron_ext.fusions.mla_rope import kernels, ops
+from megatron_ext.fusions.mla_rope import kernels, launch, ops
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
@@ -150,6 +151,58 @@ def test_q_backward(mode):
     assert_bitwise_equal(flat, model, "backward vs exact FMA model")
 
 
+def _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse=False, keep=False):
+    """Launch the copying query backward at ``config`` into an output inside a guarded buffer."""
+    kernel = kernels.mla_rope_q_bwd_copy_kernel
+    plan, tables = plan_ours_q(kernel, case, g, cos, sin, inverse, keep)
+    out, buf = guarded(torch.zeros(plan.outputs[0], dtype=g.dtype, device=g.device), slack, slack)
+    launch.CachedLaunch(plan, config, g.device)(g, out, *tables)
+    return out, buf
+
+
+@pytest.mark.parametrize("mode", Q_MODES[::4], ids=_mode_id)
+def test_q_backward_into_a_new_tensor(mode):
+    """One kernel writes a new tensor with the in-place backward's bits, at every config, inside
+    its output only; the gradient is only read."""
+    layout, (q_dtype, table_dtype), inverse, keep = mode
+    case, g, cos, sin = _q_inputs(layout, 5, q_dtype, table_dtype, seed=50)
+    flags = dict(inverse=inverse, remove_interleaving=keep)
+    expected = g.clone()
+    with pinned_kernel_config(1, 1):
+        _q_call(mla_rope_q_bwd_, case, expected, cos, sin, **flags)
+    before = g.clone()
+    slack = 3 * g.shape[-1]
+    for config in (KernelConfig(2, 1), KernelConfig(8, 2)):
+        out, buf = _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse, keep)
+        assert guard_intact(buf, slack, g.numel()), f"{config}: wrote outside the output"
+        assert_bitwise_equal(out, expected, f"copying backward at {config}")
+    with pinned_kernel_config(4, 1):
+        public = _q_call(rope.mla_rope_q_bwd, case, g, cos, sin, **flags)
+    assert public.is_contiguous() and public.data_ptr() != g.data_ptr()
+    assert_bitwise_equal(public, expected, "mla_rope_q_bwd")
+    assert_bitwise_equal(g, before, "the gradient was only read")
+
+
+def test_q_backward_into_a_new_tensor_reads_any_layout():
+    """Strided views, expanded gradients (elements shared: fine to read) and a non-unit last
+    stride give what the in-place backward gives on a contiguous copy."""
+    case, g, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=51)
+    big = torch.zeros(g.shape[0], g.shape[1] + 1, *g.shape[2:], dtype=g.dtype, device=DEVICE)
+    strided = big[:, 1:]
+    strided.copy_(g)
+    spread = torch.zeros(*g.shape[:-1], 2 * g.shape[-1], dtype=g.dtype, device=DEVICE)
+    last_stride_2 = spread[..., ::2]
+    last_stride_2.copy_(g)
+    expanded = g[:, :1].expand(g.shape)
+    for name, grad in (("strided", strided), ("stride 2", last_stride_2), ("expanded", expanded)):
+        expected = grad.contiguous()
+        with pinned_kernel_config(2, 1):
+            mla_rope_q_bwd_(expected, cos, sin, 8, 16)
+            out = rope.mla_rope_q_bwd(grad, cos, sin, 8, 16)
+        assert_bitwise_equal(out, expected, name)
+    assert_bitwise_equal(strided, g, "strided view only read")
+
+
 @pytest.mark.parametrize(
     "layout,inverse,keep",
     [("sbhd", False, False), ("thd_cp2", True, True), ("thd_pos", False, True)],
@@ -206,9 +259,10 @@ def _bwd_launch_addresses(monkeypatch):
     run_q = ops.run_q
 
     def spy(kernel, t, *args, **kwargs):
-        if kernel is kernels.mla_rope_q_bwd_kernel:
-            addresses.append(t.data_ptr())
-        return run_q(kernel, t, *args, **kwargs)
+        written = run_q(kernel, t, *args, **kwargs)
+        if kernel in (kernels.mla_rope_q_bwd_kernel, kernels.mla_rope_q_bwd_copy_kernel):
+            addresses.append(written.data_ptr())
+        return written
 
     monkeypatch.setattr(ops, "run_q", spy)
     return addresses
@@ -830,6 +884,34 @@ def test_gpu_head_counts_guard_region(heads, capsys):
                     f"wrote outside q: {not guard_intact(mbuf, slack, t.numel())}; "
                     f"values right: {torch.equal(theirs, expected)}"
                 )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout,heads,dtype",
+    [
+        (layout, heads, "bf16")
+        for layout in ("sbhd", "thd_cp2", "sbhd_pos")
+        for heads in (1, 40, 129)
+    ]
+    + [("sbhd", 128, "bf16"), ("sbhd", 128, "fp32"), ("thd", 128, "fp16")],
+)
+def test_gpu_q_backward_into_a_new_tensor_at_every_config(layout, heads, dtype):
+    """The one-pass copying backward: the in-place backward's bits at every autotune config and
+    autotuned, nothing written outside its output, the gradient only read."""
+    case, g, cos, sin = _q_inputs(layout, heads, dtype, dtype, seed=36, seq_len=8, **MLA)
+    expected = g.clone()
+    with pinned_kernel_config(1, 1):
+        _q_call(mla_rope_q_bwd_, case, expected, cos, sin)
+    before = g.clone()
+    slack = 128 * g.shape[-1]
+    for config in rope.AUTOTUNE_CONFIGS:
+        out, buf = _q_bwd_copy_guarded(case, g, cos, sin, config, slack)
+        torch.cuda.synchronize()
+        assert guard_intact(buf, slack, g.numel()), f"{config}: wrote outside the output"
+        assert_bitwise_equal(out, expected, f"copying backward at {config}")
+    assert_bitwise_equal(_q_call(rope.mla_rope_q_bwd, case, g, cos, sin), expected, "autotuned")
+    assert_bitwise_equal(g, before, "the gradient was only read")
 
 
 @pytest.mark.gpu

@@ -70,7 +70,7 @@ def _small(device) -> bool:
     return device.type != "cuda"
 
 
-def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool):
+def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool, copy: bool = False):
     def run(device, dtype, config) -> Outputs:
         heads = 5 if _small(device) else 129  # not a multiple of any head block but 1
         qk, emb = (8, 16) if _small(device) else (128, 64)
@@ -80,6 +80,8 @@ def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool):
         cu = torch.tensor([0, 3, 6], dtype=torch.int32, device=device) if thd else None
         fn = mla_rope.mla_rope_q_bwd_ if backward else mla_rope.mla_rope_q_fwd_
         with _pinned(config):
+            if copy:
+                return (mla_rope.mla_rope_q_bwd(t, cos, sin, qk, emb, cu, inverse=inverse),)
             fn(t, cos, sin, qk, emb, cu, inverse=inverse, remove_interleaving=keep)
         return (t,)
 
@@ -112,9 +114,9 @@ _CONFIGS = (
 )
 
 # The MLA RoPE kernels are race-free. The query kernels rotate in place; this test relaunches each
-# of the four kernels 100 (query) or 25 (key/value) times per config on fresh copies of one input,
-# at every config pinned_kernel_config accepts (the autotuner's among them), with 1, 3, 16, 40 and
-# 128 heads, in bf16, fp16 and fp32, and requires one set of bits.
+# of the five kernels 100 (in-place query) or 25 (the others) times per config on fresh copies of
+# one input, at every config pinned_kernel_config accepts (the autotuner's among them), with 1, 3,
+# 16, 40 and 128 heads, in bf16, fp16 and fp32, and requires one set of bits.
 _RACE_TEST = "tests/unit_tests/fusions/mla_rope/test_kernels.py::test_relaunch_gives_identical_bits"
 
 
@@ -127,6 +129,7 @@ KERNELS: Dict[str, KernelCase] = {
     "mla_rope_q_fwd_thd_inverse_keep": _rope(_q_case(False, True, True, True), "q_fwd"),
     "mla_rope_q_bwd_sbhd": _rope(_q_case(True, False, False, False), "q_bwd"),
     "mla_rope_q_bwd_thd_inverse_keep": _rope(_q_case(True, True, True, True), "q_bwd"),
+    "mla_rope_q_bwd_copy_thd_inverse": _rope(_q_case(True, True, True, False, True), "q_bwd_copy"),
     "mla_rope_kv_fwd": _rope(_kv_case(False), "kv_fwd"),
     "mla_rope_kv_bwd": _rope(_kv_case(True), "kv_bwd"),
 }

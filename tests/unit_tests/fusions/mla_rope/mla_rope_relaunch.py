@@ -41,13 +41,17 @@ from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     KernelConfig,
     mla_rope_kv_bwd,
     mla_rope_kv_fwd,
+    mla_rope_q_bwd,
     mla_rope_q_bwd_,
     mla_rope_q_fwd_,
     pinned_kernel_config,
 )
 
 REPORT_DIR_ENV = "MEGATRON_EXT_REPORT_DIR"
+# The kernels megatron-core has too (its counterparts are relaunched and surveyed as well).
 KERNELS = ("q_fwd", "q_bwd", "kv_fwd", "kv_bwd")
+# megatron_ext's kernels without a megatron-core counterpart: the query backward into a new tensor.
+OURS_ONLY = ("q_bwd_copy",)
 # The kernels that rotate their input in place: the ones that can race with themselves.
 IN_PLACE = ("q_fwd", "q_bwd")
 OURS = "megatron_ext"
@@ -97,7 +101,7 @@ def make_inputs(
     case = make_case("sbhd", heads, device, dims.qk_head_dim, dims.emb_dim, seq_len, batch, g)
     lead = (seq_len, batch)
     dt = DTYPES[dtype]
-    if kernel in IN_PLACE:
+    if kernel in IN_PLACE + OURS_ONLY:
         tensors = (randn(lead + (heads, dims.qk_head_dim + dims.emb_dim), dt, device, g),)
     elif kernel == "kv_fwd":
         tensors = (
@@ -110,7 +114,7 @@ def make_inputs(
             randn(lead + (heads, dims.v_dim), dt, device, g),
         )
     else:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        raise ValueError(f"kernel must be one of {KERNELS + OURS_ONLY}, got {kernel!r}")
     cos, sin = make_tables(case.table_rows, dims.emb_dim, dt, device, generator=g)
     return Inputs(kernel, dtype, case, dims, tensors, cos, sin)
 
@@ -124,6 +128,9 @@ def ours(inputs: Inputs) -> Callable:
     if inputs.kernel in IN_PLACE:
         fn = mla_rope_q_fwd_ if inputs.kernel == "q_fwd" else mla_rope_q_bwd_
         return lambda x: fn(x, cos, sin, d.qk_head_dim, d.emb_dim)
+    if inputs.kernel == "q_bwd_copy":
+        (g,) = inputs.tensors
+        return lambda: (mla_rope_q_bwd(g, cos, sin, d.qk_head_dim, d.emb_dim),)
     a, b = inputs.tensors
     fn = mla_rope_kv_fwd if inputs.kernel == "kv_fwd" else mla_rope_kv_bwd
     return lambda: fn(a, b, cos, sin, d.emb_dim, d.k_dim, d.v_dim)
@@ -250,7 +257,7 @@ class Relaunch:
     """One measurement: a kernel at one config on one input, relaunched ``launches`` times."""
 
     impl: str  # megatron_ext or megatron-core
-    kernel: str  # q_fwd, q_bwd, kv_fwd, kv_bwd
+    kernel: str  # one of KERNELS or OURS_ONLY
     dtype: str  # bf16, fp16, fp32
     shape: Tuple[int, ...]  # of the kernel's first input
     block_h: int

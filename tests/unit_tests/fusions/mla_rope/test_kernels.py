@@ -42,7 +42,7 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32")
 HEADS = (1, 3, 16, 40, 128)
 # Launches per config and head count. The key/value kernels write only new tensors (nothing to
 # race on); they are relaunched for completeness, fewer times.
-LAUNCHES = {"q_fwd": 100, "q_bwd": 100, "kv_fwd": 25, "kv_bwd": 25}
+LAUNCHES = {"q_fwd": 100, "q_bwd": 100, "kv_fwd": 25, "kv_bwd": 25, "q_bwd_copy": 25}
 MCORE_LAUNCHES = 100
 
 
@@ -112,7 +112,7 @@ def _assert_no_differences(records: List[rl.Relaunch]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("kernel", rl.KERNELS)
+@pytest.mark.parametrize("kernel", rl.KERNELS + rl.OURS_ONLY)
 def test_relaunch_gives_identical_bits(kernel, dtype):
     """Every config pinned_kernel_config accepts (the tuner's among them), every head count in
     HEADS: LAUNCHES[kernel] launches on fresh copies of one input give one set of bits, and that
@@ -241,7 +241,7 @@ def test_relaunch_counts_each_launch_that_differs():
 
 @pytest.mark.skipif(HAVE_CUDA, reason="the GPU tests relaunch the compiled kernels")
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])  # the interpreter cannot do bf16 arithmetic
-@pytest.mark.parametrize("kernel", rl.KERNELS)
+@pytest.mark.parametrize("kernel", rl.KERNELS + rl.OURS_ONLY)
 def test_relaunch_ours_in_interpreter(kernel, dtype):
     """The GPU test's loop, on a small scale: every launch and config gives the same bits."""
     configs = [KernelConfig(1, 1), KernelConfig(4, 2)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import direct_launch, kernels, launch, ops
+from megatron_ext.fusions.mla_rope import direct_launch, kernels, launch, ops, plans
 from megatron_ext.fusions.mla_rope.launch import KernelConfig, pinned_kernel_config
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -69,9 +69,9 @@ def test_backward_uses_config_pinned_in_forward(monkeypatch):
     seen = []
     prepare = launch.prepare
 
-    def spy(key, kernel, *args, **kwargs):
-        seen.append((kernel, launch.current_config()))
-        return prepare(key, kernel, *args, **kwargs)
+    def spy(key, plan, *args, **kwargs):
+        seen.append((plan.kernel, launch.current_config()))
+        return prepare(key, plan, *args, **kwargs)
 
     monkeypatch.setattr(ops, "prepare", spy)
     q = t.clone().requires_grad_(True) * 1.0
@@ -128,7 +128,7 @@ def _count_prepares(monkeypatch):
     prepare = launch.prepare
 
     def spy(*args, **kwargs):
-        calls.append(args[1])
+        calls.append(args[1].kernel)
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(ops, "prepare", spy)
@@ -219,20 +219,12 @@ def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 777, raising=False)
     monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
-    meta = dict(EMB_DIM=16, CT="ct", INVERSE=False, KEEP_INTERLEAVED=True)
-    meta.update(RIGHT_FMA_ON_COS=False, SEQ_BLOCK=128)
-    scalars = tuple(range(100, 112))
-    entry = launch.CachedLaunch(
-        kernels.mla_rope_q_fwd_kernel,
-        6,
-        5,
-        KernelConfig(2, 4),
-        5,
-        scalars,
-        meta,
-        torch.device("cuda", 0),
-        None,
-    )
+    names = kernels.mla_rope_q_fwd_kernel.arg_names[5:]
+    # Handed over out of order: the plan names them, the kernel's signature orders them.
+    args = {name: 100 + i for i, name in enumerate(names) if name != "BLOCK_H"}
+    args = dict(reversed(list(args.items())))
+    plan = plans.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 6, 5, 5, args, True)
+    entry = launch.CachedLaunch(plan, KernelConfig(2, 4), torch.device("cuda", 0))
     calls = []
     entry.direct = lambda *args: calls.append(args)
     t = torch.zeros(4)
@@ -240,8 +232,8 @@ def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
     ((gx, gy, gz, stream, args),) = calls
     assert (gx, gy, gz, stream) == (6, 3, 1, 777)
     ptr = t.data_ptr()
-    constexprs = (16, "ct", False, True, False, 128, 2)
-    assert args == (ptr, ptr, ptr, None, None) + scalars + constexprs
+    expected = tuple(2 if name == "BLOCK_H" else 100 + i for i, name in enumerate(names))
+    assert args == (ptr, ptr, ptr, None, None) + expected
     assert len(args) == len(kernels.mla_rope_q_fwd_kernel.arg_names)
 
 
