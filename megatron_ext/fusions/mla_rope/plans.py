@@ -198,7 +198,9 @@ def plan_kv_fwd(
         stride_value_h=v_dim,
     )
     outputs = (lead + (heads, k_dim + emb_dim), lead + (heads, v_dim))
-    return LaunchPlan(mla_rope_kv_fwd_kernel, lay.rows, heads, 8, args, False, outputs)
+    return LaunchPlan(
+        mla_rope_kv_fwd_kernel, lay.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs
+    )
 
 
 def plan_kv_bwd(
@@ -224,7 +226,9 @@ def plan_kv_bwd(
         HEAD_UNROLL=min(HEAD_UNROLL, triton.next_power_of_2(heads)),
     )
     outputs = (lead + (heads, k_dim + v_dim), lead + (1, emb_dim))
-    return LaunchPlan(mla_rope_kv_bwd_kernel, lay.rows, heads, 8, args, False, outputs)
+    return LaunchPlan(
+        mla_rope_kv_bwd_kernel, lay.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs
+    )
 
 
 def contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
