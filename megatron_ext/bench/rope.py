@@ -20,14 +20,15 @@ each package in one process, each package autotuned per shape:
 * ``kv bwd``: its backward through autograd.
 
 For each: GPU time (``triton.testing.do_bench`` median of CUDA-graph replays of the call's kernel
-path, rotating over input copies that exceed the L2), host time per call (300 calls issued with no
-sync, divided by 300), eager time per call (the same loop plus one final sync: what a loop without
-CUDA graphs sees), the ratios, and the share of the copy ceiling (the bytes the call must move over
-the GPU time, against a large ``copy_`` measured in the same run). do_bench zeroes a 256 MB buffer
-before every run, which leaves the L2 full of dirty lines; a second harness times the query calls
-on inputs written by a preceding kernel, as a training step produces them (the graph of copy +
-RoPE minus the graph of the copy alone). Writes ``rope.json`` to ``--out``. The summary line names
-the worst ratio of each kind.
+path, rotating over input copies that exceed the L2), host time per call (100 calls issued with no
+sync, divided by 100), eager time per call (the same loop plus one final sync: what a loop without
+CUDA graphs sees), each the median of rounds in which megatron-core, megatron_ext and the autograd
+baseline take turns (9 rounds, 5 with ``--quick``), the ratios, and the share of the copy ceiling
+(the bytes the call must move over the GPU time, against a large ``copy_`` measured in the same
+run). do_bench zeroes a 256 MB buffer before every run, which leaves the L2 full of dirty lines; a
+second harness times the query calls on inputs written by a preceding kernel, as a training step
+produces them (the graph of copy + RoPE minus the graph of the copy alone). Writes ``rope.json`` to
+``--out``. The summary line names the worst ratio of each kind.
 
 Without a GPU it says so and checks the kernels against megatron-core's in the Triton
 interpreter on small shapes instead.
@@ -38,6 +39,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 import types
 from typing import Callable, Dict, List, Optional, Tuple
@@ -63,7 +65,13 @@ CALLS = ("q fwd", "q bwd", "q bwd, caller's grad", "kv fwd", "kv bwd")
 MAIN_CALLS = ("q fwd", "q bwd", "kv fwd", "kv bwd")
 # Inputs smaller than this are rotated over several buffers: larger than the H200's L2 (~50 MB).
 _ROTATE_BYTES = 256 << 20
-_HOST_CALLS = 300
+# Host and eager time: rounds of _HOST_CALLS calls that alternate megatron-core, megatron_ext and
+# the autograd baseline (who goes first rotates), each the median over its rounds. The machine's
+# host speed drifts (single backward rows moved by up to 1.5x between runs when each package was
+# timed in one block, minutes apart); alternating puts the three under the same conditions.
+_HOST_CALLS = 100
+HOST_ROUNDS = 9
+QUICK_HOST_ROUNDS = 5
 ELT = 2  # bf16
 
 
@@ -142,29 +150,23 @@ class _PassThrough(torch.autograd.Function):
         return grads
 
 
-def _autograd_baseline_us(call: str, s: int, b: int, h: int) -> float:
-    """Host time of the same backward graph with a pass-through in place of the RoPE."""
+def _autograd_baseline(call: str, s: int, b: int, h: int) -> Callable[[], object]:
+    """The same backward graph with a pass-through in place of the RoPE (the engine's share)."""
     if call.startswith("q"):
         leaf = torch.zeros(s, b, h, QK + EMB, device="cuda", requires_grad=True)
         out = _PassThrough.apply(leaf.clone())
         grad = torch.zeros_like(leaf)
         if call == "q bwd":
             y = out * 2
-            return _host_and_eager_us(
-                lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)
-            )[0]
-        return _host_and_eager_us(lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True))[
-            0
-        ]
+            return lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)
+        return lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True)
     leaves = (
         torch.zeros(s, b, h, QK + V, device="cuda", requires_grad=True),
         torch.zeros(s, b, 1, EMB, device="cuda", requires_grad=True),
     )
     outs = _PassThrough.apply(*leaves)
     grads = tuple(torch.zeros_like(x) for x in leaves)
-    return _host_and_eager_us(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True))[
-        0
-    ]
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
 
 
 class _Call:
@@ -258,20 +260,55 @@ def _graphs(run, inputs, with_producer: bool):
     return replay
 
 
-def _host_and_eager_us(fn: Callable[[], object]) -> Tuple[float, float]:
+def _host_and_eager_us(fn: Callable[[], object], sync: Callable[[], None]) -> Tuple[float, float]:
+    """One round: host us per call of _HOST_CALLS calls issued without a sync, and eager us per
+    call (the same loop up to a final ``sync``)."""
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(_HOST_CALLS):
         fn()
     host = time.perf_counter() - start
-    torch.cuda.synchronize()
+    sync()
     eager = time.perf_counter() - start
     return host / _HOST_CALLS * 1e6, eager / _HOST_CALLS * 1e6
 
 
-def _measure(package: str, call: str, shape, quick: bool) -> Dict[str, object]:
+def interleaved_host_us(
+    fns: Dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None]
+) -> Dict[str, Dict[str, object]]:
+    """Host and eager us per call of each function: the median of ``rounds`` rounds in which the
+    functions take turns (the first of each round rotates).
+
+    Args:
+        fns: name -> the call as a user issues it.
+        rounds: rounds per function (>= 1).
+        sync: waits for the device (``torch.cuda.synchronize`` on a GPU).
+
+    Returns:
+        dict: name -> {"host_us", "eager_us", "host_us_rounds"}.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    samples: Dict[str, List[Tuple[float, float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        first = r % len(names)
+        for name in names[first:] + names[:first]:
+            samples[name].append(_host_and_eager_us(fns[name], sync))
+    return {
+        name: {
+            "host_us": statistics.median(host for host, _ in runs),
+            "eager_us": statistics.median(eager for _, eager in runs),
+            "host_us_rounds": [host for host, _ in runs],
+        }
+        for name, runs in samples.items()
+    }
+
+
+def _measure(package: str, call: str, shape, quick: bool):
+    """GPU times of one package's call; returns (times, result, the call as users issue it)."""
     s, b, h = shape
     c = _Call(package, call, s, b, h)
     with torch.no_grad():
@@ -284,8 +321,7 @@ def _measure(package: str, call: str, shape, quick: bool) -> Dict[str, object]:
         both = _do_bench_us(_graphs(c.gpu, c.inputs, True), quick)
         producer = _do_bench_us(_graphs(None, c.inputs, True), quick)
         out["produced_us"] = max(both - producer, 1e-3)
-    out["host_us"], out["eager_us"] = _host_and_eager_us(c.host)
-    return out, result
+    return out, result, c.host
 
 
 def _bits_equal(a, b) -> bool:
@@ -307,8 +343,15 @@ def _bench_gpu(args) -> int:
                 getattr(_mcore(), kind + name).cache.clear()
         _ours().clear_autotune_cache()
         for call in CALLS:
-            theirs, mres = _measure("mcore", call, (s, b, h), quick)
-            ours, ores = _measure("ours", call, (s, b, h), quick)
+            theirs, mres, mcore_host = _measure("mcore", call, (s, b, h), quick)
+            ours, ores, ours_host = _measure("ours", call, (s, b, h), quick)
+            fns = {"mcore": mcore_host, "ours": ours_host}
+            if "bwd" in call:
+                fns["autograd"] = _autograd_baseline(call, s, b, h)
+            rounds = QUICK_HOST_ROUNDS if quick else HOST_ROUNDS
+            host = interleaved_host_us(fns, rounds, torch.cuda.synchronize)
+            theirs.update(host["mcore"])
+            ours.update(host["ours"])
             floor = _bytes(call, s, b, h) / (tbps * 1e6)
             ours_floor = _bytes(call, s, b, h, "ours") / (tbps * 1e6)
             row = {
@@ -328,7 +371,7 @@ def _bench_gpu(args) -> int:
                 "bitwise_equal": _bits_equal(mres, ores),
             }
             if "bwd" in call:
-                base = _autograd_baseline_us(call, s, b, h)
+                base = host["autograd"]["host_us"]
                 row["autograd_host_us"] = base
                 row["host_ratio_beyond_autograd"] = max(ours["host_us"] - base, 0.0) / max(
                     theirs["host_us"] - base, 1e-3
@@ -406,7 +449,8 @@ def _print_table(result: Dict) -> None:
         f"copy ceiling {tbps:.2f} TB/s (same run)"
     )
     print(
-        "gpu: do_bench median of CUDA-graph replays (us); host: 300 calls, no sync (us/call); "
+        "gpu: do_bench median of CUDA-graph replays (us); host: 100 calls, no sync (us/call), "
+        "median of rounds alternating mcore, ours and the autograd baseline; "
         "eager: + final sync (us/call); %ceil: bytes moved / gpu time vs the copy ceiling, "
         "do_bench and inputs written by a preceding kernel ('produced'); host ratio = ours / "
         "mcore (target <= 0.50); autogr: host us of the same backward graph with a pass-through "
