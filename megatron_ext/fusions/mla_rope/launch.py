@@ -186,11 +186,10 @@ class CachedLaunch:
         device: the tensors' device.
     """
 
-    __slots__ = ("plan", "kernel", "grid", "config", "device_index", "direct", "tail")
+    __slots__ = ("plan", "grid", "config", "device_index", "direct", "tail")
 
     def __init__(self, plan, config: KernelConfig, device: torch.device):
         self.plan = plan
-        self.kernel = plan.kernel
         self.grid = plan.grid(config.block_h)
         self.config = config
         self.device_index = device.index if device.type == "cuda" else None
@@ -227,7 +226,7 @@ class CachedLaunch:
         device = self.device_index
         guard = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
         with guard:
-            compiled = self.kernel[self.grid[:2]](
+            compiled = self.plan.kernel[self.grid[:2]](
                 *tensors,
                 **self.plan.args,
                 BLOCK_H=self.config.block_h,

@@ -75,7 +75,8 @@ def run_q(
         launch = LAUNCHES.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
         key, launch = None, None
-    if launch is None:
+    plan = launch.plan if launch is not None else None
+    if plan is None:
         plan = plans.plan_q(
             kernel,
             t,
@@ -91,11 +92,11 @@ def run_q(
             pos,
             name,
         )
-        out = [t.new_empty(shape) for shape in plan.outputs]
-        launch = prepare(key, plan, (t, *out, cos, sin, cu, contiguous(pos)), t.device)
-    else:
-        out = [t.new_empty(shape) for shape in launch.plan.outputs]
-    launch(t, *out, cos, sin, cu, contiguous(pos))
+    out = [t.new_empty(shape) for shape in plan.outputs]
+    tensors = (t, *out, cos, sin, cu, contiguous(pos))
+    if launch is None:
+        launch = prepare(key, plan, tensors, t.device)
+    launch(*tensors)
     return out[0] if out else t
 
 

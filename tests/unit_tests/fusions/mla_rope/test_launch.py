@@ -202,7 +202,7 @@ def test_interpreter_and_disabled_direct_launch_take_the_jit_path(monkeypatch):
     launch_jit = launch.CachedLaunch.launch_jit
 
     def spy(self, *tensors):
-        jit_calls.append(self.kernel)
+        jit_calls.append(self.plan.kernel)
         return launch_jit(self, *tensors)
 
     monkeypatch.setattr(launch.CachedLaunch, "launch_jit", spy)
