@@ -117,10 +117,10 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--max-requests",
         type=int,
-        nargs="+",
+        nargs="*",
         default=None,
         help="decoding requests per bookkeeping configuration (default: 256 1024 on a GPU, 32 on "
-        "the CPU correctness check)",
+        "the CPU correctness check; give no value to skip the bookkeeping rows)",
     )
     parser.add_argument("--vocab-size", type=int, default=None, help="default 32000 (GPU), 1024")
     parser.add_argument(
@@ -165,6 +165,14 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         default=None,
         choices=sorted(ENGINE_MODELS),
         help="models of the engine rows (default: small 1b; small with --quick)",
+    )
+    parser.add_argument(
+        "--engine-schedules",
+        nargs="+",
+        default=None,
+        choices=["legacy", "async"],
+        help="megatron-core 0.19's async_sched_mode of the engine rows (default: legacy and async "
+        "on 0.19; 0.16 has legacy only)",
     )
     parser.add_argument(
         "--static-mla-batches",
@@ -445,11 +453,15 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _engine_rows(
-    requests: int, model_name: str, sampling: str, args: argparse.Namespace
+    requests: int, model_name: str, sampling: str, schedule: str, args: argparse.Namespace
 ) -> List[Dict[str, Any]]:
     """Decode tokens per second of megatron-core's engine around a GPT of
     :data:`ENGINE_MODELS`, extension off and on, ``requests`` concurrent requests sampled as
-    :data:`ENGINE_SAMPLING` says, measured interleaved.
+    :data:`ENGINE_SAMPLING` says, under megatron-core's ``schedule``, measured interleaved.
+
+    ``max_sequence_length`` is what the requests need, rounded up to a KV block: the test
+    attention gathers every block a request may own, so a longer bound would time that gather
+    rather than the step.
 
     Both engines are built first (the same weights: one seed); then each round runs one batch of
     ``requests`` requests to completion on each engine in turn (the order alternates), after one
@@ -471,7 +483,8 @@ def _engine_rows(
     blocks_per_request = (prompt + generate + block) // block + 1
     sizes = SimpleNamespace(
         **ENGINE_MODELS[model_name],
-        max_sequence_length=512,
+        max_sequence_length=blocks_per_request * block,
+        async_sched_mode=schedule,
         seed=1234,
         device="cuda",
         max_requests=requests,
@@ -536,6 +549,8 @@ def _engine_rows(
                 "parameters": engine_model_parameters(model_name),
                 "sampling": sampling,
                 "requests": requests,
+                "schedule": schedule,
+                "max_sequence_length": sizes.max_sequence_length,
                 "rounds": args.engine_repeats,
                 "decode_steps_per_round": statistics.median(n for _, _, n in runs[mode]),
                 "median_decode_step_ms": statistics.median(s for s, _, _ in runs[mode]) * 1e3,
@@ -631,14 +646,15 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _engine_key(row: Dict[str, Any]) -> Tuple[str, str, int]:
-    return row["model"], row["sampling"], row["requests"]
+def _engine_key(row: Dict[str, Any]) -> Tuple[str, str, int, str]:
+    return row["model"], row["sampling"], row["requests"], row["schedule"]
 
 
 def _engine_ratio(
-    rows: List[Dict[str, Any]], key: Tuple[str, str, int]
+    rows: List[Dict[str, Any]], key: Tuple[str, str, int, str]
 ) -> Optional[Dict[str, float]]:
-    """Decode tokens/s on over off in one (model, sampling, requests) configuration: the geometric
+    """Decode tokens/s on over off in one (model, sampling, requests, schedule) configuration: the
+    geometric
     mean of the paired per-round ratios, with its 95% bootstrap interval
     (:func:`megatron_ext.bench.stats.paired_ratio_interval`)."""
     pair = {r["mode"]: r for r in rows if _engine_key(r) == key}
@@ -663,17 +679,17 @@ def _ratio_text(value: Dict[str, float]) -> str:
 
 def _engine_table(rows: List[Dict[str, Any]]) -> str:
     lines = [
-        "| model | sampling | concurrent requests | extension | median decode step ms | "
+        "| model | sampling | concurrent requests | schedule | extension | median decode step ms | "
         "decode tokens/s [round min-max] | speedup [95% interval; round min-max] |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        model, sampling, requests = _engine_key(r)
+        model, sampling, requests, schedule = _engine_key(r)
         value = _engine_ratio(rows, _engine_key(r)) if r["mode"] == "on" else None
         spread = r["decode_tokens_per_s_spread"]
         speedup = "-" if value is None else _ratio_text(value)
         lines.append(
-            f"| {model} | {sampling} | {requests} | {r['mode']} | "
+            f"| {model} | {sampling} | {requests} | {schedule} | {r['mode']} | "
             f"{r['median_decode_step_ms']:.2f} | "
             f"{r['decode_tokens_per_s']:.0f} [{spread['min']:.0f}-{spread['max']:.0f}] | "
             f"{speedup} |"
@@ -713,6 +729,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.engine_requests = [256, 1024] if cuda else []
     if args.static_mla_batches is None:
         args.static_mla_batches = [1, 16] if cuda else []
+    from megatron_ext.inference.contexts.static_slices_context_base import (
+        UPSTREAM_HAS_ACTIVE_SLICES,
+    )
+
+    if args.engine_schedules is None:
+        args.engine_schedules = ["legacy", "async"] if UPSTREAM_HAS_ACTIVE_SLICES else ["legacy"]
+    if not UPSTREAM_HAS_ACTIVE_SLICES and args.engine_schedules != ["legacy"]:
+        print(
+            "inference benchmark: megatron-core 0.16 has one schedule; --engine-schedules "
+            f"{' '.join(args.engine_schedules)} refused",
+            file=sys.stderr,
+        )
+        return 2
     if (args.engine_requests or args.static_mla_batches) and not cuda:
         print(
             "inference benchmark: --engine-requests and --static-mla-batches need a CUDA GPU "
@@ -747,7 +776,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for model_name in args.engine_models:
             for sampling in args.sampling:
                 for requests in args.engine_requests:
-                    report["engine_rows"] += _engine_rows(requests, model_name, sampling, args)
+                    for schedule in args.engine_schedules:
+                        report["engine_rows"] += _engine_rows(
+                            requests, model_name, sampling, schedule, args
+                        )
     if args.static_mla_batches:
         report["static_mla_rows"] = run_static_mla(
             args.static_mla_batches, prompt=256, new_tokens=32, rounds=2 if args.quick else 5
@@ -800,15 +832,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ratios:
             # The worst row by the interval's lower end: what the data cannot rule out.
             worst_engine = min(ratios, key=lambda k: ratios[k].get("low", ratios[k]["speedup"]))
-            model, sampling, requests = worst_engine
+            model, sampling, requests, schedule = worst_engine
             report["worst_engine_row"] = {
                 "model": model,
                 "sampling": sampling,
                 "requests": requests,
+                "schedule": schedule,
                 **ratios[worst_engine],
             }
         for key, value in ratios.items():
-            model, sampling, requests = key
+            model, sampling, requests, schedule = key
             settled = (
                 "one round: no interval"
                 if "half_width" not in value
@@ -816,7 +849,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 + ("(settled: <= 3%)" if value["half_width"] <= 0.03 else "(> 3%: more rounds)")
             )
             summary.append(
-                f"engine, {model} model, {sampling}, {requests} concurrent requests: decode "
+                f"engine, {model} model, {sampling}, {requests} concurrent requests, {schedule} "
+                "schedule: decode "
                 f"{_ratio_text(value)} tokens/s with the extension ({_verdict(value)}; {settled})"
                 + (" <- worst engine row" if key == worst_engine else "")
             )

@@ -75,11 +75,15 @@ def build_small_gpt_engine(model: Any, args: Any, dtype: torch.dtype) -> Tuple[A
         model: from :func:`build_small_gpt`.
         args: sizes, with the attribute names of the functional case's command line (those of
             :func:`build_small_gpt` plus ``max_requests``, ``max_tokens``,
-            ``block_size_tokens``, ``kv_blocks``, ``paused_kv_blocks``).
+            ``block_size_tokens``, ``kv_blocks``, ``paused_kv_blocks``; optionally
+            ``async_sched_mode``, megatron-core 0.19's schedule, default ``"legacy"``).
         dtype (torch.dtype): KV-cache dtype.
 
     Returns:
         Tuple[DynamicInferenceEngine, context, controller]: the objects.
+
+    Raises:
+        ValueError: for a schedule other than ``"legacy"`` on megatron-core 0.16 (it has one).
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
@@ -105,17 +109,21 @@ def build_small_gpt_engine(model: Any, args: Any, dtype: torch.dtype) -> Tuple[A
         block_size_tokens=args.block_size_tokens,
         materialize_only_last_token_logits=True,
     )
+    schedule = getattr(args, "async_sched_mode", "legacy")
     if UPSTREAM_HAS_ACTIVE_SLICES:
         from megatron.core.inference.config import InferenceConfig
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
             GPTInferenceWrapper,
         )
 
-        context = DynamicInferenceContext(
-            model.config, InferenceConfig(enable_chunked_prefill=True, **sizes)
-        )
+        config = InferenceConfig(enable_chunked_prefill=True, async_sched_mode=schedule, **sizes)
+        context = DynamicInferenceContext(model.config, config)
         wrapper = GPTInferenceWrapper(model, context)
     else:
+        if schedule != "legacy":
+            raise ValueError(
+                f"megatron-core 0.16 has one schedule ('legacy'); async_sched_mode={schedule!r}"
+            )
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
             GPTInferenceWrapper,
         )

@@ -11,6 +11,10 @@ rows from the per-request tensors, fill others with neutral values, leave the re
 counts read from a device tensor, so that one captured CUDA graph serves every call whatever the
 counts. Upstream's ``build_active_slices`` and ``pad_active_slices`` are two uses of it; each
 step (``initialize_attention_state``) is a third, both in one pass.
+
+The attention metadata that megatron-core's ``initialize_attention_state`` updates is rebuilt as
+``attention_context.mha_metadata_0_16``'s classes, so that a decode-only step sets it up from a
+CUDA graph too, without the two read-backs of megatron-core's non-graphed metadata.
 """
 
 from typing import Any, List
@@ -18,6 +22,10 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
+from megatron_ext.inference.contexts.attention_context.mha_metadata_0_16 import (
+    with_device_counts,
+)
+from megatron_ext.inference.contexts.graph_replay import replay_or_run
 from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
@@ -36,8 +44,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.16.x).
 
     Takes megatron-core's arguments. Graph-safe (no host synchronisation):
-    ``build_active_slices``, ``pad_active_slices`` and each step's slices, replayed from one CUDA
-    graph unless ``cuda_graph_active_slices`` is set to False.
+    ``build_active_slices``, ``pad_active_slices``, each step's slices, and the attention
+    metadata's update in decode-only steps and its reset (``mha_metadata_0_16``), replayed from
+    CUDA graphs unless ``cuda_graph_active_slices`` is set to False.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -47,6 +56,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self.cuda_graph_active_slices = True
         self._slices_graph = None
         super().__init__(*args, **kwargs)
+        with_device_counts([self.graph_attn_metadata, self.non_graph_attn_metadata], self)
 
     # ---------------------------------------------------------------------- allocation
 
@@ -67,6 +77,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             self._device_active_slices = None
             self._slices_graph = None
             self._gather_groups = None
+            self._drop_metadata_graphs()
 
     def _allocate_static_slices(self) -> None:
         device = self.request_ids.device
@@ -114,6 +125,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
                 )
             )
         self._slices_graph = None
+        self._drop_metadata_graphs()
 
         self._device_active_slices = ActiveSlices(
             request_ids=self.active_request_ids,
@@ -125,6 +137,17 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         )
         self.static_slices_generation += 1
         self._write_slices(0, 0, 0, rows)
+
+    def _drop_metadata_graphs(self) -> None:
+        # Graphs captured over the request tensors that an allocation replaces. During
+        # megatron-core's __init__ the metadata tables do not exist yet.
+        for table in (
+            getattr(self, "graph_attn_metadata", {}),
+            getattr(self, "non_graph_attn_metadata", {}),
+        ):
+            drop = getattr(table.get("mha_metadata"), "drop_graphs", None)
+            if drop is not None:
+                drop()
 
     def _slice_sources(self) -> List[Tensor]:
         # Looked up on every call rather than kept: megatron-core owns these attributes.
@@ -188,18 +211,12 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             if self._slice_counts_written[index] != value:
                 self._slice_counts[index].fill_(value)
                 self._slice_counts_written[index] = value
-        use_graph = (
-            self.cuda_graph_active_slices
-            and self._slice_counts.is_cuda
-            # Inside someone else's capture the kernels simply join that graph.
-            and not torch.cuda.is_current_stream_capturing()
+        self._slices_graph = replay_or_run(
+            self._write_slices_from_device_counts,
+            self._slices_graph,
+            self._slice_counts.device,
+            self.cuda_graph_active_slices,
         )
-        if not use_graph:
-            self._write_slices_from_device_counts()
-            return
-        if self._slices_graph is None:
-            self._slices_graph = self._capture_write_slices()
-        self._slices_graph.replay()
 
     def _write_slices_from_device_counts(self) -> None:
         """GRAPH-SAFE body of :meth:`_write_slices`: every shape is ``max_requests`` rows, and
@@ -219,20 +236,6 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         neutral = ACTIVE_REQUEST_PAD_VALUES["last_token_idxs"]
         kept = torch.where(padded, neutral, self.active_request_last_token_idxs)
         self.active_request_last_token_idxs.copy_(torch.where(copied, last, kept))
-
-    def _capture_write_slices(self) -> "torch.cuda.CUDAGraph":
-        # One eager run on a side stream first, so that lazy initialisation stays out of the
-        # capture; it writes the same values the replay will.
-        current = torch.cuda.current_stream(self._slice_counts.device)
-        side = torch.cuda.Stream(device=self._slice_counts.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._write_slices_from_device_counts()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._write_slices_from_device_counts()
-        return graph
 
     # ---------------------------------------------------------------------- logits rows
 

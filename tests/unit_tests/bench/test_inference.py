@@ -12,15 +12,15 @@ from megatron_ext.testing.small_gpt import build_small_gpt
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
 
 
-def _rows(off, on, requests=256, model="small", sampling="greedy"):
-    common = {"requests": requests, "model": model, "sampling": sampling}
+def _rows(off, on, requests=256, model="small", sampling="greedy", schedule="legacy"):
+    common = {"requests": requests, "model": model, "sampling": sampling, "schedule": schedule}
     return [
         {"mode": "off", **common, "decode_tokens_per_s_rounds": off},
         {"mode": "on", **common, "decode_tokens_per_s_rounds": on},
     ]
 
 
-SMALL_256 = ("small", "greedy", 256)
+SMALL_256 = ("small", "greedy", 256, "legacy")
 
 
 def test_engine_ratio_is_decided_by_its_interval():
@@ -31,7 +31,10 @@ def test_engine_ratio_is_decided_by_its_interval():
     mixed = inference._engine_ratio(_rows([100, 100, 100, 100], [90, 110, 95, 108]), SMALL_256)
     assert inference._verdict(mixed) == "the interval contains 1.00"
     assert mixed["half_width"] > 0.03
-    assert inference._engine_ratio(_rows([100, 100], [90, 110]), ("small", "greedy", 1024)) is None
+    assert (
+        inference._engine_ratio(_rows([100, 100], [90, 110]), ("small", "greedy", 1024, "legacy"))
+        is None
+    )
 
 
 def test_a_single_round_has_no_interval():
@@ -42,13 +45,18 @@ def test_a_single_round_has_no_interval():
 
 
 def test_engine_ratio_pairs_only_rows_of_one_configuration():
-    """Rows of another model or sampling mode at the same request count are not paired."""
+    """Rows of another model, sampling mode or schedule at the same request count are not
+    paired."""
     rows = _rows([100, 100, 100], [120, 120, 120]) + _rows(
         [100, 100, 100], [80, 80, 80], model="1b", sampling="top_k"
     )
+    rows += _rows([100, 100, 100], [90, 90, 90], schedule="async")
     assert abs(inference._engine_ratio(rows, SMALL_256)["speedup"] - 1.2) < 1e-9
-    assert abs(inference._engine_ratio(rows, ("1b", "top_k", 256))["speedup"] - 0.8) < 1e-9
-    assert inference._engine_ratio(rows, ("1b", "greedy", 256)) is None
+    one_b = ("1b", "top_k", 256, "legacy")
+    assert abs(inference._engine_ratio(rows, one_b)["speedup"] - 0.8) < 1e-9
+    small_async = ("small", "greedy", 256, "async")
+    assert abs(inference._engine_ratio(rows, small_async)["speedup"] - 0.9) < 1e-9
+    assert inference._engine_ratio(rows, ("1b", "greedy", 256, "legacy")) is None
     table = inference._engine_table(
         [
             dict(
@@ -60,7 +68,20 @@ def test_engine_ratio_pairs_only_rows_of_one_configuration():
             for r in rows
         ]
     )
-    assert "| 1b | top_k | 256 | on |" in table and "0.800x" in table
+    assert "| 1b | top_k | 256 | legacy | on |" in table and "0.800x" in table
+    assert "| small | greedy | 256 | async | on |" in table and "0.900x" in table
+
+
+def test_a_second_schedule_is_refused_on_megatron_core_0_16(capsys):
+    from megatron_ext.inference.contexts.static_slices_context_base import (
+        UPSTREAM_HAS_ACTIVE_SLICES,
+    )
+
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        pytest.skip("megatron-core 0.19 has both schedules")
+    argv = ["--engine-schedules", "legacy", "async", "--max-requests", "4", "--engine-requests"]
+    assert inference.main(argv) == 2
+    assert "0.16 has one schedule" in capsys.readouterr().err
 
 
 def test_engine_model_parameter_counts():

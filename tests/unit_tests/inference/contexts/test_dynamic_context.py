@@ -515,6 +515,34 @@ def test_build_and_pad_do_not_synchronize_on_gpu():
     assert ctx._slices_graph is not None
 
 
+@pytest.mark.gpu
+def test_decode_steps_set_up_attention_without_synchronizing_on_gpu():
+    """0.16: once its graphs exist, a decode-only step's initialize_attention_state (megatron-core's
+    set-up with the extension's attention metadata, then the slices) never waits for the GPU."""
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        pytest.skip("megatron-core 0.19 sets up attention on the host by design")
+    ctx = make_context()
+    original = ctx.initialize_attention_state
+    metadata = ctx.non_graph_attn_metadata["mha_metadata"]
+    strict_steps = [0]
+
+    def guarded(*args, **kwargs):
+        strict = ctx.num_prefill_requests == 0 and metadata._update_graph is not None
+        strict = strict and ctx._slices_graph is not None
+        if strict:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            original(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        strict_steps[0] += strict
+
+    ctx.initialize_attention_state = guarded
+    run_random(ctx, steps=300, seed=21)
+    assert strict_steps[0] > 20, strict_steps
+
+
 # ------------------------------------------------- extension against stock megatron-core
 
 
@@ -572,7 +600,22 @@ def _state_snapshot(ctx, phase: str) -> Dict[str, Any]:
                 snap[name] = bits(getattr(ctx, name)[:stop])
         for key, value in ctx.active_attn_metadata["mha_metadata"].state_data.items():
             snap[f"mha:{key}"] = bits(value) if isinstance(value, torch.Tensor) else value
+        snap["decode_only"] = ctx.is_decode_only()
     return snap
+
+
+def _bound_of_decode_max_seqlen_k(mine: Dict[str, Any], theirs: Dict[str, Any], ctx) -> None:
+    """0.16: in a decode-only step the extension's metadata reports megatron-core's graphed
+    metadata's bound, ``max_sequence_length``, where the non-graphed one reads the exact maximum
+    back; drop that one integer from both records after checking it."""
+    if UPSTREAM_HAS_ACTIVE_SLICES or mine["phase"] != "initialize_attention_state":
+        return
+    if not mine["decode_only"]:
+        return
+    assert mine["mha:max_seqlen_k"] == ctx.max_sequence_length
+    assert theirs["mha:max_seqlen_k"] <= ctx.max_sequence_length
+    assert mine["mha:max_seqlen_q"] == theirs["mha:max_seqlen_q"] == 1
+    del mine["mha:max_seqlen_k"], theirs["mha:max_seqlen_k"]
 
 
 def _counts_only(ctx) -> Dict[str, int]:
@@ -675,6 +718,7 @@ def test_extension_state_matches_stock_megatron_core(overrides, driver_kwargs, r
 
     assert len(ext_snaps) == len(stock_snaps) > steps
     for index, (mine, theirs) in enumerate(zip(ext_snaps, stock_snaps)):
+        _bound_of_decode_max_seqlen_k(mine, theirs, ext)
         assert mine == theirs, f"state differs from megatron-core's at record {index}"
     seen = ext_driver.seen
     assert seen == stock_driver.seen
