@@ -54,12 +54,12 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_ext.bench.static_inference import SIZES, run_static_mla, static_mla_table
-from megatron_ext.bench.stats import paired_ratio_interval
+from megatron_ext.bench.stats import ratio_interval, step_paired_ratio
 
 VARIANTS = ("stock", "ext-eager", "ext-graphed")
 
@@ -452,6 +452,56 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def step_engines(
+    stacks: Dict[str, Tuple[Any, Any]], order: Sequence[str], alternate: bool = True
+) -> Dict[str, List[Tuple[float, int]]]:
+    """Step engines until every one has finished its requests: alternately (each engine in
+    ``order`` once per turn, every step synchronised), or one engine's batch after the other's
+    without synchronising between steps (so a schedule that overlaps step ``n + 1``'s host work
+    with step ``n``'s GPU work keeps that overlap).
+
+    Args:
+        stacks (Dict[str, Tuple[Any, Any]]): per name, a ``DynamicInferenceEngine`` and its
+            context.
+        order (Sequence[str]): the names, in the order they are stepped.
+        alternate (bool): step alternately (True) or batch after batch.
+
+    Returns:
+        Dict[str, List[Tuple[float, int]]]: per name, ``(seconds, active requests)`` of each
+        decode step (no waiting request, decode-only context).
+    """
+    decode: Dict[str, List[Tuple[float, int]]] = {name: [] for name in order}
+    cuda = torch.cuda.is_available()
+
+    def step(name: str, synchronize: bool) -> None:
+        engine, context = stacks[name]
+        is_decode = not engine.waiting_request_ids and context.is_decode_only()
+        active = context.total_request_count - context.paused_request_count
+        if cuda and synchronize:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step_modern()
+        if cuda and synchronize:
+            torch.cuda.synchronize()
+        if is_decode and active > 0:
+            decode[name].append((time.perf_counter() - start, active))
+
+    if alternate:
+        while any(stacks[name][0].has_unfinished_requests() for name in order):
+            for name in order:
+                if stacks[name][0].has_unfinished_requests():
+                    step(name, synchronize=True)
+        return decode
+    for name in order:
+        if cuda:
+            torch.cuda.synchronize()
+        while stacks[name][0].has_unfinished_requests():
+            step(name, synchronize=False)
+    if cuda:
+        torch.cuda.synchronize()
+    return decode
+
+
 def _engine_rows(
     requests: int, model_name: str, sampling: str, schedule: str, args: argparse.Namespace
 ) -> List[Dict[str, Any]]:
@@ -463,11 +513,17 @@ def _engine_rows(
     attention gathers every block a request may own, so a longer bound would time that gather
     rather than the step.
 
-    Both engines are built first (the same weights: one seed); then each round runs one batch of
-    ``requests`` requests to completion on each engine in turn (the order alternates), after one
-    discarded warm-up batch per engine (it captures the extension's graphs). A batch's figure is
-    its median decode step; a row's is the median over rounds, with min and max; the off/on ratio
-    is the geometric mean of the paired per-round ratios with a 95% bootstrap interval.
+    Both engines are built first (the same weights: one seed); then each round gives both the same
+    batch of ``requests`` requests and, in the legacy schedule, steps them alternately, one
+    synchronised engine step each in turn (which goes first alternates between rounds), after one
+    discarded warm-up round. The two engines produce the same tokens, so their decode steps pair
+    one to one with equal active counts; a round's ratio is the median of its paired step-time
+    ratios (:func:`megatron_ext.bench.stats.step_paired_ratio`), which a slow phase of the
+    machine lasting a whole batch cannot bias. In the async schedule the two batches run one
+    after the other, unsynchronised, so that its overlap across steps is kept; its pairs are
+    then a batch apart (see :func:`step_engines`). Tokens/s of a round is its median active
+    count over its median decode step; a row's is the median over rounds, with min and max; the
+    off/on ratio is the geometric mean of the rounds' ratios with a 95% bootstrap interval.
     """
     from types import SimpleNamespace
 
@@ -506,38 +562,46 @@ def _engine_rows(
             ext_inference.disable_static_active_slices()
     next_id = [0]
 
-    def run_batch(mode: str) -> Tuple[float, float, int]:
-        engine, context, _ = engines[mode]
+    def run_round(order: Tuple[str, str]) -> Dict[str, List[Tuple[float, int]]]:
+        """One batch of ``requests`` on each engine, the two stepped alternately in ``order``;
+        each engine's ``(seconds, active requests)`` per decode step."""
         gen = torch.Generator().manual_seed(0)
-        for _ in range(requests):
-            tokens = torch.randint(0, sizes.vocab_size - 1, (prompt,), generator=gen).tolist()
-            params = SamplingParams(
-                num_tokens_to_generate=generate, termination_id=-1, **ENGINE_SAMPLING[sampling]
-            )
-            engine.add_request(next_id[0], tokens, params)
-            next_id[0] += 1
-        decode: List[Tuple[float, int]] = []
+        prompts = [
+            torch.randint(0, sizes.vocab_size - 1, (prompt,), generator=gen).tolist()
+            for _ in range(requests)
+        ]
+        for mode in order:
+            engine = engines[mode][0]
+            for tokens in prompts:
+                params = SamplingParams(
+                    num_tokens_to_generate=generate, termination_id=-1, **ENGINE_SAMPLING[sampling]
+                )
+                engine.add_request(next_id[0], tokens, params)
+                next_id[0] += 1
         with allow_dynamic_inference_without_flash_attn():
-            while engine.has_unfinished_requests():
-                is_decode = not engine.waiting_request_ids and context.is_decode_only()
-                active = context.total_request_count - context.paused_request_count
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                engine.step_modern()
-                torch.cuda.synchronize()
-                if is_decode and active > 0:
-                    decode.append((time.perf_counter() - start, active))
-        step = statistics.median(t for t, _ in decode)
-        active = statistics.median(n for _, n in decode)
-        return step, active, len(decode)
+            # Legacy steps end in a synchronisation anyway; async ones overlap across steps.
+            return step_engines(
+                {mode: engines[mode][:2] for mode in order},
+                order,
+                alternate=schedule == "legacy",
+            )
 
-    for mode in ("off", "on"):
-        run_batch(mode)  # warm-up, discarded
+    run_round(("off", "on"))  # warm-up, discarded (captures the extension's graphs)
     runs: Dict[str, List[Tuple[float, float, int]]] = {"off": [], "on": []}
+    paired: List[Dict[str, float]] = []
     for round_index in range(args.engine_repeats):
         order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-        for mode in order:
-            runs[mode].append(run_batch(mode))
+        decode = run_round(order)
+        for mode in ("off", "on"):
+            steps = decode[mode]
+            runs[mode].append(
+                (
+                    statistics.median(t for t, _ in steps),
+                    statistics.median(n for _, n in steps),
+                    len(steps),
+                )
+            )
+        paired.append(step_paired_ratio(decode["off"], decode["on"]))
     rows = []
     for mode in ("off", "on"):
         _, context, controller = engines[mode]
@@ -557,6 +621,14 @@ def _engine_rows(
                 "decode_tokens_per_s": statistics.median(tokens_per_s),
                 "decode_tokens_per_s_spread": _spread(tokens_per_s),
                 "decode_tokens_per_s_rounds": tokens_per_s,
+                **(
+                    {
+                        "step_paired_ratio_rounds": [p["ratio"] for p in paired],
+                        "unpaired_steps": sum(p["unpaired"] for p in paired),
+                    }
+                    if mode == "on"
+                    else {}
+                ),
                 "context_class": type(context).__name__,
                 "controller_class": type(controller).__name__,
                 "attention": "TorchPagedSelfAttention (plain-torch paged KV, megatron_ext.testing)",
@@ -654,17 +726,19 @@ def _engine_ratio(
     rows: List[Dict[str, Any]], key: Tuple[str, str, int, str]
 ) -> Optional[Dict[str, float]]:
     """Decode tokens/s on over off in one (model, sampling, requests, schedule) configuration: the
-    geometric
-    mean of the paired per-round ratios, with its 95% bootstrap interval
-    (:func:`megatron_ext.bench.stats.paired_ratio_interval`)."""
+    geometric mean of the per-round ratios (step-paired where the rows have them), with its 95%
+    bootstrap interval (:func:`megatron_ext.bench.stats.ratio_interval`)."""
     pair = {r["mode"]: r for r in rows if _engine_key(r) == key}
     if "off" not in pair or "on" not in pair:
         return None
-    off, on = pair["off"]["decode_tokens_per_s_rounds"], pair["on"]["decode_tokens_per_s_rounds"]
-    if len(off) < 2:
-        per_round = [b / a for a, b in zip(off, on)]
+    per_round = pair["on"].get("step_paired_ratio_rounds")
+    if per_round is None:
+        # Rows of batches run one after the other: pair the rounds' throughputs.
+        off = pair["off"]["decode_tokens_per_s_rounds"]
+        per_round = [b / a for a, b in zip(off, pair["on"]["decode_tokens_per_s_rounds"])]
+    if len(per_round) < 2:
         return {"speedup": per_round[0], "round_min": per_round[0], "round_max": per_round[0]}
-    interval = paired_ratio_interval(off, on)
+    interval = ratio_interval(per_round)
     return {"speedup": interval.pop("ratio"), **interval}
 
 
@@ -901,9 +975,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
             + "; bf16, attention TorchPagedSelfAttention (plain torch, paged KV); sampling "
             + "; ".join(f"{k} {v}" for k, v in ENGINE_SAMPLING.items() if k in args.sampling)
-            + f"; off/on interleaved, {args.engine_repeats} rounds after one discarded warm-up "
-            "batch per engine; speedup: geometric mean of the paired per-round ratios, 95% "
-            "bootstrap interval (its half-width against the 3% target)"
+            + f"; {args.engine_repeats} rounds after one discarded warm-up round, each the same "
+            "batch on both engines, stepped alternately with every step synchronised (legacy "
+            "schedule) or batch after batch unsynchronised (async); a round's ratio: median of "
+            "its paired decode-step time ratios; speedup: geometric mean of the rounds' ratios, "
+            "95% bootstrap interval (its half-width against the 3% target)"
         )
         print(_engine_table(report["engine_rows"]))
     if report.get("static_mla_rows"):

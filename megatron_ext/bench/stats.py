@@ -2,58 +2,49 @@
 
 """Confidence intervals for the benchmarks' off/on ratios.
 
-The benchmarks measure the two variants in interleaved rounds (off, on, on, off, ...), so round
-``i`` of each variant ran back to back on the same machine state: the rounds are paired, and the
-drift of the machine between rounds cancels in the per-round ratio. :func:`paired_ratio_interval`
-summarises those ratios by their geometric mean and a bootstrap percentile interval of it
-(resampling whole rounds), and says how wide the interval is, so a report can state whether a
-measured ratio is settled or needs more rounds.
+The benchmarks measure the two variants in interleaved rounds, so each round yields one off/on
+ratio from figures taken on the same machine state, and the drift of the machine between rounds
+cancels in it. :func:`step_paired_ratio` forms a round's ratio from two engines stepped
+alternately; :func:`ratio_interval` summarises the rounds' ratios by their geometric mean and a
+bootstrap percentile interval of it (resampling whole rounds), and says how wide the interval is,
+so a report can state whether a measured ratio is settled or needs more rounds.
 """
 
 import math
 import random
 import statistics
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
-__all__ = ["paired_ratio_interval"]
+__all__ = ["ratio_interval", "step_paired_ratio"]
 
 
-def paired_ratio_interval(
-    baseline: Sequence[float],
-    candidate: Sequence[float],
-    confidence: float = 0.95,
-    resamples: int = 4000,
-    seed: int = 0,
+def ratio_interval(
+    ratios: Sequence[float], confidence: float = 0.95, resamples: int = 4000, seed: int = 0
 ) -> Dict[str, float]:
-    """The ratio ``candidate / baseline`` over paired rounds, with a confidence interval.
+    """The geometric mean of per-round ratios with a bootstrap percentile interval.
 
     Args:
-        baseline: one figure per round (e.g. tokens/s with the extension off).
-        candidate: the same rounds' figures for the other variant, in the same order.
+        ratios: one positive ratio per round.
         confidence: coverage of the interval, in (0, 1).
         resamples: bootstrap resamples of the rounds.
-        seed: seed of the resampling (the interval is reproducible).
+        seed: seed of the resampling.
 
     Returns:
-        Dict[str, float]: ``ratio`` (geometric mean of the per-round ratios), ``low`` and
-        ``high`` (the interval), ``half_width`` (half the interval's width over ``ratio``),
-        ``round_min``/``round_max`` (the extreme per-round ratios) and ``rounds``.
+        Dict[str, float]: ``ratio`` (geometric mean of the ratios), ``low`` and ``high`` (the
+        interval), ``half_width`` (half the interval's width over ``ratio``),
+        ``round_min``/``round_max`` (the extreme ratios) and ``rounds``.
 
     Raises:
-        ValueError: for rounds of different counts, fewer than two rounds, a figure that is not
-            positive, or a confidence outside (0, 1).
+        ValueError: for fewer than two rounds, a ratio that is not positive, or a confidence
+            outside (0, 1).
     """
-    if len(baseline) != len(candidate):
-        raise ValueError(
-            f"paired rounds needed: {len(baseline)} baseline, {len(candidate)} candidate"
-        )
-    if len(baseline) < 2:
-        raise ValueError(f"an interval needs at least 2 rounds, got {len(baseline)}")
+    if len(ratios) < 2:
+        raise ValueError(f"an interval needs at least 2 rounds, got {len(ratios)}")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    if min(baseline) <= 0 or min(candidate) <= 0:
-        raise ValueError("round figures must be positive (a rate or a time)")
-    logs = [math.log(c / b) for b, c in zip(baseline, candidate)]
+    if min(ratios) <= 0:
+        raise ValueError("ratios must be positive")
+    logs = [math.log(r) for r in ratios]
     rng = random.Random(seed)
     means = sorted(
         statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(max(1, resamples))
@@ -70,4 +61,39 @@ def paired_ratio_interval(
         "round_min": math.exp(min(logs)),
         "round_max": math.exp(max(logs)),
         "rounds": float(len(logs)),
+    }
+
+
+def step_paired_ratio(
+    baseline: Sequence[Tuple[float, int]], candidate: Sequence[Tuple[float, int]]
+) -> Dict[str, float]:
+    """One round's ratio of two engines stepped alternately: step ``i`` of each ran back to back
+    on the same machine state with the same number of active requests, so each pair's time ratio
+    is free of the drift that separates batches run one after the other.
+
+    Args:
+        baseline: ``(seconds, active requests)`` per decode step (extension off).
+        candidate: the same for the other engine, in step order.
+
+    Returns:
+        Dict[str, float]: ``ratio`` (median over the pairs of baseline time / candidate time:
+        the candidate's throughput relative to the baseline's), ``pairs`` (steps paired) and
+        ``unpaired`` (steps without a partner of the same active count).
+
+    Raises:
+        ValueError: if no step pairs, or a time is not positive.
+    """
+    ratios = []
+    for (base_time, base_active), (cand_time, cand_active) in zip(baseline, candidate):
+        if base_active != cand_active:
+            continue
+        if base_time <= 0 or cand_time <= 0:
+            raise ValueError("step times must be positive")
+        ratios.append(base_time / cand_time)
+    if not ratios:
+        raise ValueError("no decode step of the two engines has the same active request count")
+    return {
+        "ratio": statistics.median(ratios),
+        "pairs": float(len(ratios)),
+        "unpaired": float(max(len(baseline), len(candidate)) - len(ratios)),
     }

@@ -98,3 +98,51 @@ def test_engine_model_parameter_counts():
     built = sum(p.numel() for p in model.parameters())
     assert inference.engine_model_parameters("small") == built
     assert 0.9e9 < inference.engine_model_parameters("1b") < 1.2e9
+
+
+class _FakeEngine:
+    """Counts down a batch: the first step is a prefill, then decode steps with fewer and fewer
+    active requests; records the global order of steps."""
+
+    def __init__(self, name, steps, log):
+        self.name, self.left, self.log = name, steps, log
+        self.waiting_request_ids = []
+        self.total_request_count, self.paused_request_count = steps, 0
+        self.first = True
+
+    def has_unfinished_requests(self):
+        return self.left > 0
+
+    def is_decode_only(self):
+        return not self.first
+
+    def step_modern(self):
+        self.log.append(self.name)
+        self.first = False
+        self.left -= 1
+        self.total_request_count = self.left
+
+
+def test_engines_step_alternately_or_batch_after_batch():
+    log = []
+    off, on = _FakeEngine("off", 3, log), _FakeEngine("on", 4, log)
+    stacks = {"off": (off, off), "on": (on, on)}  # each fake is its own context
+    decode = inference.step_engines(stacks, ("on", "off"))
+    assert log == ["on", "off", "on", "off", "on", "off", "on"]
+    # The first step of each is a prefill; the others are decode steps with their active counts.
+    assert [n for _, n in decode["off"]] == [2, 1] and [n for _, n in decode["on"]] == [3, 2, 1]
+    assert all(t >= 0 for t, _ in decode["off"] + decode["on"])
+    log.clear()
+    off, on = _FakeEngine("off", 3, log), _FakeEngine("on", 3, log)
+    stacks = {"off": (off, off), "on": (on, on)}
+    inference.step_engines(stacks, ("off", "on"), alternate=False)
+    assert log == ["off"] * 3 + ["on"] * 3
+
+
+def test_step_paired_rounds_decide_the_engine_ratio():
+    """Rows that carry step-paired round ratios are judged by those, not by the rounds'
+    throughputs (which a slow batch would tilt)."""
+    rows = _rows([100, 50, 100, 100], [120, 120, 60, 120])
+    rows[1]["step_paired_ratio_rounds"] = [1.2, 1.2, 1.2, 1.2]
+    value = inference._engine_ratio(rows, SMALL_256)
+    assert value["speedup"] == pytest.approx(1.2) and value["half_width"] == pytest.approx(0.0)
