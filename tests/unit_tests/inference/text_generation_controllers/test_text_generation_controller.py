@@ -570,6 +570,23 @@ def test_engine_graphed_equals_eager_and_megatron_core():
 
 
 @pytest.mark.gpu
+def test_engine_with_the_context_bookkeeping_run_eagerly_equals_graphed():
+    """0.16: ``cuda_graph_active_slices = False`` (the slices and the attention metadata written
+    by launches, not replays) gives the same tokens and log-probs with graphed sampling."""
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        pytest.skip("megatron-core 0.19 builds the slices and the metadata on the host")
+    for mode in ("greedy", "top_p_log_probs"):
+        requests = random_requests(40, seed=33, **_plans()[mode])
+        graphed, _ = engine_outputs(True, requests)
+        stack = make_stack(extension=True)
+        stack.context.cuda_graph_active_slices = False
+        eager, _ = run_engine(build_engine(stack), requests)
+        assert eager == graphed, mode
+        assert stack.context._slices_graph is None
+        assert stack.context.non_graph_attn_metadata["mha_metadata"]._update_graph is None
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(_plans()))
 def test_region_does_not_synchronize(mode):
     stack = make_stack(max_requests=16)
