@@ -70,7 +70,9 @@ class DeviceCountsMHAMetadataMixin:
         self._update_graph = None
         self._reset_graph = None
 
-    def _decode_rows_source(self, query_lengths: Tensor, kv_offsets: Tensor, block_ids: Tensor):
+    def _decode_rows_source(
+        self, query_lengths: Tensor, kv_offsets: Tensor, block_ids: Tensor
+    ) -> Optional[Any]:
         """The bound context when the three views are its request tensors from the paused row on
         (what its ``initialize_attention_state`` passes), else None."""
         context = self._context_ref() if self._context_ref is not None else None
