@@ -376,20 +376,20 @@ class StaticSlicesControllerBase(TextGenerationController):
 
         # Device-side check that the plan covers every real row (padding rows have request id
         # -1), so that the plan is an optimisation, never a correctness assumption.
+        # Only the masks the plan needs: run eagerly, each is a launch.
         real = request_ids >= 0
-        greedy = top_k == 1
-        unfiltered = (top_k < 1) & (top_p <= 0)
-        nucleus = (top_k < 1) & (top_p > 0)
         if not plan.sample:
-            missed = ~greedy
+            missed = top_k != 1
         else:
             missed = top_k > plan.top_k_cap
             if not plan.greedy:
-                missed = missed | greedy
-            if not plan.top_p:
-                missed = missed | nucleus
-            if not plan.full_vocab:
-                missed = missed | unfiltered
+                missed = missed | (top_k == 1)
+            if not (plan.top_p and plan.full_vocab):
+                unbounded = top_k < 1
+                if not plan.top_p:
+                    missed = missed | (unbounded & (top_p > 0))
+                if not plan.full_vocab:
+                    missed = missed | (unbounded & (top_p <= 0))
         if not plan.log_probs:
             missed = missed | wants_log_probs | (top_n > 0)
         out["plan_violation"].copy_((missed & real).sum(dtype=torch.int32).reshape(1))

@@ -389,6 +389,61 @@ def test_plan_violation_is_detected_and_recomputed(caplog):
     assert float(host["log_probs"][2]) == float(expected_lp)
 
 
+# One request of each kind the plan check tells apart.
+_ROW_KINDS = {
+    "greedy": dict(top_k=1),
+    "top_k_within_cap": dict(top_k=3, temperature=0.7),
+    "top_k_over_cap": dict(top_k=20, temperature=0.7),
+    "nucleus": dict(top_k=0, top_p=0.9, temperature=0.7),
+    "whole_vocab": dict(top_k=0, top_p=0.0, temperature=0.7),
+    "greedy_log_probs": dict(top_k=1, return_log_probs=True),
+    "greedy_top_n": dict(top_k=1, return_log_probs=True, top_n_logprobs=2),
+}
+
+
+def _plan_misses(plan: SamplingPlan, kind: str) -> bool:
+    """Whether ``plan`` leaves out what a request of ``kind`` needs (the rule, written out)."""
+    top_k = _ROW_KINDS[kind]["top_k"]
+    top_p = _ROW_KINDS[kind].get("top_p", 0.0)
+    wants = _ROW_KINDS[kind].get("return_log_probs", False)
+    if not plan.sample:
+        missed = top_k != 1
+    else:
+        missed = (top_k > plan.top_k_cap) or (top_k == 1 and not plan.greedy)
+        missed = missed or (top_k < 1 and top_p > 0 and not plan.top_p)
+        missed = missed or (top_k < 1 and top_p <= 0 and not plan.full_vocab)
+    return missed or (wants and not plan.log_probs)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        SamplingPlan(greedy=True),
+        SamplingPlan(greedy=True, log_probs=True),
+        SamplingPlan(sample=True, top_k_cap=4),
+        SamplingPlan(sample=True, top_k_cap=4, greedy=True),
+        SamplingPlan(sample=True, top_k_cap=32, greedy=True, log_probs=True),
+        SamplingPlan(sample=True, top_p=True),
+        SamplingPlan(sample=True, full_vocab=True, log_probs=True),
+        SamplingPlan(sample=True, top_k_cap=4, top_p=True, full_vocab=True),
+        SamplingPlan(sample=True, top_k_cap=32, top_p=True, greedy=True, full_vocab=True),
+    ],
+    ids=lambda plan: ",".join(k for k, v in plan.__dict__.items() if v) or "empty",
+)
+def test_plan_check_counts_exactly_the_rows_a_plan_leaves_out(plan):
+    """The region's device-side check counts every real row whose needs the plan leaves out
+    (each kind of request against each kind of plan), and no padding row."""
+    kinds = list(_ROW_KINDS)
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [_ROW_KINDS[kind] for kind in kinds])
+    controller = stack.controller
+    rows = prepare_region(stack, torch.randn(len(kinds), VOCAB, device=_device()))
+    stack.context.extend_active_padding(rows + 3)
+    controller.run_graph_safe_step(rows + 3, plan, use_cuda_graph=False)
+    expected = sum(_plan_misses(plan, kind) for kind in kinds)
+    assert int(controller.step_outputs["plan_violation"][0]) == expected
+
+
 # ------------------------------------------------------------------------------ wiring
 
 
