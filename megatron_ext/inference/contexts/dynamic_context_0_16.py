@@ -25,7 +25,7 @@ from torch import Tensor
 from megatron_ext.inference.contexts.attention_context.mha_metadata_0_16 import (
     with_device_counts,
 )
-from megatron_ext.inference.contexts.graph_replay import replay_or_run
+from megatron_ext.inference.contexts.graph_replay import DeviceCounts, replay_or_run
 from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
@@ -105,10 +105,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         # numbers, and the copied fields grouped by element width (gathered as raw bits, one
         # gather per group). The sources are megatron-core's tensors, allocated with ours and
         # never rebound until the next allocation, which also drops the graph captured over them.
-        self._slice_counts = torch.zeros(4, dtype=torch.int64, device=device)
-        # What _slice_counts holds, so that a call fills only the counts that changed (in steady
-        # decoding, none: the paused and active counts rarely move).
-        self._slice_counts_written = [0, 0, 0, 0]
+        self._slice_counts = DeviceCounts(4, device)
         self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
         copied = list(zip(statics, templates, self._slice_sources()))
         groups = {}
@@ -207,21 +204,18 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         """Rows ``[0, copy)`` of each static copy from rows ``paused..`` of its source, rows
         ``[pad_start, pad_stop)`` neutral, the others unchanged (``copy <= pad_start`` where both
         are given). Replays the one graph of :meth:`_write_slices_from_device_counts` on CUDA."""
-        for index, value in enumerate((paused, copy, pad_start, pad_stop)):
-            if self._slice_counts_written[index] != value:
-                self._slice_counts[index].fill_(value)
-                self._slice_counts_written[index] = value
+        self._slice_counts.write(paused, copy, pad_start, pad_stop)
         self._slices_graph = replay_or_run(
             self._write_slices_from_device_counts,
             self._slices_graph,
-            self._slice_counts.device,
+            self._slice_counts.tensor.device,
             self.cuda_graph_active_slices,
         )
 
     def _write_slices_from_device_counts(self) -> None:
         """GRAPH-SAFE body of :meth:`_write_slices`: every shape is ``max_requests`` rows, and
         the counts are read from ``_slice_counts`` on the device."""
-        paused, copy, pad_start, pad_stop = self._slice_counts.unbind(0)
+        paused, copy, pad_start, pad_stop = self._slice_counts.tensor.unbind(0)
         rows = self._row_numbers
         copied = rows < copy
         padded = (rows >= pad_start) & (rows < pad_stop)

@@ -2,9 +2,26 @@
 
 """Replaying a fixed-shape piece of bookkeeping from a CUDA graph captured on first use."""
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
+from torch import Tensor
+
+
+class DeviceCounts:
+    """Integers a captured graph reads from the device, with a host copy of what they hold so
+    that a call fills only the ones that changed (in steady decoding, usually none)."""
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.tensor: Tensor = torch.zeros(count, dtype=torch.int64, device=device)
+        self._written: List[int] = [0] * count
+
+    def write(self, *values: int) -> None:
+        """Set the counts (one value each, in order); no host synchronisation."""
+        for index, value in enumerate(values):
+            if self._written[index] != value:
+                self.tensor[index].fill_(value)
+                self._written[index] = value
 
 
 def capture_graph(body: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":

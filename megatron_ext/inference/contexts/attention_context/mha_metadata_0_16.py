@@ -24,7 +24,7 @@ from megatron.core.inference.contexts.attention_context.mha_metadata import (
 )
 from torch import Tensor
 
-from megatron_ext.inference.contexts.graph_replay import replay_or_run
+from megatron_ext.inference.contexts.graph_replay import DeviceCounts, replay_or_run
 
 __all__ = [
     "DeviceCountsGraphedMHAMetadata",
@@ -42,11 +42,12 @@ class DeviceCountsMHAMetadataMixin:
     synchronisation, fixed shapes): ``update`` in decode-only steps and ``reset``.
     """
 
-    def _init_device_counts(self) -> None:
-        # [paused, real, padded] request counts, on the device, and what they hold.
-        self._counts = torch.zeros(3, dtype=torch.int64, device=self._block_table_buf.device)
-        self._counts_written = [0, 0, 0]
-        self._rows = torch.arange(self.max_bs, dtype=torch.int64, device=self._counts.device)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        device = self._block_table_buf.device
+        # [paused, real, padded] request counts.
+        self._counts = DeviceCounts(3, device)
+        self._rows = torch.arange(self.max_bs, dtype=torch.int64, device=device)
         self._context_ref: Optional[Callable[[], Any]] = None
         self._update_graph: Optional["torch.cuda.CUDAGraph"] = None
         self._reset_graph: Optional["torch.cuda.CUDAGraph"] = None
@@ -145,14 +146,11 @@ class DeviceCountsMHAMetadataMixin:
                     f"attention metadata: a request view has {view.shape[0]} rows, the step has "
                     f"{real} requests"
                 )
-        for index, value in enumerate((context.paused_request_count, real, padded)):
-            if self._counts_written[index] != value:
-                self._counts[index].fill_(value)
-                self._counts_written[index] = value
+        self._counts.write(context.paused_request_count, real, padded)
         self._update_graph = replay_or_run(
             lambda: self._write_decode_buffers(context),
             self._update_graph,
-            self._counts.device,
+            self._counts.tensor.device,
             self._use_graph(),
         )
         # megatron-core's graphed update reports these two; its decode attention reads neither.
@@ -173,7 +171,7 @@ class DeviceCountsMHAMetadataMixin:
         """GRAPH-SAFE: rows ``[0, real)`` of the buffers from the context's rows ``paused..``,
         rows ``[real, padded)`` padded as megatron-core pads them, later rows unchanged; the
         cumulative buffers' entry 0 is 0 and their padding repeats the total."""
-        paused, real, padded = self._counts.unbind(0)
+        paused, real, padded = self._counts.tensor.unbind(0)
         rows = self._rows
         copied = rows < real
         live = rows < padded
@@ -198,7 +196,7 @@ class DeviceCountsMHAMetadataMixin:
         self._reset_graph = replay_or_run(
             lambda: MHAMetadata.reset(self),
             self._reset_graph,
-            self._counts.device,
+            self._counts.tensor.device,
             self._use_graph(),
         )
         # Host-side part of megatron-core's reset, which a replay does not repeat.
@@ -209,17 +207,9 @@ class DeviceCountsMHAMetadataMixin:
 class DeviceCountsGraphedMHAMetadata(DeviceCountsMHAMetadataMixin, GraphedMHAMetadata):
     """megatron-core's ``GraphedMHAMetadata`` with :class:`DeviceCountsMHAMetadataMixin`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_device_counts()
-
 
 class DeviceCountsNonGraphedMHAMetadata(DeviceCountsMHAMetadataMixin, NonGraphedMHAMetadata):
     """megatron-core's ``NonGraphedMHAMetadata`` with :class:`DeviceCountsMHAMetadataMixin`."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_device_counts()
 
 
 _REPLACEMENTS: Dict[Type[MHAMetadata], Type[MHAMetadata]] = {
