@@ -452,58 +452,77 @@ def _cpu_sanity(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+# Steps of one engine per turn under megatron-core 0.19's async schedule: inside a turn step
+# ``n + 1``'s host work still overlaps step ``n``'s GPU work; only the turn's edges synchronise.
+ASYNC_STEPS_PER_TURN = 8
+
+
 def step_engines(
-    stacks: Dict[str, Tuple[Any, Any]], order: Sequence[str], alternate: bool = True
-) -> Dict[str, List[Tuple[float, int]]]:
-    """Step engines until every one has finished its requests: alternately (each engine in
-    ``order`` once per turn, every step synchronised), or one engine's batch after the other's
-    without synchronising between steps (so a schedule that overlaps step ``n + 1``'s host work
-    with step ``n``'s GPU work keeps that overlap).
+    stacks: Dict[str, Tuple[Any, Any]], order: Sequence[str], steps_per_turn: int = 1
+) -> Dict[str, List[Tuple[float, int, int]]]:
+    """Step engines in turns until every one has finished its requests: each turn runs up to
+    ``steps_per_turn`` steps of each engine in ``order``, synchronised before and after the turn
+    and not between its steps. A step that is not a decode step (a prefill, or a step while
+    requests wait) runs as a turn of its own and is not recorded, so engines given the same
+    requests make the same turns, which pair one to one.
 
     Args:
         stacks (Dict[str, Tuple[Any, Any]]): per name, a ``DynamicInferenceEngine`` and its
             context.
         order (Sequence[str]): the names, in the order they are stepped.
-        alternate (bool): step alternately (True) or batch after batch.
+        steps_per_turn (int): decode steps per engine per turn (1: every step synchronised).
 
     Returns:
-        Dict[str, List[Tuple[float, int]]]: per name, ``(seconds, active requests)`` of each
-        decode step (no waiting request, decode-only context).
+        Dict[str, List[Tuple[float, int, int]]]: per name, ``(seconds, tokens, steps)`` of each
+        turn of decode steps, where tokens is the sum of the steps' active request counts.
     """
-    decode: Dict[str, List[Tuple[float, int]]] = {name: [] for name in order}
+    if steps_per_turn < 1:
+        raise ValueError(f"steps_per_turn must be at least 1, got {steps_per_turn}")
+    turns: Dict[str, List[Tuple[float, int, int]]] = {name: [] for name in order}
     cuda = torch.cuda.is_available()
 
-    def step(name: str, synchronize: bool) -> None:
-        engine, context = stacks[name]
-        is_decode = not engine.waiting_request_ids and context.is_decode_only()
-        active = context.total_request_count - context.paused_request_count
-        if cuda and synchronize:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step_modern()
-        if cuda and synchronize:
-            torch.cuda.synchronize()
-        if is_decode and active > 0:
-            decode[name].append((time.perf_counter() - start, active))
-
-    if alternate:
-        while any(stacks[name][0].has_unfinished_requests() for name in order):
-            for name in order:
-                if stacks[name][0].has_unfinished_requests():
-                    step(name, synchronize=True)
-        return decode
-    for name in order:
+    def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
-        while stacks[name][0].has_unfinished_requests():
-            step(name, synchronize=False)
-    if cuda:
-        torch.cuda.synchronize()
-    return decode
+
+    def decode_active(name: str) -> int:
+        """Active requests of the next step if it is a decode step, else 0."""
+        engine, context = stacks[name]
+        if engine.waiting_request_ids or not context.is_decode_only():
+            return 0
+        return context.total_request_count - context.paused_request_count
+
+    def turn(name: str) -> None:
+        engine = stacks[name][0]
+        tokens = steps = 0
+        sync()
+        start = time.perf_counter()
+        while steps < steps_per_turn and engine.has_unfinished_requests():
+            active = decode_active(name)
+            if active == 0 and steps > 0:
+                break  # ends the turn before a step that is not a decode step
+            engine.step_modern()
+            if active == 0:
+                sync()
+                return
+            tokens, steps = tokens + active, steps + 1
+        sync()
+        turns[name].append((time.perf_counter() - start, tokens, steps))
+
+    while any(stacks[name][0].has_unfinished_requests() for name in order):
+        for name in order:
+            if stacks[name][0].has_unfinished_requests():
+                turn(name)
+    return turns
 
 
 def _engine_rows(
-    requests: int, model_name: str, sampling: str, schedule: str, args: argparse.Namespace
+    requests: int,
+    model_name: str,
+    sampling: str,
+    schedule: str,
+    args: argparse.Namespace,
+    models: Optional[Dict[str, Tuple[Any, Any]]] = None,
 ) -> List[Dict[str, Any]]:
     """Decode tokens per second of megatron-core's engine around a GPT of
     :data:`ENGINE_MODELS`, extension off and on, ``requests`` concurrent requests sampled as
@@ -513,17 +532,17 @@ def _engine_rows(
     attention gathers every block a request may own, so a longer bound would time that gather
     rather than the step.
 
-    Both engines are built first (the same weights: one seed); then each round gives both the same
-    batch of ``requests`` requests and, in the legacy schedule, steps them alternately, one
-    synchronised engine step each in turn (which goes first alternates between rounds), after one
-    discarded warm-up round. The two engines produce the same tokens, so their decode steps pair
-    one to one with equal active counts; a round's ratio is the median of its paired step-time
-    ratios (:func:`megatron_ext.bench.stats.step_paired_ratio`), which a slow phase of the
-    machine lasting a whole batch cannot bias. In the async schedule the two batches run one
-    after the other, unsynchronised, so that its overlap across steps is kept; its pairs are
-    then a batch apart (see :func:`step_engines`). Tokens/s of a round is its median active
-    count over its median decode step; a row's is the median over rounds, with min and max; the
-    off/on ratio is the geometric mean of the rounds' ratios with a 95% bootstrap interval.
+    Both engines are built first (the same weights: one seed; ``models`` keeps the two models
+    per model name for the next rows); then each round gives both the same batch of ``requests``
+    requests and steps them in turns (:func:`step_engines`; which goes first alternates between
+    rounds), after one discarded warm-up round: one synchronised step per engine per turn in the
+    legacy schedule, :data:`ASYNC_STEPS_PER_TURN` unsynchronised ones in the async schedule, so
+    that its overlap across steps is kept inside a turn. The two engines produce the same tokens,
+    so their turns pair one to one with equal token counts; a round's ratio is the median of its
+    paired turn-time ratios (:func:`megatron_ext.bench.stats.step_paired_ratio`), which a slow
+    phase of the machine lasting a whole batch cannot bias. Tokens/s of a round is its decode
+    tokens over its decode time; a row's is the median over rounds, with min and max; the off/on
+    ratio is the geometric mean of the rounds' ratios with a 95% bootstrap interval.
     """
     from types import SimpleNamespace
 
@@ -531,9 +550,13 @@ def _engine_rows(
 
     import megatron_ext.inference as ext_inference
     from megatron_ext.testing.small_gpt import build_small_gpt, build_small_gpt_engine
+    from megatron_ext.testing.synthetic import ensure_model_parallel
     from megatron_ext.testing.torch_paged_attention import (
         allow_dynamic_inference_without_flash_attn,
     )
+
+    # The bookkeeping rows, which set it up too, may have been skipped.
+    ensure_model_parallel()
 
     prompt, generate, block = 8, 24 if args.quick else 48, 16
     blocks_per_request = (prompt + generate + block) // block + 1
@@ -550,10 +573,18 @@ def _engine_rows(
         paused_kv_blocks=16,
     )
     dtype = torch.bfloat16
+    if models is None:
+        models = {}
+    if model_name not in models:
+        # Built on the CPU (megatron-core's deterministic initialisation): seconds per 1e9
+        # parameters, so once per model, not per row.
+        built = []
+        for _ in ("off", "on"):
+            torch.manual_seed(0)
+            built.append(build_small_gpt(sizes, dtype)[0])
+        models[model_name] = tuple(built)
     engines = {}
-    for mode in ("off", "on"):
-        torch.manual_seed(0)
-        model, _ = build_small_gpt(sizes, dtype)
+    for mode, model in zip(("off", "on"), models[model_name]):
         if mode == "on":
             ext_inference.enable_static_active_slices()
         try:
@@ -562,9 +593,11 @@ def _engine_rows(
             ext_inference.disable_static_active_slices()
     next_id = [0]
 
-    def run_round(order: Tuple[str, str]) -> Dict[str, List[Tuple[float, int]]]:
-        """One batch of ``requests`` on each engine, the two stepped alternately in ``order``;
-        each engine's ``(seconds, active requests)`` per decode step."""
+    steps_per_turn = 1 if schedule == "legacy" else ASYNC_STEPS_PER_TURN
+
+    def run_round(order: Tuple[str, str]) -> Dict[str, List[Tuple[float, int, int]]]:
+        """One batch of ``requests`` on each engine, the two stepped in turns in ``order``;
+        each engine's ``(seconds, tokens, steps)`` per turn of decode steps."""
         gen = torch.Generator().manual_seed(0)
         prompts = [
             torch.randint(0, sizes.vocab_size - 1, (prompt,), generator=gen).tolist()
@@ -580,32 +613,26 @@ def _engine_rows(
                 next_id[0] += 1
         with allow_dynamic_inference_without_flash_attn():
             # Legacy steps end in a synchronisation anyway; async ones overlap across steps.
-            return step_engines(
-                {mode: engines[mode][:2] for mode in order},
-                order,
-                alternate=schedule == "legacy",
-            )
+            return step_engines({mode: engines[mode][:2] for mode in order}, order, steps_per_turn)
 
     run_round(("off", "on"))  # warm-up, discarded (captures the extension's graphs)
     runs: Dict[str, List[Tuple[float, float, int]]] = {"off": [], "on": []}
     paired: List[Dict[str, float]] = []
     for round_index in range(args.engine_repeats):
         order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-        decode = run_round(order)
+        turns = run_round(order)
         for mode in ("off", "on"):
-            steps = decode[mode]
-            runs[mode].append(
-                (
-                    statistics.median(t for t, _ in steps),
-                    statistics.median(n for _, n in steps),
-                    len(steps),
-                )
-            )
-        paired.append(step_paired_ratio(decode["off"], decode["on"]))
+            seconds = sum(t for t, _, _ in turns[mode])
+            tokens = sum(n for _, n, _ in turns[mode])
+            steps = sum(k for _, _, k in turns[mode])
+            runs[mode].append((seconds / steps, tokens / seconds, steps))
+        paired.append(
+            step_paired_ratio(*([(t, n) for t, n, _ in turns[mode]] for mode in ("off", "on")))
+        )
     rows = []
     for mode in ("off", "on"):
         _, context, controller = engines[mode]
-        tokens_per_s = [active / step for step, active, _ in runs[mode]]
+        tokens_per_s = [rate for _, rate, _ in runs[mode]]
         rows.append(
             {
                 "mode": mode,
@@ -616,6 +643,7 @@ def _engine_rows(
                 "schedule": schedule,
                 "max_sequence_length": sizes.max_sequence_length,
                 "rounds": args.engine_repeats,
+                "steps_per_turn": steps_per_turn,
                 "decode_steps_per_round": statistics.median(n for _, _, n in runs[mode]),
                 "median_decode_step_ms": statistics.median(s for s, _, _ in runs[mode]) * 1e3,
                 "decode_tokens_per_s": statistics.median(tokens_per_s),
@@ -624,7 +652,7 @@ def _engine_rows(
                 **(
                     {
                         "step_paired_ratio_rounds": [p["ratio"] for p in paired],
-                        "unpaired_steps": sum(p["unpaired"] for p in paired),
+                        "unpaired_turns": sum(p["unpaired"] for p in paired),
                     }
                     if mode == "on"
                     else {}
@@ -848,11 +876,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             for sampling in args.sampling:
                 report["rows"] += _run_config(max_requests, sampling, args, cuda, variants)
         for model_name in args.engine_models:
+            models: Dict[str, Tuple[Any, Any]] = {}
             for sampling in args.sampling:
                 for requests in args.engine_requests:
                     for schedule in args.engine_schedules:
-                        report["engine_rows"] += _engine_rows(
-                            requests, model_name, sampling, schedule, args
+                        rows = _engine_rows(requests, model_name, sampling, schedule, args, models)
+                        report["engine_rows"] += rows
+                        # A run cut short by a time limit keeps what it finished.
+                        key = _engine_key(rows[-1])
+                        print(
+                            f"engine row done: {' '.join(map(str, key))}: "
+                            f"{_ratio_text(_engine_ratio(rows, key))}",
+                            flush=True,
                         )
     if args.static_mla_batches:
         report["static_mla_rows"] = run_static_mla(
@@ -976,10 +1011,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             + "; bf16, attention TorchPagedSelfAttention (plain torch, paged KV); sampling "
             + "; ".join(f"{k} {v}" for k, v in ENGINE_SAMPLING.items() if k in args.sampling)
             + f"; {args.engine_repeats} rounds after one discarded warm-up round, each the same "
-            "batch on both engines, stepped alternately with every step synchronised (legacy "
-            "schedule) or batch after batch unsynchronised (async); a round's ratio: median of "
-            "its paired decode-step time ratios; speedup: geometric mean of the rounds' ratios, "
-            "95% bootstrap interval (its half-width against the 3% target)"
+            "batch on both engines, stepped in alternating turns synchronised at their edges: "
+            f"one step per turn (legacy schedule), {ASYNC_STEPS_PER_TURN} unsynchronised steps "
+            "per turn (async); a round's ratio: median of its paired turn-time ratios; speedup: "
+            "geometric mean of the rounds' ratios, 95% bootstrap interval (its half-width "
+            "against the 3% target)"
         )
         print(_engine_table(report["engine_rows"]))
     if report.get("static_mla_rows"):

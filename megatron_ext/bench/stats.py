@@ -4,10 +4,10 @@
 
 The benchmarks measure the two variants in interleaved rounds, so each round yields one off/on
 ratio from figures taken on the same machine state, and the drift of the machine between rounds
-cancels in it. :func:`step_paired_ratio` forms a round's ratio from two engines stepped
-alternately; :func:`ratio_interval` summarises the rounds' ratios by their geometric mean and a
-bootstrap percentile interval of it (resampling whole rounds), and says how wide the interval is,
-so a report can state whether a measured ratio is settled or needs more rounds.
+cancels in it. :func:`step_paired_ratio` forms a round's ratio from two engines stepped in
+alternating turns; :func:`ratio_interval` summarises the rounds' ratios by their geometric mean
+and a bootstrap percentile interval of it (resampling whole rounds), and says how wide the
+interval is, so a report can state whether a measured ratio is settled or needs more rounds.
 """
 
 import math
@@ -67,31 +67,32 @@ def ratio_interval(
 def step_paired_ratio(
     baseline: Sequence[Tuple[float, int]], candidate: Sequence[Tuple[float, int]]
 ) -> Dict[str, float]:
-    """One round's ratio of two engines stepped alternately: step ``i`` of each ran back to back
-    on the same machine state with the same number of active requests, so each pair's time ratio
-    is free of the drift that separates batches run one after the other.
+    """One round's ratio of two engines stepped in alternating turns: turn ``i`` of each ran back
+    to back on the same machine state over the same work, so each pair's time ratio is free of
+    the drift that separates batches run one after the other.
 
     Args:
-        baseline: ``(seconds, active requests)`` per decode step (extension off).
-        candidate: the same for the other engine, in step order.
+        baseline: ``(seconds, work)`` per turn (extension off); work is what the turn did (the
+            tokens it decoded), which pairs the turns.
+        candidate: the same for the other engine, in turn order.
 
     Returns:
         Dict[str, float]: ``ratio`` (median over the pairs of baseline time / candidate time:
-        the candidate's throughput relative to the baseline's), ``pairs`` (steps paired) and
-        ``unpaired`` (steps without a partner of the same active count).
+        the candidate's throughput relative to the baseline's), ``pairs`` (turns paired) and
+        ``unpaired`` (turns without a partner of the same work).
 
     Raises:
-        ValueError: if no step pairs, or a time is not positive.
+        ValueError: if no turn pairs, or a time is not positive.
     """
     ratios = []
-    for (base_time, base_active), (cand_time, cand_active) in zip(baseline, candidate):
-        if base_active != cand_active:
+    for (base_time, base_work), (cand_time, cand_work) in zip(baseline, candidate):
+        if base_work != cand_work:
             continue
         if base_time <= 0 or cand_time <= 0:
             raise ValueError("step times must be positive")
         ratios.append(base_time / cand_time)
     if not ratios:
-        raise ValueError("no decode step of the two engines has the same active request count")
+        raise ValueError("no turn of the two engines did the same work")
     return {
         "ratio": statistics.median(ratios),
         "pairs": float(len(ratios)),

@@ -51,12 +51,27 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_static_slices_state()
-        # Replay the slices' writes from a CUDA graph on CUDA devices; a plain attribute so that
-        # the constructor keeps megatron-core's exact signature.
-        self.cuda_graph_active_slices = True
         self._slices_graph = None
+        # An attribute, not an argument, so that the constructor keeps megatron-core's signature.
+        self.cuda_graph_active_slices = True
         super().__init__(*args, **kwargs)
         with_device_counts([self.graph_attn_metadata, self.non_graph_attn_metadata], self)
+
+    @property
+    def cuda_graph_active_slices(self) -> bool:
+        """Whether the slices' and the attention metadata's writes replay from CUDA graphs on
+        CUDA devices (default True). Setting it False runs them as launches from then on and
+        frees the graphs captured so far (the allocation already captured the slices' one)."""
+        return self._cuda_graph_active_slices
+
+    @cuda_graph_active_slices.setter
+    def cuda_graph_active_slices(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"cuda_graph_active_slices must be a bool, got {type(value).__name__}")
+        self._cuda_graph_active_slices = value
+        if not value:
+            self._slices_graph = None
+            self._drop_metadata_graphs()
 
     # ---------------------------------------------------------------------- allocation
 

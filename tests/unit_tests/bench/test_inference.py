@@ -102,7 +102,8 @@ def test_engine_model_parameter_counts():
 
 class _FakeEngine:
     """Counts down a batch: the first step is a prefill, then decode steps with fewer and fewer
-    active requests; records the global order of steps."""
+    active requests; records the global order of steps and whether the device was synchronised
+    before each."""
 
     def __init__(self, name, steps, log):
         self.name, self.left, self.log = name, steps, log
@@ -123,20 +124,52 @@ class _FakeEngine:
         self.total_request_count = self.left
 
 
-def test_engines_step_alternately_or_batch_after_batch():
+def _fakes(log, **steps):
+    engines = {name: _FakeEngine(name, count, log) for name, count in steps.items()}
+    return {name: (engine, engine) for name, engine in engines.items()}  # each its own context
+
+
+def test_engines_step_in_alternating_turns_of_one_step():
     log = []
-    off, on = _FakeEngine("off", 3, log), _FakeEngine("on", 4, log)
-    stacks = {"off": (off, off), "on": (on, on)}  # each fake is its own context
-    decode = inference.step_engines(stacks, ("on", "off"))
+    turns = inference.step_engines(_fakes(log, off=3, on=4), ("on", "off"))
     assert log == ["on", "off", "on", "off", "on", "off", "on"]
-    # The first step of each is a prefill; the others are decode steps with their active counts.
-    assert [n for _, n in decode["off"]] == [2, 1] and [n for _, n in decode["on"]] == [3, 2, 1]
-    assert all(t >= 0 for t, _ in decode["off"] + decode["on"])
-    log.clear()
-    off, on = _FakeEngine("off", 3, log), _FakeEngine("on", 3, log)
-    stacks = {"off": (off, off), "on": (on, on)}
-    inference.step_engines(stacks, ("off", "on"), alternate=False)
-    assert log == ["off"] * 3 + ["on"] * 3
+    # The prefill is a turn of its own and is not recorded; each decode turn is one step with
+    # its active count as its tokens.
+    assert [(n, k) for _, n, k in turns["off"]] == [(2, 1), (1, 1)]
+    assert [(n, k) for _, n, k in turns["on"]] == [(3, 1), (2, 1), (1, 1)]
+    assert all(t >= 0 for t, _, _ in turns["off"] + turns["on"])
+
+
+def test_longer_turns_pair_the_same_steps_of_both_engines():
+    log = []
+    turns = inference.step_engines(_fakes(log, off=6, on=6), ("off", "on"), steps_per_turn=2)
+    # prefill alone, then decode steps two at a time, the last turn shorter.
+    assert log == ["off", "on"] + ["off", "off", "on", "on"] * 2 + ["off", "on"]
+    for name in ("off", "on"):
+        assert [(n, k) for _, n, k in turns[name]] == [(5 + 4, 2), (3 + 2, 2), (1, 1)]
+
+
+def test_a_turn_ends_before_a_step_that_is_not_a_decode_step():
+    log = []
+    stacks = _fakes(log, off=6)
+    engine = stacks["off"][0]
+    original = engine.step_modern
+
+    def step_then_admit():
+        original()
+        engine.waiting_request_ids = [7] if engine.left == 3 else []
+
+    engine.step_modern = step_then_admit
+    turns = inference.step_engines(stacks, ("off",), steps_per_turn=4)
+    # prefill | decode 5, 4 (a request waits) | admitting step alone | decode 2, 1
+    assert [(n, k) for _, n, k in turns["off"]] == [(5 + 4, 2), (2 + 1, 2)]
+    assert len(log) == 6
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_turns_need_a_step(bad):
+    with pytest.raises(ValueError, match="steps_per_turn must be at least 1"):
+        inference.step_engines(_fakes([], off=2), ("off",), steps_per_turn=bad)
 
 
 def test_step_paired_rounds_decide_the_engine_ratio():

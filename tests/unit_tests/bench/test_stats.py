@@ -94,7 +94,7 @@ def test_steps_with_different_active_counts_are_not_paired():
     value = step_paired_ratio(off, on)
     assert value["ratio"] == pytest.approx(3.0)  # median of 2.0 and 4.0
     assert value["pairs"] == 2 and value["unpaired"] == 2
-    with pytest.raises(ValueError, match="same active request count"):
+    with pytest.raises(ValueError, match="did the same work"):
         step_paired_ratio([(1.0, 3)], [(1.0, 4)])
     with pytest.raises(ValueError, match="must be positive"):
         step_paired_ratio([(0.0, 3)], [(1.0, 3)])

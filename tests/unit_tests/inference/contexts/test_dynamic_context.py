@@ -486,6 +486,35 @@ def test_suspend_and_resume_reallocate_static_slices():
     run_random(ctx, steps=50, seed=6)
 
 
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19 builds the slices on the host"
+)
+def test_switching_graphs_off_frees_the_captured_ones_and_runs_the_same():
+    ctx = make_context()
+    metadata = [t["mha_metadata"] for t in (ctx.graph_attn_metadata, ctx.non_graph_attn_metadata)]
+    sentinel = object()  # stands for a graph captured at allocation (none on the CPU)
+    ctx._slices_graph = sentinel
+    for table in metadata:
+        table._update_graph = table._reset_graph = sentinel
+    ctx.cuda_graph_active_slices = True
+    assert ctx._slices_graph is sentinel
+    ctx.cuda_graph_active_slices = False
+    assert ctx._slices_graph is None
+    assert all(t._update_graph is None and t._reset_graph is None for t in metadata)
+    run_random(ctx, steps=30, seed=8)
+
+
+@pytest.mark.skipif(
+    UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19 builds the slices on the host"
+)
+@pytest.mark.parametrize("bad", [0, 1, "no", None])
+def test_cuda_graph_switch_refuses_non_bool(bad):
+    ctx = make_context()
+    with pytest.raises(TypeError, match="cuda_graph_active_slices must be a bool"):
+        ctx.cuda_graph_active_slices = bad
+    assert ctx.cuda_graph_active_slices is True
+
+
 @pytest.mark.gpu
 def test_randomized_sequences_on_gpu():
     """The same sequences with the context on the GPU."""
