@@ -177,12 +177,29 @@ def allow_dynamic_inference_without_flash_attn() -> Iterator[None]:
 
     ``Attention.forward`` asserts a flash-attn version whenever the inference context batches
     dynamically, even when ``flash_decode_and_prefill`` is overridden. Inside this block the
-    version check reports success; use it only with :class:`TorchPagedSelfAttention`.
+    version check reports success; use it only with :class:`TorchPagedSelfAttention`. Where
+    einops is not installed (it is an optional dependency of megatron-core), the one
+    ``rearrange`` that path calls is given a torch stand-in.
     """
+    from contextlib import ExitStack
     from unittest import mock
 
-    with mock.patch("megatron.core.transformer.attention.is_fa_min_version", lambda *a, **k: True):
+    from megatron.core.transformer import attention
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(attention, "is_fa_min_version", lambda *a, **k: True))
+        if getattr(attention, "rearrange", None) is None:
+            stack.enter_context(mock.patch.object(attention, "rearrange", _merge_heads))
         yield
+
+
+def _merge_heads(tensor: torch.Tensor, pattern: str) -> torch.Tensor:
+    """``einops.rearrange(tensor, 's b h d -> s b (h d)')``, the only pattern supported."""
+    if pattern.replace(" ", "") != "sbhd->sb(hd)":
+        raise ValueError(
+            f"only 's b h d -> s b (h d)' is supported without einops, got {pattern!r}"
+        )
+    return tensor.flatten(2)
 
 
 __all__ = [

@@ -480,3 +480,37 @@ def test_inference_case_takes_the_flag_from_megatron_trainings_parser():
             assert applied_megatron_ext()["inference_static_active_slices"] is expected
         finally:
             undo_megatron_ext()
+
+
+def test_inference_case_runs_off_and_on_identically_on_cpu(tmp_path, monkeypatch):
+    """The inference case end to end on the CPU (a smoke run: few requests): megatron-core's
+    engine around the small GPT, extension off and on, the same tokens and log-probs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke run; on a GPU the full case runs from the GPU suite")
+    from megatron.core.inference.contexts import dynamic_context
+
+    # The case turns megatron-core's Triton KV append off on the CPU; restore it afterwards.
+    monkeypatch.setattr(
+        dynamic_context,
+        "triton_append_key_value_cache",
+        dynamic_context.triton_append_key_value_cache,
+    )
+    script = CASES_ROOT / "gpt" / "inference_static_active_slices" / "run_case.py"
+    spec = importlib.util.spec_from_file_location("inference_case_cpu", script)
+    case = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(case)
+    output = tmp_path / "result.json"
+    assert case.main(["--device", "cpu", "--quick", "--output-json", str(output)]) == 0
+    result = json.loads(output.read_text())
+    off, on = result["runs"]
+    assert result["identical"] and not result["problems"]
+    assert (off["context_class"], on["context_class"]) == (
+        "DynamicInferenceContext",
+        "StaticSlicesInferenceContext",
+    )
+    assert off["generated tokens"] == on["generated tokens"] and len(on["generated tokens"]) > 50
+    assert off["generated log probs"] == on["generated log probs"]
+    assert len(on["generated log probs"]) == len(on["generated tokens"])
+    assert on["finished_requests"] == result["requests"]

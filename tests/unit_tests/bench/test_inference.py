@@ -172,6 +172,45 @@ def test_turns_need_a_step(bad):
         inference.step_engines(_fakes([], off=2), ("off",), steps_per_turn=bad)
 
 
+def test_engine_rows_pair_the_turns_of_two_real_engines(monkeypatch):
+    """The engine rows end to end on the CPU (the GPU run is the benchmark): megatron-core's
+    engine off and the extension's on, every turn paired, each model built once. Legacy schedule
+    only: megatron-core 0.19's async schedule needs CUDA streams (turns of several steps are
+    checked with fake engines above)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the engine rows; on a GPU they are the benchmark")
+    from megatron.core.inference.contexts import dynamic_context
+
+    from megatron_ext.testing import small_gpt
+
+    # Its fused KV append is a Triton GPU kernel; megatron-core indexes when it is absent.
+    monkeypatch.setattr(dynamic_context, "triton_append_key_value_cache", None)
+    builds = []
+    original = small_gpt.build_small_gpt
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(small_gpt, "build_small_gpt", counting)
+    args, models, schedule = SimpleNamespace(quick=True, engine_repeats=2), {}, "legacy"
+    with cpu_torch_compat():
+        rows = inference._engine_rows(6, "small", "greedy", schedule, args, models)
+        rows += inference._engine_rows(6, "small", "top_k", schedule, args, models)
+    assert len(builds) == 2  # off and on, once for both configurations
+    for off, on in (rows[:2], rows[2:]):
+        assert (off["mode"], on["mode"]) == ("off", "on")
+        assert off["context_class"] == "DynamicInferenceContext"
+        assert on["context_class"] == "StaticSlicesInferenceContext"
+        assert on["steps_per_turn"] == 1
+        assert on["unpaired_turns"] == 0 and len(on["step_paired_ratio_rounds"]) == 2
+        # 24 generated tokens: the prefill samples the first, 23 decode steps the others.
+        assert off["decode_steps_per_round"] == on["decode_steps_per_round"] == 23
+        assert all(r > 0 for r in on["decode_tokens_per_s_rounds"])
+    value = inference._engine_ratio(rows, ("small", "greedy", 6, schedule))
+    assert value["low"] <= value["speedup"] <= value["high"]
+
+
 def test_step_paired_rounds_decide_the_engine_ratio():
     """Rows that carry step-paired round ratios are judged by those, not by the rounds'
     throughputs (which a slow batch would tilt)."""

@@ -100,3 +100,26 @@ def test_rejects_inconsistent_shapes():
     cache = torch.zeros(5, 4, 2, 8)
     with pytest.raises(ValueError):
         paged_attention(q, cache, cache, torch.zeros(3), torch.zeros(1), torch.zeros(1, 2))
+
+
+def test_without_einops_the_head_merge_is_a_torch_stand_in(monkeypatch):
+    from megatron.core.transformer import attention
+
+    from megatron_ext.testing.torch_paged_attention import (
+        allow_dynamic_inference_without_flash_attn,
+    )
+
+    installed = attention.rearrange
+    monkeypatch.setattr(attention, "rearrange", None)  # as without einops
+    with allow_dynamic_inference_without_flash_attn():
+        merge = attention.rearrange
+        assert attention.is_fa_min_version("2.7.3")
+    assert attention.rearrange is None
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5)
+    assert torch.equal(merge(x, "s b h d -> s b (h d)"), x.reshape(2, 3, 20))
+    with pytest.raises(ValueError, match="only 's b h d -> s b \\(h d\\)' is supported"):
+        merge(x, "s b h d -> b s h d")
+    monkeypatch.setattr(attention, "rearrange", installed)
+    if installed is not None:  # with einops the block leaves megatron-core's own in place
+        with allow_dynamic_inference_without_flash_attn():
+            assert attention.rearrange is installed
