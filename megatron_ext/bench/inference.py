@@ -499,15 +499,15 @@ def step_engines(
         start = time.perf_counter()
         while steps < steps_per_turn and engine.has_unfinished_requests():
             active = decode_active(name)
-            if active == 0 and steps > 0:
-                break  # ends the turn before a step that is not a decode step
-            engine.step_modern()
             if active == 0:
-                sync()
-                return
+                if steps == 0:
+                    engine.step_modern()  # a turn of its own, not recorded
+                break
+            engine.step_modern()
             tokens, steps = tokens + active, steps + 1
-        sync()
-        turns[name].append((time.perf_counter() - start, tokens, steps))
+        if steps:
+            sync()
+            turns[name].append((time.perf_counter() - start, tokens, steps))
 
     while any(stacks[name][0].has_unfinished_requests() for name in order):
         for name in order:
@@ -558,6 +558,7 @@ def _engine_rows(
     # The bookkeeping rows, which set it up too, may have been skipped.
     ensure_model_parallel()
 
+    cuda = torch.cuda.is_available()
     prompt, generate, block = 8, 24 if args.quick else 48, 16
     blocks_per_request = (prompt + generate + block) // block + 1
     sizes = SimpleNamespace(
@@ -566,14 +567,14 @@ def _engine_rows(
         async_sched_mode=schedule,
         seed=1234,
         # The CPU run is the tests' check of these rows (main() refuses it: no timing there).
-        device="cuda" if torch.cuda.is_available() else "cpu",
+        device="cuda" if cuda else "cpu",
         max_requests=requests,
         max_tokens=max(512, min(requests * prompt, 8192)),
         block_size_tokens=block,
         kv_blocks=requests * blocks_per_request + 16,
         paused_kv_blocks=16,
     )
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtype = torch.bfloat16 if cuda else torch.float32
     if models is None:
         models = {}
     if model_name not in models:
@@ -613,7 +614,6 @@ def _engine_rows(
                 engine.add_request(next_id[0], tokens, params)
                 next_id[0] += 1
         with allow_dynamic_inference_without_flash_attn():
-            # Legacy steps end in a synchronisation anyway; async ones overlap across steps.
             return step_engines({mode: engines[mode][:2] for mode in order}, order, steps_per_turn)
 
     run_round(("off", "on"))  # warm-up, discarded (captures the extension's graphs)

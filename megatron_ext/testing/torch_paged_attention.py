@@ -19,8 +19,10 @@ inference context).
 
 import contextlib
 from typing import Any, Iterator, Optional
+from unittest import mock
 
 import torch
+from megatron.core.transformer import attention
 from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor
 
@@ -181,12 +183,7 @@ def allow_dynamic_inference_without_flash_attn() -> Iterator[None]:
     einops is not installed (it is an optional dependency of megatron-core), the one
     ``rearrange`` that path calls is given a torch stand-in.
     """
-    from contextlib import ExitStack
-    from unittest import mock
-
-    from megatron.core.transformer import attention
-
-    with ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(attention, "is_fa_min_version", lambda *a, **k: True))
         if getattr(attention, "rearrange", None) is None:
             stack.enter_context(mock.patch.object(attention, "rearrange", _merge_heads))
