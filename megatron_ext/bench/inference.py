@@ -48,6 +48,7 @@ speedup is printed.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -173,6 +174,12 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         choices=["legacy", "async"],
         help="megatron-core 0.19's async_sched_mode of the engine rows (default: legacy and async "
         "on 0.19; 0.16 has legacy only)",
+    )
+    parser.add_argument(
+        "--engine-control",
+        action="store_true",
+        help="also run every engine configuration with both engines megatron-core's own (an A/A "
+        "control): its interval is the noise floor of the method at that configuration",
     )
     parser.add_argument(
         "--static-mla-batches",
@@ -523,10 +530,14 @@ def _engine_rows(
     schedule: str,
     args: argparse.Namespace,
     models: Optional[Dict[str, Tuple[Any, Any]]] = None,
+    control: bool = False,
 ) -> List[Dict[str, Any]]:
     """Decode tokens per second of megatron-core's engine around a GPT of
     :data:`ENGINE_MODELS`, extension off and on, ``requests`` concurrent requests sampled as
     :data:`ENGINE_SAMPLING` says, under megatron-core's ``schedule``, measured interleaved.
+
+    With ``control`` the "on" engine is megatron-core's too (an A/A comparison): its ratio's
+    interval is what the method reads as a difference between two identical engines.
 
     ``max_sequence_length`` is what the requests need, rounded up to a KV block: the test
     attention gathers every block a request may own, so a longer bound would time that gather
@@ -587,7 +598,7 @@ def _engine_rows(
         models[model_name] = tuple(built)
     engines = {}
     for mode, model in zip(("off", "on"), models[model_name]):
-        if mode == "on":
+        if mode == "on" and not control:
             ext_inference.enable_static_active_slices()
         try:
             engines[mode] = build_small_gpt_engine(model, sizes, dtype)
@@ -637,6 +648,7 @@ def _engine_rows(
         rows.append(
             {
                 "mode": mode,
+                "control": control,
                 "model": model_name,
                 "parameters": engine_model_parameters(model_name),
                 "sampling": sampling,
@@ -800,6 +812,61 @@ def _engine_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _engine_summary(report: Dict[str, Any]) -> List[str]:
+    """Summary lines of the engine rows and their A/A control; sets ``report["worst_engine_row"]``
+    (the row whose interval's lower end is lowest).
+
+    Args:
+        report (Dict[str, Any]): the benchmark report, with ``engine_rows`` and
+            ``engine_control_rows``.
+
+    Returns:
+        List[str]: one line per configuration, the control's after the extension's.
+    """
+    summary: List[str] = []
+    worst_engine = None
+    engine = report["engine_rows"]
+    ratios = {key: _engine_ratio(engine, key) for key in sorted({_engine_key(r) for r in engine})}
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    if ratios:
+        # The worst row by the interval's lower end: what the data cannot rule out.
+        worst_engine = min(ratios, key=lambda k: ratios[k].get("low", ratios[k]["speedup"]))
+        model, sampling, requests, schedule = worst_engine
+        report["worst_engine_row"] = {
+            "model": model,
+            "sampling": sampling,
+            "requests": requests,
+            "schedule": schedule,
+            **ratios[worst_engine],
+        }
+    for key, value in ratios.items():
+        model, sampling, requests, schedule = key
+        settled = (
+            "one round: no interval"
+            if "half_width" not in value
+            else f"interval half-width {100 * value['half_width']:.1f}% "
+            + ("(settled: <= 3%)" if value["half_width"] <= 0.03 else "(> 3%: more rounds)")
+        )
+        summary.append(
+            f"engine, {model} model, {sampling}, {requests} concurrent requests, {schedule} "
+            "schedule: decode "
+            f"{_ratio_text(value)} tokens/s with the extension ({_verdict(value)}; {settled})"
+            + (" <- worst engine row" if key == worst_engine else "")
+        )
+    control = report["engine_control_rows"]
+    for key in sorted({_engine_key(r) for r in control}):
+        value = _engine_ratio(control, key)
+        if value is None:
+            continue
+        model, sampling, requests, schedule = key
+        summary.append(
+            f"A/A control, {model} model, {sampling}, {requests} concurrent requests, "
+            f"{schedule} schedule: megatron-core against itself {_ratio_text(value)} (what "
+            "the method reads between identical engines here)"
+        )
+    return summary
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the benchmark (on a GPU) or the correctness check (without one).
 
@@ -864,7 +931,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         "torch": torch.__version__,
         "rows": [],
         "engine_rows": [],
+        "engine_control_rows": [],
     }
+    controls = (False, True) if args.engine_control else (False,)
     variants = VARIANTS if cuda else ("stock", "ext-eager")
     with cpu_torch_compat():
         if not cuda:
@@ -878,18 +947,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["rows"] += _run_config(max_requests, sampling, args, cuda, variants)
         for model_name in args.engine_models:
             models: Dict[str, Tuple[Any, Any]] = {}
-            for sampling in args.sampling:
-                for requests in args.engine_requests:
-                    for schedule in args.engine_schedules:
-                        rows = _engine_rows(requests, model_name, sampling, schedule, args, models)
-                        report["engine_rows"] += rows
-                        # A run cut short by a time limit keeps what it finished.
-                        key = _engine_key(rows[-1])
-                        print(
-                            f"engine row done: {' '.join(map(str, key))}: "
-                            f"{_ratio_text(_engine_ratio(rows, key))}",
-                            flush=True,
-                        )
+            configurations = itertools.product(
+                args.sampling, args.engine_requests, args.engine_schedules, controls
+            )
+            for sampling, requests, schedule, control in configurations:
+                rows = _engine_rows(requests, model_name, sampling, schedule, args, models, control)
+                report["engine_control_rows" if control else "engine_rows"] += rows
+                # A run cut short by a time limit keeps what it finished.
+                key = _engine_key(rows[-1])
+                off, on = rows
+                print(
+                    f"engine {'control ' if control else ''}row done: {' '.join(map(str, key))}: "
+                    f"{_ratio_text(_engine_ratio(rows, key))}; decode tokens/s off/on "
+                    f"{off['decode_tokens_per_s']:.0f} / {on['decode_tokens_per_s']:.0f}, "
+                    f"step ms {off['median_decode_step_ms']:.2f} / "
+                    f"{on['median_decode_step_ms']:.2f}",
+                    flush=True,
+                )
     if args.static_mla_batches:
         report["static_mla_rows"] = run_static_mla(
             args.static_mla_batches, prompt=256, new_tokens=32, rounds=2 if args.quick else 5
@@ -934,36 +1008,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         f"(rounds {value['round_min']:.2f}-{value['round_max']:.2f}x; "
                         f"{_verdict(value)}){target}"
                     )
-        engine = report["engine_rows"]
-        ratios = {
-            key: _engine_ratio(engine, key) for key in sorted({_engine_key(r) for r in engine})
-        }
-        ratios = {k: v for k, v in ratios.items() if v is not None}
-        if ratios:
-            # The worst row by the interval's lower end: what the data cannot rule out.
-            worst_engine = min(ratios, key=lambda k: ratios[k].get("low", ratios[k]["speedup"]))
-            model, sampling, requests, schedule = worst_engine
-            report["worst_engine_row"] = {
-                "model": model,
-                "sampling": sampling,
-                "requests": requests,
-                "schedule": schedule,
-                **ratios[worst_engine],
-            }
-        for key, value in ratios.items():
-            model, sampling, requests, schedule = key
-            settled = (
-                "one round: no interval"
-                if "half_width" not in value
-                else f"interval half-width {100 * value['half_width']:.1f}% "
-                + ("(settled: <= 3%)" if value["half_width"] <= 0.03 else "(> 3%: more rounds)")
-            )
-            summary.append(
-                f"engine, {model} model, {sampling}, {requests} concurrent requests, {schedule} "
-                "schedule: decode "
-                f"{_ratio_text(value)} tokens/s with the extension ({_verdict(value)}; {settled})"
-                + (" <- worst engine row" if key == worst_engine else "")
-            )
+        summary += _engine_summary(report)
     static_rows = report.get("static_mla_rows") or []
     if static_rows:
         by_key = {(r["batch"], r["mode"]): r for r in static_rows}
@@ -1019,6 +1064,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             "against the 3% target)"
         )
         print(_engine_table(report["engine_rows"]))
+    if report["engine_control_rows"]:
+        print(
+            "=== table: A/A control of the engine rows: both engines megatron-core's own, "
+            "measured as above ('on' is the second stock engine)"
+        )
+        print(_engine_table(report["engine_control_rows"]))
     if report.get("static_mla_rows"):
         print(
             "=== table: static-batching MLA generation (StaticInferenceContext), "

@@ -72,6 +72,22 @@ def test_engine_ratio_pairs_only_rows_of_one_configuration():
     assert "| small | greedy | 256 | async | on |" in table and "0.900x" in table
 
 
+def test_the_summary_names_the_worst_row_and_reports_the_control_apart():
+    """The worst engine row is the one whose interval reaches lowest; the A/A control's rows are
+    summarised on their own lines and never compete for worst."""
+    engine = _rows([100, 100, 100, 100], [120, 118, 122, 121])
+    engine += _rows([100, 100, 100, 100], [101, 99, 103, 97], requests=1024)
+    control = _rows([100, 100, 100, 100], [80, 82, 79, 81])
+    report = {"engine_rows": engine, "engine_control_rows": control}
+    lines = inference._engine_summary(report)
+    assert len(lines) == 3
+    assert "1024 concurrent requests" in lines[1] and lines[1].endswith("<- worst engine row")
+    assert report["worst_engine_row"]["requests"] == 1024
+    assert lines[2].startswith("A/A control, small model, greedy, 256 concurrent requests")
+    assert "worst" not in lines[2]
+    assert inference._engine_summary({"engine_rows": [], "engine_control_rows": []}) == []
+
+
 def test_a_second_schedule_is_refused_on_megatron_core_0_16(capsys):
     from megatron_ext.inference.contexts.static_slices_context_base import (
         UPSTREAM_HAS_ACTIVE_SLICES,
@@ -209,6 +225,14 @@ def test_engine_rows_pair_the_turns_of_two_real_engines(monkeypatch):
         assert all(r > 0 for r in on["decode_tokens_per_s_rounds"])
     value = inference._engine_ratio(rows, ("small", "greedy", 6, schedule))
     assert value["low"] <= value["speedup"] <= value["high"]
+    # The A/A control: the same models, both engines megatron-core's own.
+    with cpu_torch_compat():
+        control = inference._engine_rows(6, "small", "greedy", schedule, args, models, True)
+    assert len(builds) == 2
+    assert [r["context_class"] for r in control] == ["DynamicInferenceContext"] * 2
+    assert [r["controller_class"] for r in control] == [off["controller_class"]] * 2
+    assert all(r["control"] for r in control) and not any(r["control"] for r in rows)
+    assert control[1]["unpaired_turns"] == 0
 
 
 def test_step_paired_rounds_decide_the_engine_ratio():
