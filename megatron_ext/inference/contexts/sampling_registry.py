@@ -49,8 +49,8 @@ def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
 
     Raises:
         ValueError: for what megatron-core's sampler refuses with an assert or fails on (top-k
-            and top-p together, top-p above 1, temperature 0 when sampling) and for a negative
-            temperature when sampling (stock would sample the least likely tokens).
+            and top-p together, top-p above 1 or NaN, temperature 0 when sampling) and for a
+            negative temperature when sampling (stock would sample the least likely tokens).
     """
     top_k = int(sampling_params.top_k)
     top_p = float(sampling_params.top_p)
@@ -60,7 +60,7 @@ def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
             f"top_k ({top_k}) and top_p ({top_p}) cannot both be greater than zero "
             "(megatron-core's sampler asserts the same)"
         )
-    if top_p > 1.0:
+    if not top_p <= 1.0:  # a NaN too, as megatron-core's assert refuses it
         raise ValueError(f"top_p must be at most 1.0, got {top_p}")
     if top_k != 1 and not temperature > 0.0:
         raise ValueError(

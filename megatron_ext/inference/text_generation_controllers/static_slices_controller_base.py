@@ -62,6 +62,23 @@ REQUIRED_METADATA_LABELS = (
 SamplingPlan = SamplingRequirements
 
 
+def _scaled_scores(logits: Tensor, temperature: Tensor) -> Tensor:
+    """``logits.float() / temperature[:, None]``. GRAPH-SAFE. Half-precision logits divide in
+    one kernel: type promotion casts each element to float32 exactly, as ``.float()`` would in a
+    kernel of its own.
+
+    Args:
+        logits (Tensor): ``[rows, n]``, any floating dtype.
+        temperature (Tensor): ``[rows]``.
+
+    Returns:
+        Tensor: ``[rows, n]`` float32.
+    """
+    if logits.dtype == torch.float64:
+        logits = logits.float()
+    return logits / temperature.unsqueeze(1).float()
+
+
 class StaticSlicesControllerBase(TextGenerationController):
     """``TextGenerationController`` with a graph-safe, sync-free sampling region.
 
@@ -348,25 +365,30 @@ class StaticSlicesControllerBase(TextGenerationController):
         top_k = meta["top_k"][:rows]
         top_p = meta["top_p"][:rows]
 
+        # Outputs are written with out= where an op can: each copy saved is a launch (int64
+        # tokens on both megatron-core lines, as argmax writes them).
+        tokens = self._sampled_tokens_cuda[:rows]
         if not plan.sample:
-            tokens = torch.argmax(logits, dim=-1)
+            torch.argmax(logits, dim=-1, out=tokens)
         else:
-            tokens = self._sample_rows(logits, meta["temperature"][:rows], top_k, top_p, plan)
+            sampled = self._sample_rows(logits, meta["temperature"][:rows], top_k, top_p, plan)
             if plan.greedy:
-                tokens = torch.where(top_k == 1, torch.argmax(logits, dim=-1), tokens)
-        self._sampled_tokens_cuda[:rows].copy_(tokens)
+                torch.where(top_k == 1, torch.argmax(logits, dim=-1), sampled, out=tokens)
+            else:
+                tokens.copy_(sampled)
 
         if plan.log_probs:
             log_probs = F.log_softmax(logits.float(), dim=-1)
-            out["log_probs"][:rows].copy_(log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            torch.gather(log_probs, 1, tokens.unsqueeze(1), out=out["log_probs"][:rows, None])
 
         # megatron-core's termination rule: the new token is the termination id, or the sequence
         # (cached + fed this step + the new token) reaches the request's output length.
         sequence_lengths = slices.kv_length_offsets[:rows] + slices.query_lengths[:rows] + 1
-        keep = (tokens != meta["termination_id"][:rows]) & (
-            sequence_lengths < slices.output_lengths[:rows]
+        torch.logical_and(
+            tokens != meta["termination_id"][:rows],
+            sequence_lengths < slices.output_lengths[:rows],
+            out=out["active_mask"][:rows],
         )
-        out["active_mask"][:rows].copy_(keep)
         request_ids = slices.request_ids[:rows]
         out["request_ids"][:rows].copy_(request_ids)
         wants_log_probs = meta["return_log_probs"][:rows]
@@ -381,18 +403,22 @@ class StaticSlicesControllerBase(TextGenerationController):
         if not plan.sample:
             missed = top_k != 1
         else:
-            missed = top_k > plan.top_k_cap
-            if not plan.greedy:
-                missed = missed | (top_k == 1)
-            if not (plan.top_p and plan.full_vocab):
-                unbounded = top_k < 1
-                if not plan.top_p:
-                    missed = missed | (unbounded & (top_p > 0))
-                if not plan.full_vocab:
-                    missed = missed | (unbounded & (top_p <= 0))
+            # Greedy rows are sampled by the greedy pass, whatever the cap (0 with no top-k row).
+            missed = top_k > max(plan.top_k_cap, 1)
+            if not (plan.top_p or plan.full_vocab):
+                # No unbounded (top_k < 1) row is covered either.
+                missed = missed | (top_k < (1 if plan.greedy else 2))
+            else:
+                if not plan.greedy:
+                    missed = missed | (top_k == 1)
+                if not (plan.top_p and plan.full_vocab):
+                    # An unbounded row is nucleus when top_p > 0, else whole-vocabulary.
+                    nucleus = top_p > 0
+                    uncovered = nucleus if plan.full_vocab else ~nucleus
+                    missed = missed | ((top_k < 1) & uncovered)
         if not plan.log_probs:
             missed = missed | wants_log_probs | (top_n > 0)
-        out["plan_violation"].copy_((missed & real).sum(dtype=torch.int32).reshape(1))
+        torch.sum(missed & real, dim=0, keepdim=True, dtype=torch.int32, out=out["plan_violation"])
 
     def _sample_rows(
         self, logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, plan: SamplingPlan
@@ -400,7 +426,7 @@ class StaticSlicesControllerBase(TextGenerationController):
         """Per-row temperature / top-k / top-p sampling. GRAPH-SAFE (see graph_safe_step)."""
         if not (plan.top_p or plan.full_vocab) and plan.top_k_cap > 0:
             return self._sample_top_k_candidates(logits, temperature, top_k, plan.top_k_cap)
-        scores = logits.float() / temperature.unsqueeze(1)
+        scores = _scaled_scores(logits, temperature)
         neg_inf = float("-inf")
         if plan.top_k_cap > 0:
             # The k-th largest score per row, read from one top-k of the static cap.
@@ -448,7 +474,7 @@ class StaticSlicesControllerBase(TextGenerationController):
         values, indices = torch.topk(logits, cap, dim=-1)
         k = top_k.clamp(min=1, max=cap).long().unsqueeze(1)
         kth = values.gather(1, k - 1)
-        scores = values.float() / temperature.unsqueeze(1)
+        scores = _scaled_scores(values, temperature)
         scores = scores.masked_fill(values < kth, float("-inf"))
         choice = self._exponential_race(scores.softmax(dim=-1))
         return indices.gather(1, choice.unsqueeze(1)).squeeze(1)

@@ -55,6 +55,9 @@ def test_requirements_follow_megatron_core_rules_and_counts():
         (dict(top_k=5, top_p=0.9), "cannot both be greater than zero"),
         (dict(top_k=1, top_p=0.5), "cannot both be greater than zero"),
         (dict(top_k=0, top_p=1.5), "top_p must be at most 1.0"),
+        # megatron-core asserts `top_p <= 1.0`, which a NaN fails, whatever top_k is.
+        (dict(top_k=0, top_p=float("nan")), "top_p must be at most 1.0"),
+        (dict(top_k=5, top_p=float("nan")), "top_p must be at most 1.0"),
         (dict(top_k=5, temperature=0.0), "temperature must be > 0"),
         (dict(top_k=0, temperature=-1.0), "temperature must be > 0"),
     ],

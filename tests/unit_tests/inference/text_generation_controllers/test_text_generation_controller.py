@@ -20,6 +20,9 @@ from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.inference.text_generation_controllers import (
+    static_slices_controller_base as controller_base,
+)
 from megatron_ext.inference.text_generation_controllers.text_generation_controller import (
     SamplingPlan,
     StaticSlicesTextGenerationController,
@@ -409,7 +412,7 @@ def _plan_misses(plan: SamplingPlan, kind: str) -> bool:
     if not plan.sample:
         missed = top_k != 1
     else:
-        missed = (top_k > plan.top_k_cap) or (top_k == 1 and not plan.greedy)
+        missed = (top_k > 1 and top_k > plan.top_k_cap) or (top_k == 1 and not plan.greedy)
         missed = missed or (top_k < 1 and top_p > 0 and not plan.top_p)
         missed = missed or (top_k < 1 and top_p <= 0 and not plan.full_vocab)
     return missed or (wants and not plan.log_probs)
@@ -424,7 +427,12 @@ def _plan_misses(plan: SamplingPlan, kind: str) -> bool:
         SamplingPlan(sample=True, top_k_cap=4, greedy=True),
         SamplingPlan(sample=True, top_k_cap=32, greedy=True, log_probs=True),
         SamplingPlan(sample=True, top_p=True),
+        SamplingPlan(sample=True, top_p=True, greedy=True),
         SamplingPlan(sample=True, full_vocab=True, log_probs=True),
+        SamplingPlan(sample=True, full_vocab=True, greedy=True),
+        SamplingPlan(sample=True, top_k_cap=4, top_p=True),
+        SamplingPlan(sample=True, top_k_cap=4, full_vocab=True, greedy=True),
+        SamplingPlan(sample=True, top_p=True, greedy=True, full_vocab=True),
         SamplingPlan(sample=True, top_k_cap=4, top_p=True, full_vocab=True),
         SamplingPlan(sample=True, top_k_cap=32, top_p=True, greedy=True, full_vocab=True),
     ],
@@ -442,6 +450,24 @@ def test_plan_check_counts_exactly_the_rows_a_plan_leaves_out(plan):
     controller.run_graph_safe_step(rows + 3, plan, use_cuda_graph=False)
     expected = sum(_plan_misses(plan, kind) for kind in kinds)
     assert int(controller.step_outputs["plan_violation"][0]) == expected
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.0], ids=["nucleus", "whole_vocab"])
+def test_greedy_requests_beside_unbounded_ones_need_no_recompute(top_p, caplog):
+    """Greedy requests next to top-k-less ones (a plan with no top-k cap) are sampled by the
+    plan itself: no violation, no second pass with every feature enabled."""
+    stack = make_stack(max_requests=16)
+    add_requests(stack, [dict(top_k=1), dict(top_k=0, top_p=top_p, temperature=0.7)] * 2)
+    controller = stack.controller
+    logits = torch.randn(4, VOCAB, device=_device())
+    prepare_region(stack, logits)
+    plan = controller.sampling_plan()
+    assert plan.top_k_cap == 0 and plan.greedy
+    with caplog.at_level(logging.WARNING):
+        host = controller.run_sampling_step()
+    assert "missed an active request" not in caplog.text
+    assert int(host["plan_violation"][0]) == 0
+    assert [int(host["tokens"][r]) for r in (0, 2)] == logits[[0, 2]].argmax(-1).tolist()
 
 
 # ------------------------------------------------------------------------------ wiring
@@ -517,6 +543,19 @@ def test_logits_with_fewer_rows_than_the_step_needs_are_refused(materialize):
     with pytest.raises(ValueError, match=f"fewer than this step's {needed} {what}"):
         controller.stage_logits(logits)
     controller.stage_logits(torch.randn(1, needed, VOCAB, device=_device()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_scaled_scores_are_bitwise_the_float32_division(dtype):
+    """One promoting division equals casting to float32 and dividing, bit for bit (on the GPU
+    where there is one: the region's device)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(37, 301, generator=gen) * 30).to(dtype).to(_device())
+    temperature = (torch.rand(37, generator=gen) * 2 + 1e-3).to(_device())
+    scores = controller_base._scaled_scores(logits, temperature)
+    expected = logits.float() / temperature.unsqueeze(1)
+    assert scores.dtype == torch.float32
+    assert torch.equal(scores.view(torch.int32), expected.view(torch.int32))
 
 
 def test_top_k_candidate_sampler_keeps_ties_and_respects_k():
@@ -686,6 +725,8 @@ SAMPLING_EDGES = {
     "top_p_above_one": dict(top_k=0, top_p=1.5),
     "top_p_one": dict(top_k=0, top_p=1.0),
     "top_p_negative": dict(top_k=0, top_p=-0.5),
+    "top_p_nan": dict(top_k=0, top_p=float("nan")),
+    "top_p_nan_beside_top_k": dict(top_k=5, top_p=float("nan")),
     "top_k_and_top_p": dict(top_k=5, top_p=0.5),
     "greedy_and_top_p": dict(top_k=1, top_p=0.5),
     "temperature_zero_sampling": dict(top_k=5, temperature=0.0),
