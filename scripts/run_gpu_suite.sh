@@ -153,6 +153,11 @@ if [ -z "$skip_san" ]; then
     step "compute-sanitizer racecheck" sanitizer_racecheck.log \
       compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 tests/unit_tests/fusions/sanitize_mla_rope.py --quick
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool, top-k draw" "sanitizer_top_k_$tool.log" \
+        compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 tests/unit_tests/fusions/sanitize_top_k_sampling.py
+    done
   else
     names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
   fi

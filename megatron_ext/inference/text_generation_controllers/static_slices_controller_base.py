@@ -36,6 +36,11 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from torch import Tensor
 
+from megatron_ext.fusions.fused_top_k_sampling import (
+    FUSED_DTYPES,
+    MAX_FUSED_CAP,
+    sample_top_k_candidates,
+)
 from megatron_ext.inference.contexts.sampling_registry import SamplingRequirements
 from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 from megatron_ext.inference.contexts.static_slices_context_base import (
@@ -472,6 +477,12 @@ class StaticSlicesControllerBase(TextGenerationController):
         the same as after scaling.
         """
         values, indices = torch.topk(logits, cap, dim=-1)
+        if values.is_cuda and cap <= MAX_FUSED_CAP and values.dtype in FUSED_DTYPES:
+            # The same draws as the torch path below ([rows, cap] float32 from the generator),
+            # raced in one kernel instead of a dozen launches.
+            noise = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+            noise.exponential_(1.0, generator=self.sampling_rng)
+            return sample_top_k_candidates(values, indices, temperature, top_k, noise)
         k = top_k.clamp(min=1, max=cap).long().unsqueeze(1)
         kth = values.gather(1, k - 1)
         scores = _scaled_scores(values, temperature)

@@ -11,6 +11,7 @@ check every replay bit for bit against eager execution, and that the region neve
 
 import logging
 import random
+from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 import pytest
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
+from megatron_ext.fusions.fused_top_k_sampling import sample_top_k_candidates
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.inference.text_generation_controllers import (
     static_slices_controller_base as controller_base,
@@ -578,6 +580,39 @@ def test_top_k_candidate_sampler_keeps_ties_and_respects_k():
     assert seen[0] == {10, 11, 12}
     assert seen[1] == {5}  # temperature 0.25 makes the 9.0 logit all but certain
     assert seen[2] == {7, 8, 9}
+
+
+def test_the_fused_candidate_draw_uses_the_torch_paths_draws():
+    """On a GPU the candidate path races in one kernel (megatron_ext.fusions.fused_top_k_sampling);
+    it consumes the sampling generator as the torch path does, so the two pick the same token
+    wherever two candidates' races are not within rounding of each other. The torch path runs
+    on the CPU here, the kernel on the GPU (or in the Triton interpreter without one)."""
+    gen = torch.Generator().manual_seed(9)
+    rows, cap = 48, 16
+    logits = torch.randn(rows, VOCAB, generator=gen) * 2
+    temperature = torch.rand(rows, generator=gen) + 0.3
+    top_k = torch.randint(2, cap + 1, (rows,), generator=gen, dtype=torch.int32)
+    rng = torch.Generator().manual_seed(123)
+    owner = SimpleNamespace(sampling_rng=rng)
+    owner._exponential_race = (
+        lambda probs: controller_base.StaticSlicesControllerBase._exponential_race(owner, probs)
+    )
+    torch_tokens = controller_base.StaticSlicesControllerBase._sample_top_k_candidates(
+        owner, logits, temperature, top_k, cap
+    )
+    values, indices = torch.topk(logits, cap, dim=-1)
+    noise = torch.empty(rows, cap).exponential_(1.0, generator=torch.Generator().manual_seed(123))
+    device = _device()
+    fused = sample_top_k_candidates(
+        *(t.to(device) for t in (values, indices, temperature, top_k, noise))
+    ).cpu()
+    race = (values.double() / temperature.double().unsqueeze(1)).masked_fill(
+        values < values.gather(1, (top_k.long() - 1).unsqueeze(1)), float("-inf")
+    ).softmax(-1) / noise.double()
+    best = race.topk(2, dim=-1).values
+    clear = (best[:, 0] - best[:, 1]) / best[:, 0] > 1e-4
+    assert clear.float().mean() > 0.9
+    assert torch.equal(fused[clear], torch_tokens[clear])
 
 
 def test_requires_the_extension_context():
