@@ -113,8 +113,10 @@ def _check(
     ):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(tensor).__name__}")
-        if tensor.device != values.device:
-            raise ValueError(f"{name} is on {tensor.device}, values on {values.device}")
+        if name == "values":
+            device = values.device
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, values on {device}")
     if values.dim() != 2 or indices.shape != values.shape or noise.shape != values.shape:
         raise ValueError(
             "values, indices and noise must be [rows, cap] alike, got "
@@ -145,6 +147,7 @@ def _check(
     for name, tensor in (("temperature", temperature), ("top_k", top_k), ("out", out)):
         if rows > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
+    storage = out.untyped_storage().data_ptr()
     for name, tensor in (
         ("values", values),
         ("indices", indices),
@@ -152,9 +155,10 @@ def _check(
         ("top_k", top_k),
         ("noise", noise),
     ):
-        if _overlaps(out, tensor):
+        # Tensors of separate allocations cannot overlap: the span arithmetic only for views.
+        if tensor.untyped_storage().data_ptr() == storage and _overlaps(out, tensor):
             raise ValueError(f"out overlaps {name}: the kernel would read what it writes")
-    if values.device.type != "cuda" and not INTERPRETED:
+    if device.type != "cuda" and not INTERPRETED:
         raise ValueError(
             "sample_top_k_candidates runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1)"
         )
