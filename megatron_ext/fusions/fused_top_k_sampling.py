@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_ext.fusions.mla_rope import direct_launch
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
 __all__ = ["FUSED_DTYPES", "MAX_FUSED_CAP", "sample_top_k_candidates"]

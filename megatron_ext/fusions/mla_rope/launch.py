@@ -14,7 +14,7 @@ decides a launch except the data pointers (shapes, strides, dtypes, devices, fla
 alignment, the pinned config). A miss checks the inputs into a launch plan
 (:mod:`megatron_ext.fusions.mla_rope.plans`), picks the config, and launches through Triton's JIT,
 keeping the compiled kernel it returns; a hit launches that compiled kernel through
-its C launcher (:mod:`megatron_ext.fusions.mla_rope.direct_launch`, which says when it falls back
+its C launcher (:mod:`megatron_ext.fusions.direct_launch`, which says when it falls back
 to the JIT path) with the pointers and the stored arguments.
 """
 
@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 import triton
 
-from megatron_ext.fusions.mla_rope import direct_launch
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)

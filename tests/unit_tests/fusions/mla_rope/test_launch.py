@@ -5,8 +5,9 @@
 import pytest
 import torch
 
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import direct_launch, kernels, launch, ops, plans
+from megatron_ext.fusions.mla_rope import kernels, launch, ops, plans
 from megatron_ext.fusions.mla_rope.launch import KernelConfig, pinned_kernel_config
 
 HAVE_CUDA = torch.cuda.is_available()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 
-from megatron_ext.fusions.mla_rope import direct_launch
+from megatron_ext.fusions import direct_launch
 
 HAVE_CUDA = torch.cuda.is_available()
 # The Triton releases whose launchers the direct launch knows (the probe still checks each one).
