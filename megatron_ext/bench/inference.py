@@ -1050,7 +1050,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "models "
             + "; ".join(
                 f"{name}: {m['num_layers']} layers, hidden {m['hidden_size']}, vocab "
-                f"{m['vocab_size']}, {engine_model_parameters(name) / 1e9:.2f}e9 parameters"
+                f"{m['vocab_size']}, {engine_model_parameters(name):.3g} parameters"
                 for name, m in ENGINE_MODELS.items()
                 if name in args.engine_models
             )
