@@ -23,10 +23,11 @@ region not graphed: on 0.16 the region runs eagerly; on 0.19 the step samples wi
 megatron-core's own sampler, so it has no region time) and ``ext-graphed`` (region replayed
 from a CUDA graph). The variants of a
 configuration are measured interleaved in one process: after the warm-up, ``--repeats`` rounds
-each run ``--steps`` steps of every variant in turn (rotating order). Each row reports the median
-of its per-round medians and their min-max; a speedup is the ratio of the interleaved medians,
-with the min-max of the per-round ratios, and the summary says whether it is outside that
-spread.
+of ``--steps`` steps per variant, the variants stepping in turn, one step each (the order rotating
+from step to step). Each row reports the median of its per-round medians and their min-max. A
+speedup pairs step ``i`` of stock with step ``i`` of the variant (run back to back): a round's
+ratio is the median of its paired bookkeeping-time ratios, and the speedup is the geometric mean
+of the rounds' ratios with its 95% bootstrap interval (:mod:`megatron_ext.bench.stats`).
 
 Engine rows: megatron-core's ``DynamicInferenceEngine`` with the small GPT of the inference
 functional case (``megatron_ext.testing.small_gpt``; plain-torch paged-KV attention, since
@@ -381,23 +382,40 @@ def _run_config(
     """All variants of one configuration, measured interleaved in one process.
 
     Every variant gets its own stack, filled before any timing. Warm-up steps are discarded;
-    then ``repeats`` rounds each run ``block_steps`` steps of every variant in turn (the order
-    rotates from round to round), so that drifts of the machine (clocks, other tenants) fall on
-    every variant alike. Each row keeps the median of every block; its figures are the median
-    of those block medians, with their min, max and interquartile range.
+    then ``repeats`` rounds of ``block_steps`` steps per variant, the variants stepping in turn
+    one step each (the order rotating from step to step), so that a slow phase of the machine
+    (clocks, other tenants) covers the steps of every variant alike. Each row keeps the median
+    of every round; its figures are the median of those, with their min, max and interquartile
+    range. Each non-stock row also keeps, per round, the median over the steps of stock's
+    bookkeeping time over its own at the same step (``bookkeeping_paired_ratio_rounds``).
     """
     probes = {v: _build_variant(v, max_requests, sampling, args, cuda)[1] for v in variants}
     for _ in range(args.warmup):
         for variant in variants:
             probes[variant].run_step()
     blocks: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
-    for round_index in range(args.repeats):
-        shift = round_index % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            samples = [probes[variant].run_step() for _ in range(args.block_steps)]
+    paired: Dict[str, List[float]] = {v: [] for v in variants if v != "stock"}
+    turn = 0
+    for _ in range(args.repeats):
+        samples: Dict[str, List[Dict[str, float]]] = {v: [] for v in variants}
+        for _ in range(args.block_steps):
+            shift = turn % len(variants)
+            turn += 1
+            for variant in variants[shift:] + variants[:shift]:
+                samples[variant].append(probes[variant].run_step())
+        for variant in variants:
+            steps = samples[variant]
             blocks[variant].append(
-                {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+                {key: statistics.median(s[key] for s in steps) for key in steps[0]}
             )
+        if "stock" in samples:
+            for variant in paired:
+                paired[variant].append(
+                    step_paired_ratio(
+                        [(s["bookkeeping_host_ms"], i) for i, s in enumerate(samples["stock"])],
+                        [(s["bookkeeping_host_ms"], i) for i, s in enumerate(samples[variant])],
+                    )["ratio"]
+                )
     rows = []
     for variant in variants:
         row: Dict[str, Any] = {
@@ -417,6 +435,8 @@ def _run_config(
             row.update(probes[variant].count_syncs())
         if variant != "stock":
             row["cuda_graphs"] = len(getattr(probes[variant].controller, "_graphs", {}))
+            if paired[variant]:
+                row["bookkeeping_paired_ratio_rounds"] = paired[variant]
         rows.append(row)
     return rows
 
@@ -679,9 +699,13 @@ def _engine_rows(
 
 
 def _speedups(rows: List[Dict[str, Any]]) -> Dict[Tuple[int, str, str], Dict[str, float]]:
-    """Bookkeeping host-time speedup of each extension row over stock in the same configuration:
-    the ratio of the interleaved medians, and the min/max of the per-round ratios (round ``i``
-    of stock against round ``i`` of the variant, measured back to back)."""
+    """Bookkeeping host-time speedup of each extension row over stock in the same configuration.
+
+    With two or more rounds of paired steps (``bookkeeping_paired_ratio_rounds``): the geometric
+    mean of the rounds' ratios with its 95% bootstrap interval (``low``, ``high``,
+    ``half_width``) and the extreme rounds. Otherwise (rows without pairs, or one round): the
+    ratio of the medians and the min/max of the per-round ratios, without an interval.
+    """
     stock = {(r["max_requests"], r["sampling"]): r for r in rows if r["variant"] == "stock"}
     result = {}
     for r in rows:
@@ -689,13 +713,28 @@ def _speedups(rows: List[Dict[str, Any]]) -> Dict[Tuple[int, str, str], Dict[str
         if r["variant"] == "stock" or base is None:
             continue
         key = "bookkeeping_host_ms"
-        per_round = [a / b for a, b in zip(base[f"{key}_blocks"], r[f"{key}_blocks"])]
-        result[(r["max_requests"], r["sampling"], r["variant"])] = {
-            "speedup": base[key] / r[key],
-            "round_min": min(per_round),
-            "round_max": max(per_round),
-        }
+        rounds = r.get("bookkeeping_paired_ratio_rounds") or []
+        if len(rounds) >= 2:
+            value = ratio_interval(rounds)
+            value["speedup"] = value.pop("ratio")
+            value.pop("rounds")
+        else:
+            per_round = rounds or [a / b for a, b in zip(base[f"{key}_blocks"], r[f"{key}_blocks"])]
+            value = {
+                "speedup": base[key] / r[key],
+                "round_min": min(per_round),
+                "round_max": max(per_round),
+            }
+        result[(r["max_requests"], r["sampling"], r["variant"])] = value
     return result
+
+
+def _bookkeeping_ratio_text(value: Dict[str, float]) -> str:
+    """As the engine rows print a ratio where it has an interval; ``2.03x [rounds 1.82-2.22]``
+    where it has none."""
+    if "low" in value:
+        return _ratio_text(value)
+    return f"{value['speedup']:.2f}x [rounds {value['round_min']:.2f}-{value['round_max']:.2f}]"
 
 
 def _verdict(value: Dict[str, float]) -> str:
@@ -734,7 +773,7 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
     speedups = _speedups(rows)
     lines = [
         "| max requests | sampling | variant | bk host us | region host us | bk GPU us | "
-        "syncs bk/region/upd | graphs | speedup [round min-max] |",
+        "syncs bk/region/upd | graphs | speedup [95% interval, +-; round min-max] |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -745,11 +784,7 @@ def _table(rows: List[Dict[str, Any]], cuda: bool) -> str:
             f"{r.get('syncs_bookkeeping', '-')}/{r.get('syncs_region', '-')}/"
             f"{r.get('syncs_update_requests', '-')}"
         )
-        speedup = (
-            "1.00x"
-            if value is None
-            else f"{value['speedup']:.2f}x [{value['round_min']:.2f}-{value['round_max']:.2f}]"
-        )
+        speedup = "1.00x" if value is None else _bookkeeping_ratio_text(value)
         lines.append(
             f"| {r['max_requests']} | {r['sampling']} | {r['variant']} | "
             f"{_us(r['bookkeeping_host_ms_spread'])} | {'-' if region is None else _us(region)} | "
@@ -997,16 +1032,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             report["worst_row"] = {"row": list(worst), **value}
             summary.append(
                 f"worst bookkeeping row: {worst[0]} requests {worst[1]} {worst[2]}: "
-                f"{value['speedup']:.2f}x stock (rounds {value['round_min']:.2f}-"
-                f"{value['round_max']:.2f}x; {_verdict(value)}; floor 1.00x)"
+                f"{_bookkeeping_ratio_text(value)} stock ({_verdict(value)}; floor 1.00x)"
             )
             for (requests, sampling, variant), value in sorted(speedups.items()):
                 if variant == "ext-graphed":
                     target = " (goal 2x)" if requests >= 1024 else ""
                     summary.append(
-                        f"ext-graphed at {requests} {sampling}: {value['speedup']:.2f}x "
-                        f"(rounds {value['round_min']:.2f}-{value['round_max']:.2f}x; "
-                        f"{_verdict(value)}){target}"
+                        f"ext-graphed at {requests} {sampling}: {_bookkeeping_ratio_text(value)} "
+                        f"({_verdict(value)}){target}"
                     )
         summary += _engine_summary(report)
     static_rows = report.get("static_mla_rows") or []
@@ -1032,12 +1065,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"=== table: dynamic-inference bookkeeping per decode step, megatron-core "
         f"{report['megatron_core']}"
         + (
-            f" (interleaved: {args.repeats} rounds x {args.block_steps} steps per variant after "
-            f"{args.warmup} warm-up steps; median of the per-round medians [min-max over rounds];"
-            " bk = context initialisation + sampling bookkeeping, i.e. the step minus "
-            "the forward and update_requests; region = the sampling region's host time; syncs = "
-            "device-to-host synchronisations per step; speedup = ratio of the interleaved "
-            "medians [min-max of the per-round ratios])"
+            f" (interleaved step by step: {args.repeats} rounds x {args.block_steps} steps per "
+            f"variant after {args.warmup} warm-up steps; median of the per-round medians "
+            "[min-max over rounds]; bk = context initialisation + sampling bookkeeping, i.e. the "
+            "step minus the forward and update_requests; region = the sampling region's host "
+            "time; syncs = device-to-host synchronisations per step; speedup = geometric mean "
+            "over rounds of the median ratio of stock's step to the variant's step run next to "
+            "it, 95% bootstrap interval [min-max of the rounds' ratios])"
             if cuda
             else " (CPU correctness check: configurations run; the CPU times kept in the JSON "
             "are not benchmark figures)"
