@@ -701,31 +701,17 @@ def _engine_rows(
 def _speedups(rows: List[Dict[str, Any]]) -> Dict[Tuple[int, str, str], Dict[str, float]]:
     """Bookkeeping host-time speedup of each extension row over stock in the same configuration.
 
-    With two or more rounds of paired steps (``bookkeeping_paired_ratio_rounds``): the geometric
-    mean of the rounds' ratios with its 95% bootstrap interval (``low``, ``high``,
-    ``half_width``) and the extreme rounds. Otherwise (rows without pairs, or one round): the
-    ratio of the medians and the min/max of the per-round ratios, without an interval.
+    The geometric mean of the rounds' paired ratios (``bookkeeping_paired_ratio_rounds``) with
+    its 95% bootstrap interval (``low``, ``high``, ``half_width``) and the extreme rounds; one
+    round has no interval.
     """
-    stock = {(r["max_requests"], r["sampling"]): r for r in rows if r["variant"] == "stock"}
     result = {}
     for r in rows:
-        base = stock.get((r["max_requests"], r["sampling"]))
-        if r["variant"] == "stock" or base is None:
+        # Only a configuration measured with stock has paired rounds.
+        rounds = r.get("bookkeeping_paired_ratio_rounds")
+        if not rounds:
             continue
-        key = "bookkeeping_host_ms"
-        rounds = r.get("bookkeeping_paired_ratio_rounds") or []
-        if len(rounds) >= 2:
-            value = ratio_interval(rounds)
-            value["speedup"] = value.pop("ratio")
-            value.pop("rounds")
-        else:
-            per_round = rounds or [a / b for a, b in zip(base[f"{key}_blocks"], r[f"{key}_blocks"])]
-            value = {
-                "speedup": base[key] / r[key],
-                "round_min": min(per_round),
-                "round_max": max(per_round),
-            }
-        result[(r["max_requests"], r["sampling"], r["variant"])] = value
+        result[(r["max_requests"], r["sampling"], r["variant"])] = _rounds_speedup(rounds)
     return result
 
 
@@ -801,9 +787,9 @@ def _engine_key(row: Dict[str, Any]) -> Tuple[str, str, int, str]:
 def _engine_ratio(
     rows: List[Dict[str, Any]], key: Tuple[str, str, int, str]
 ) -> Optional[Dict[str, float]]:
-    """Decode tokens/s on over off in one (model, sampling, requests, schedule) configuration: the
-    geometric mean of the per-round ratios (step-paired where the rows have them), with its 95%
-    bootstrap interval (:func:`megatron_ext.bench.stats.ratio_interval`)."""
+    """Decode tokens/s on over off in one (model, sampling, requests, schedule) configuration,
+    from the per-round ratios (step-paired where the rows have them): see
+    :func:`_rounds_speedup`."""
     pair = {r["mode"]: r for r in rows if _engine_key(r) == key}
     if "off" not in pair or "on" not in pair:
         return None
@@ -812,6 +798,12 @@ def _engine_ratio(
         # Rows of batches run one after the other: pair the rounds' throughputs.
         off = pair["off"]["decode_tokens_per_s_rounds"]
         per_round = [b / a for a, b in zip(off, pair["on"]["decode_tokens_per_s_rounds"])]
+    return _rounds_speedup(per_round)
+
+
+def _rounds_speedup(per_round: List[float]) -> Dict[str, float]:
+    """``speedup``: the rounds' geometric mean, with its 95% bootstrap interval
+    (:func:`megatron_ext.bench.stats.ratio_interval`) from two rounds on; the extreme rounds."""
     if len(per_round) < 2:
         return {"speedup": per_round[0], "round_min": per_round[0], "round_max": per_round[0]}
     interval = ratio_interval(per_round)

@@ -4,10 +4,11 @@
 
 The benchmarks measure the two variants in interleaved rounds, so each round yields one off/on
 ratio from figures taken on the same machine state, and the drift of the machine between rounds
-cancels in it. :func:`step_paired_ratio` forms a round's ratio from two engines stepped in
-alternating turns; :func:`ratio_interval` summarises the rounds' ratios by their geometric mean
-and a bootstrap percentile interval of it (resampling whole rounds), and says how wide the
-interval is, so a report can state whether a measured ratio is settled or needs more rounds.
+cancels in it. :func:`step_paired_ratio` forms a round's ratio from two variants stepped in
+alternating turns (engines, or the bookkeeping rows' stacks); :func:`ratio_interval` summarises
+the rounds' ratios by their geometric mean and a bootstrap percentile interval of it (resampling
+whole rounds), and says how wide the interval is, so a report can state whether a measured ratio
+is settled or needs more rounds.
 """
 
 import math

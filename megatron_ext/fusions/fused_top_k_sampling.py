@@ -103,18 +103,18 @@ def _check(
     noise: Tensor,
     out: Tensor,
 ) -> int:
-    for name, tensor in (
+    inputs = (
         ("values", values),
         ("indices", indices),
         ("temperature", temperature),
         ("top_k", top_k),
         ("noise", noise),
-        ("out", out),
-    ):
+    )
+    for name, tensor in inputs + (("out", out),):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(tensor).__name__}")
-        if name == "values":
-            device = values.device
+    device = values.device
+    for name, tensor in inputs[1:] + (("out", out),):
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, values on {device}")
     if values.dim() != 2 or indices.shape != values.shape or noise.shape != values.shape:
@@ -148,13 +148,7 @@ def _check(
         if rows > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
     storage = out.untyped_storage().data_ptr()
-    for name, tensor in (
-        ("values", values),
-        ("indices", indices),
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("noise", noise),
-    ):
+    for name, tensor in inputs:
         # Tensors of separate allocations cannot overlap: the span arithmetic only for views.
         if tensor.untyped_storage().data_ptr() == storage and _overlaps(out, tensor):
             raise ValueError(f"out overlaps {name}: the kernel would read what it writes")

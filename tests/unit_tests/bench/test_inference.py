@@ -297,7 +297,7 @@ def test_a_slow_phase_of_the_machine_cancels_in_the_paired_bookkeeping_ratio(mon
     assert "bookkeeping_paired_ratio_rounds" not in by_variant["stock"]
 
 
-def test_bookkeeping_speedup_without_pairs_has_no_interval(monkeypatch):
+def test_a_single_bookkeeping_round_has_no_interval(monkeypatch):
     rows, _ = _clocked_rows(monkeypatch, slow=(0, 0), repeats=1)
     value = inference._speedups(rows)[(64, "greedy", "ext-eager")]
     assert "low" not in value and value["speedup"] == pytest.approx(2.0)
