@@ -22,16 +22,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-# (q dtype, cos/sin dtype) pairs for which the two-load kernel, at inverse=True, pairs the right
-# half's FMA on x2 * cos (measured on an H200 with triton 3.6; for fp32 q at BLOCK_H 1-4, for bf16 q
-# with fp32 tables at every BLOCK_H). Equal dtypes and fp16 q with fp32 tables pair it like the
-# non-inverse rotation; bf16 with fp16 tables (either order) was not measured.
-INVERSE_RIGHT_FMA_ON_COS = {
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.bfloat16, torch.float32),
-}
-
 
 def check_tensor(name: str, x, dtypes: Sequence[torch.dtype]) -> None:
     """Raise TypeError unless ``x`` is a tensor of one of ``dtypes``."""
@@ -144,11 +134,6 @@ def compute_dtype(a: torch.dtype, b: torch.dtype) -> tl.dtype:
     if torch.float16 in (a, b):
         return tl.float16
     return tl.bfloat16
-
-
-def right_fma_on_cos(x_dtype: torch.dtype, table_dtype: torch.dtype, inverse: bool) -> bool:
-    """Whether the forward pairs its right-half FMA on x2 * cos (see INVERSE_RIGHT_FMA_ON_COS)."""
-    return bool(inverse and (x_dtype, table_dtype) in INVERSE_RIGHT_FMA_ON_COS)
 
 
 @dataclass(frozen=True)

@@ -92,29 +92,65 @@ def _load_cos_sin(
 
 
 @triton.jit
-def _rotate_fwd(x1, x2, cos_l, cos_r, sin_l, sin_r, RIGHT_FMA_ON_COS: tl.constexpr):
-    """(x1 * cos_l - x2 * sin_l, x2 * cos_r + x1 * sin_r) with megatron-core's FMA pairing.
+def _neg(x):
+    """``-x`` with the sign bit flipped for every value, +0 included.
 
-    megatron-core's two-load kernel writes the two sums unfused; the compiler contracts each into
-    one FMA, and this is the pairing it chose. Writing it out keeps the result independent of the
-    block shape, which otherwise changes how the compiler contracts. RIGHT_FMA_ON_COS selects the
-    pairing the two-load kernel compiles to for an inverse rotation with some mixed dtypes (see
-    checks.INVERSE_RIGHT_FMA_ON_COS; for fp32 q its output changes at larger BLOCK_H, and upstream
-    kept the small-BLOCK_H one).
+    Triton up to 3.7 lowers unary minus to ``0 - x``, which gives +0 for +0; the compiler's
+    contraction of megatron-core's ``a * b - c * d`` negates the product exactly (``fneg``).
     """
-    left = tl.fma(x1, cos_l, -(x2 * sin_l))
-    if RIGHT_FMA_ON_COS:
-        right = tl.fma(x2, cos_r, x1 * sin_r)
+    return x * -1.0
+
+
+@triton.jit
+def _pair(a, b, c, d, SUBTRACT: tl.constexpr, FUSE: tl.constexpr):
+    """``a * b - c * d`` (SUBTRACT) or ``a * b + c * d``, with its products paired as FUSE says.
+
+    FUSE (a :mod:`megatron_ext.fusions.mla_rope.pairing` value): FUSE_FIRST contracts ``a * b``
+    into the FMA, FUSE_SECOND ``c * d``; UNFUSED rounds both products (the kernel is then compiled
+    with FP fusion off, so the compiler contracts nothing either). A subtraction negates exactly,
+    as the compiler's contraction of megatron-core's subtraction does.
+    """
+    if FUSE == 0:
+        if SUBTRACT:
+            out = tl.fma(a, b, _neg(c * d))
+        else:
+            out = tl.fma(a, b, c * d)
+    elif FUSE == 1:
+        if SUBTRACT:
+            out = tl.fma(_neg(c), d, a * b)
+        else:
+            out = tl.fma(c, d, a * b)
     else:
-        right = tl.fma(x1, sin_r, x2 * cos_r)
+        if SUBTRACT:
+            out = a * b - c * d
+        else:
+            out = a * b + c * d
+    return out
+
+
+@triton.jit
+def _rotate_fwd(x1, x2, cos_l, cos_r, sin_l, sin_r, FMA_1: tl.constexpr, FMA_2: tl.constexpr):
+    """(x1 * cos_l - x2 * sin_l, x2 * cos_r + x1 * sin_r), megatron-core's forward.
+
+    megatron-core writes both sums unfused and the compiler contracts one product of each into an
+    FMA; FMA_1 / FMA_2 name the product it contracts (chosen per installed Triton by
+    :mod:`megatron_ext.fusions.mla_rope.pairing`). Writing the FMAs out keeps the result
+    independent of the block shape, which otherwise changes how the compiler contracts.
+    """
+    left = _pair(x1, cos_l, x2, sin_l, True, FMA_1)
+    right = _pair(x2, cos_r, x1, sin_r, False, FMA_2)
     return left, right
 
 
 @triton.jit
-def _rotate_bwd(g_l, g_r, cos_l, cos_r, sin_l, sin_r):
-    """(g_l * cos_l + g_r * sin_r, -g_l * sin_l + g_r * cos_r), megatron-core's backward pairing."""
-    g1 = tl.fma(g_l, cos_l, g_r * sin_r)
-    g2 = tl.fma(-g_l, sin_l, g_r * cos_r)
+def _rotate_bwd(g_l, g_r, cos_l, cos_r, sin_l, sin_r, FMA_1: tl.constexpr, FMA_2: tl.constexpr):
+    """(g_l * cos_l + g_r * sin_r, -g_l * sin_l + g_r * cos_r), megatron-core's backward, its
+    products paired as in :func:`_rotate_fwd`.
+
+    The second sum's first product is ``(-g_l) * sin_l``, negated where megatron-core negates.
+    """
+    g1 = _pair(g_l, cos_l, g_r, sin_r, False, FMA_1)
+    g2 = _pair(-g_l, sin_l, g_r, cos_r, False, FMA_2)
     return g1, g2
 
 
@@ -210,7 +246,8 @@ def mla_rope_q_fwd_kernel(
     CT: tl.constexpr,
     INVERSE: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
-    RIGHT_FMA_ON_COS: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -256,7 +293,7 @@ def mla_rope_q_fwd_kernel(
     dims = tl.arange(0, EMB_DIM)[None, :]
     x = tl.load(ptrs + dims, mask=mask)
     x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, EMB_DIM // 2, 2)))
-    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, RIGHT_FMA_ON_COS)
+    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
     out_ty = q_ptr.dtype.element_ty
     tl.debug_barrier()
     if KEEP_INTERLEAVED:
@@ -279,6 +316,8 @@ def _q_bwd_tile(
     EMB_DIM: tl.constexpr,
     CT: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """The query gradient's RoPE tile at ``g_ptrs``, rotated back and interleaved (in CT)."""
@@ -289,7 +328,7 @@ def _q_bwd_tile(
         half = tl.arange(0, EMB_DIM // 2)[None, :]
         g_l = tl.load(g_ptrs + half, mask=mask)
         g_r = tl.load(g_ptrs + EMB_DIM // 2 + half, mask=mask)
-    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r)
+    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
     return tl.reshape(tl.join(g1, g2), (BLOCK_H, EMB_DIM))
 
 
@@ -316,7 +355,8 @@ def mla_rope_q_bwd_kernel(
     CT: tl.constexpr,
     INVERSE: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
-    RIGHT_FMA_ON_COS: tl.constexpr,  # forward only; the backward's pairing never changed
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -354,7 +394,7 @@ def mla_rope_q_bwd_kernel(
         BLOCK_H,
     )
     out = _q_bwd_tile(
-        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, BLOCK_H
+        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, FMA_1, FMA_2, BLOCK_H
     )
     tl.debug_barrier()
     tl.store(ptrs + tl.arange(0, EMB_DIM)[None, :], out.to(g_ptr.dtype.element_ty), mask=mask)
@@ -386,6 +426,8 @@ def mla_rope_q_bwd_copy_kernel(
     CT: tl.constexpr,
     INVERSE: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     QK_BLOCK: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -428,7 +470,7 @@ def mla_rope_q_bwd_copy_kernel(
     nope = tl.load(ptrs - rope_offset + cols, mask=qk_mask)
     tl.store(out_row + cols, nope, mask=qk_mask)
     out = _q_bwd_tile(
-        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, BLOCK_H
+        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, FMA_1, FMA_2, BLOCK_H
     )
     dims = tl.arange(0, EMB_DIM)[None, :]
     tl.store(out_row + rope_offset + dims, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -468,6 +510,8 @@ def mla_rope_kv_fwd_kernel(
     EMB_DIM: tl.constexpr,
     CT: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -507,7 +551,7 @@ def mla_rope_kv_fwd_kernel(
     emb_row = emb_ptr + s_idx.to(tl.int64) * stride_emb_s + b_idx.to(tl.int64) * stride_emb_b
     x = tl.load(emb_row + tl.arange(0, EMB_DIM))
     x1, x2 = tl.split(tl.reshape(x, (EMB_DIM // 2, 2)))
-    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, False)
+    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
     out_ty = key_ptr.dtype.element_ty
     rope_row = key_row + K_DIM
     if KEEP_INTERLEAVED:
@@ -572,6 +616,8 @@ def _kv_bwd_emb(
     EMB_DIM: tl.constexpr,
     CT: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     HEAD_UNROLL: tl.constexpr,
 ):
@@ -623,7 +669,7 @@ def _kv_bwd_emb(
     cos_l, cos_r, sin_l, sin_r = _load_cos_sin(
         cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, CT
     )
-    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r)
+    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
     out = tl.reshape(tl.join(g1, g2), (EMB_DIM,))
     demb_row = demb_ptr + row.to(tl.int64) * stride_demb_row
     tl.store(demb_row + tl.arange(0, EMB_DIM), out.to(demb_ptr.dtype.element_ty))
@@ -661,6 +707,8 @@ def mla_rope_kv_bwd_kernel(
     EMB_DIM: tl.constexpr,
     CT: tl.constexpr,
     KEEP_INTERLEAVED: tl.constexpr,
+    FMA_1: tl.constexpr,
+    FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     HEAD_UNROLL: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -712,6 +760,8 @@ def mla_rope_kv_bwd_kernel(
             EMB_DIM,
             CT,
             KEEP_INTERLEAVED,
+            FMA_1,
+            FMA_2,
             SEQ_BLOCK,
             HEAD_UNROLL,
         )

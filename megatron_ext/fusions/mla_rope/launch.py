@@ -160,7 +160,9 @@ def tuned_config(plan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfi
         grid = plan.grid(candidate.block_h)[:2]
 
         def launch(c=candidate, grid=grid):
-            kernel[grid](*tensors, **plan.args, BLOCK_H=c.block_h, num_warps=c.num_warps)
+            kernel[grid](
+                *tensors, **plan.args, **plan.options, BLOCK_H=c.block_h, num_warps=c.num_warps
+            )
 
         timings[candidate] = benchmark_us(launch)
     config = min(timings, key=timings.get)
@@ -229,6 +231,7 @@ class CachedLaunch:
             compiled = self.plan.kernel[self.grid[:2]](
                 *tensors,
                 **self.plan.args,
+                **self.plan.options,
                 BLOCK_H=self.config.block_h,
                 num_warps=self.config.num_warps,
             )

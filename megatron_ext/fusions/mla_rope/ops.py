@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_ext.fusions.mla_rope import plans
+from megatron_ext.fusions.mla_rope import pairing, plans, probe
 from megatron_ext.fusions.mla_rope.kernels import (
     mla_rope_kv_bwd_kernel,
     mla_rope_kv_fwd_kernel,
@@ -71,6 +71,7 @@ def run_q(
             type(inverse),
             type(keep),
             PINNED.get(),
+            pairing.forced(),
         )
         launch = LAUNCHES.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
@@ -92,6 +93,8 @@ def run_q(
             pos,
             name,
         )
+        kind = "q_fwd" if kernel is mla_rope_q_fwd_kernel else "q_bwd"
+        plan = plan.with_pairing(probe.pairing_for(kind, t.dtype, cos.dtype, t.device, inverse))
     out = [t.new_empty(shape) for shape in plan.outputs]
     tensors = (t, *out, cos, sin, cu, contiguous(pos))
     if launch is None:
@@ -252,6 +255,7 @@ def _kv_key(kernel, a, b, cos, sin, cu, pos, emb_dim, k_dim, v_dim, cp_rank, cp_
             type(cp_size),
             type(keep),
             PINNED.get(),
+            pairing.forced(),
         )
     except (AttributeError, TypeError):  # not tensors: the checks say what
         return None
@@ -301,6 +305,8 @@ def mla_rope_kv_fwd(
         plan = plans.plan_kv_fwd(
             kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu, cp_rank, cp_size, keep, pos
         )
+        fma = probe.pairing_for("kv_fwd", k_pos_emb.dtype, cos.dtype, kv.device, False)
+        plan = plan.with_pairing(fma)
     key_out, value_out = (kv.new_empty(shape) for shape in plan.outputs)
     tensors = (kv, k_pos_emb, key_out, value_out, cos, sin, cu, contiguous(pos))
     if launch is None:
@@ -356,6 +362,9 @@ def mla_rope_kv_bwd(
     if plan is None:
         plan = plans.plan_kv_bwd(
             dkey, dvalue, cos, sin, emb_dim, k_dim, v_dim, cu, cp_rank, cp_size, keep, pos
+        )
+        plan = plan.with_pairing(
+            probe.pairing_for("kv_bwd", dkey.dtype, cos.dtype, dkey.device, False)
         )
     d_kv, d_emb = (dkey.new_empty(shape) for shape in plan.outputs)
     tensors = (contiguous(dkey), contiguous(dvalue), d_kv, d_emb, cos, sin, cu, contiguous(pos))

@@ -9,22 +9,24 @@ only the kernel's signature fixes their order (a plan whose names differ from th
 refused when it is built). :class:`megatron_ext.fusions.mla_rope.launch.CachedLaunch` consumes it.
 """
 
+import dataclasses
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from megatron_ext.fusions.mla_rope import checks
+from megatron_ext.fusions.mla_rope import checks, pairing
 from megatron_ext.fusions.mla_rope.kernels import (
     HEAD_UNROLL,
     SEQ_BLOCK,
     mla_rope_kv_bwd_kernel,
     mla_rope_kv_fwd_kernel,
     mla_rope_q_bwd_copy_kernel,
+    mla_rope_q_fwd_kernel,
 )
 
 # The pointer parameters every kernel ends its pointer list with: tables, then sequence indices.
@@ -43,6 +45,7 @@ class LaunchPlan:
         args: every other kernel parameter but ``BLOCK_H``, by name.
         in_place: whether the kernel writes its first pointer argument.
         outputs: shapes of the new tensors a call allocates and passes among its pointers.
+        options: Triton compile options of the launch (FP fusion off for an unfused pairing).
     """
 
     kernel: Any
@@ -52,6 +55,7 @@ class LaunchPlan:
     args: Mapping[str, Any]
     in_place: bool
     outputs: Tuple[Tuple[int, ...], ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         names = tuple(self.kernel.arg_names)
@@ -61,6 +65,12 @@ class LaunchPlan:
                 f"launch plan of {self.kernel.__name__} names {sorted(self.args)}; the kernel "
                 f"takes {sorted(expected)} after its {self.pointers} pointers"
             )
+
+    def with_pairing(self, fma: pairing.Pairing) -> "LaunchPlan":
+        """This plan with the rotation's products paired as ``fma`` says."""
+        return dataclasses.replace(
+            self, args={**self.args, **fma.constexprs()}, options=fma.options()
+        )
 
     def grid(self, block_h: int) -> Optional[Tuple[int, int, int]]:
         """The launch grid at ``block_h`` heads per program, or None for an empty launch."""
@@ -146,6 +156,8 @@ def plan_q(
         CT=checks.compute_dtype(t.dtype, cos.dtype),
         INVERSE=inverse,
         KEEP_INTERLEAVED=keep,
+        # Replaced by the pairing chosen for the installed Triton (LaunchPlan.with_pairing).
+        **pairing.DEFAULTS["q_fwd" if kernel is mla_rope_q_fwd_kernel else "q_bwd"].constexprs(),
     )
     if copy:
         args.update(
@@ -156,7 +168,6 @@ def plan_q(
         return LaunchPlan(
             kernel, lay.rows, lay.head_num, 2 + _TABLE_POINTERS, args, False, (tuple(t.shape),)
         )
-    args["RIGHT_FMA_ON_COS"] = checks.right_fma_on_cos(t.dtype, cos.dtype, inverse)
     return LaunchPlan(kernel, lay.rows, lay.head_num, 1 + _TABLE_POINTERS, args, True)
 
 
@@ -170,6 +181,11 @@ def _kv_dims(emb_dim: int, k_dim: int, v_dim: int, compute, keep: bool) -> Dict[
         CT=compute,
         KEEP_INTERLEAVED=keep,
     )
+
+
+def _kv_pairing(kind: str) -> Dict[str, int]:
+    # Replaced by the pairing chosen for the installed Triton (LaunchPlan.with_pairing).
+    return pairing.DEFAULTS[kind].constexprs()
 
 
 def plan_kv_fwd(
@@ -196,6 +212,7 @@ def plan_kv_fwd(
         stride_key_h=k_dim + emb_dim,
         stride_value_row=heads * v_dim,
         stride_value_h=v_dim,
+        **_kv_pairing("kv_fwd"),
     )
     outputs = (lead + (heads, k_dim + emb_dim), lead + (heads, v_dim))
     return LaunchPlan(
@@ -224,6 +241,7 @@ def plan_kv_bwd(
         stride_dkv_h=k_dim + v_dim,
         stride_demb_row=emb_dim,
         HEAD_UNROLL=min(HEAD_UNROLL, triton.next_power_of_2(heads)),
+        **_kv_pairing("kv_bwd"),
     )
     outputs = (lead + (heads, k_dim + v_dim), lead + (1, emb_dim))
     return LaunchPlan(

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_ext.fusions.mla_rope import pairing
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -27,16 +29,63 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(INT_VIEW[x.dtype])
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Assert two float tensors hold the same bits, and say where they differ if not."""
+def assert_bitwise_equal(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    what: str = "",
+    exact: Optional[torch.Tensor] = None,
+    reference: str = "the reference",
+) -> None:
+    """Assert two float tensors hold the same bits, and say where they differ if not.
+
+    ``actual`` is megatron_ext's output, ``expected`` that of ``reference``. With ``exact`` (the
+    float64 result) the message also says whose bits moved: the less accurate of the two.
+    """
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
     diff = bits(actual) != bits(expected)
     if diff.any():
         idx = diff.nonzero()[0].tolist()
-        raise AssertionError(
+        message = (
             f"{what}: {int(diff.sum())} of {diff.numel()} elements differ in their bits; first at "
             f"{idx}: {actual[tuple(idx)].item()!r} vs {expected[tuple(idx)].item()!r}"
         )
+        if exact is not None:
+            ours = (actual.double() - exact.reshape(actual.shape)).abs().max().item()
+            theirs = (expected.double() - exact.reshape(actual.shape)).abs().max().item()
+            verdict = (
+                "megatron_ext is the less accurate: megatron_ext's bits moved"
+                if ours > theirs
+                else f"megatron_ext is no less accurate: {reference}'s bits moved (its compiled "
+                "arithmetic, e.g. FMA pairing, differs)"
+            )
+            message += (
+                f". Max |error| vs float64 under triton {triton.__version__}: megatron_ext "
+                f"{ours:.3g}, {reference} {theirs:.3g}: {verdict}"
+            )
+        raise AssertionError(message)
+
+
+def assert_equals_reference_configs(
+    ours: torch.Tensor,
+    refs: dict,
+    exact: Optional[torch.Tensor],
+    reference: str,
+) -> List[int]:
+    """Assert ``ours`` equals ``refs[1]`` (the reference at BLOCK_H=1, always defined) and every
+    other ``refs[block_h]`` that has the same bits as ``refs[1]``.
+
+    Returns:
+        The BLOCK_H values at which the reference disagrees with its own BLOCK_H=1 output (a
+        config-dependent reference: printed by the caller, not a failure of megatron_ext).
+    """
+    assert_bitwise_equal(ours, refs[1], f"{reference} at BLOCK_H=1", exact, reference)
+    disagreeing = []
+    for block_h, ref in refs.items():
+        if torch.equal(bits(ref), bits(refs[1])):
+            assert_bitwise_equal(ours, ref, f"{reference} at BLOCK_H={block_h}", exact, reference)
+        else:
+            disagreeing.append(block_h)
+    return disagreeing
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,12 +293,27 @@ def compute_dtype(x_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dtype
     return torch.bfloat16
 
 
-# (q, cos/sin) dtype pairs whose inverse rotation pairs the right half's FMA on x2 * cos.
-INVERSE_RIGHT_FMA_ON_COS = {
-    (torch.float32, torch.bfloat16),
-    (torch.float32, torch.float16),
-    (torch.bfloat16, torch.float32),
-}
+def kernel_pairing(kind: str, x_dtype, table_dtype, inverse: bool = False) -> pairing.Pairing:
+    """The FMA pairing the kernels launch with where no probe runs (the interpreter, CPU tensors):
+    the forced one, the inverse rotation's fixed one, or the default."""
+    if inverse:
+        return pairing.forced() or pairing.inverse_pairing(x_dtype, table_dtype, kind == "q_bwd")
+    return pairing.forced() or pairing.DEFAULTS[kind]
+
+
+def _pair(a, b, c, d, subtract: bool, fuse: int, ct):
+    """The kernels' ``_pair``: ``a * b -/+ c * d`` with the products paired as ``fuse`` says."""
+    if fuse == pairing.FUSE_FIRST:
+        return _fma(a, b, -(c * d) if subtract else c * d, ct)
+    if fuse == pairing.FUSE_SECOND:
+        return _fma(-c if subtract else c, d, a * b, ct)
+    return a * b - c * d if subtract else a * b + c * d
+
+
+def _rotate_bwd(g_l, g_r, cl, cr, sl, sr, fma: pairing.Pairing, ct):
+    return _pair(g_l, cl, g_r, sr, False, fma.first, ct), _pair(
+        -g_l, sl, g_r, cr, False, fma.second, ct
+    )
 
 
 def q_forward_reference(
@@ -273,11 +337,9 @@ def q_forward_reference(
     if inverse:
         sl, sr = -sl, -sr
     if exact_model:
-        left = _fma(x1, cl, -(x2 * sl), ct)
-        if inverse and (t.dtype, cos.dtype) in INVERSE_RIGHT_FMA_ON_COS:
-            right = _fma(x2, cr, x1 * sr, ct)
-        else:
-            right = _fma(x1, sr, x2 * cr, ct)
+        fma = kernel_pairing("q_fwd", t.dtype, cos.dtype, inverse)
+        left = _pair(x1, cl, x2, sl, True, fma.first, ct)
+        right = _pair(x2, cr, x1, sr, False, fma.second, ct)
     else:
         left = x1 * cl - x2 * sl
         right = x2 * cr + x1 * sr
@@ -303,8 +365,9 @@ def q_backward_reference(
     if inverse:
         sl, sr = -sl, -sr
     if exact_model:
-        g1 = _fma(g_l, cl, g_r * sr, ct)
-        g2 = _fma(-g_l, sl, g_r * cr, ct)
+        g1, g2 = _rotate_bwd(
+            g_l, g_r, cl, cr, sl, sr, kernel_pairing("q_bwd", g.dtype, cos.dtype, inverse), ct
+        )
     else:
         g1 = g_l * cl + g_r * sr
         g2 = -g_l * sl + g_r * cr
@@ -323,8 +386,9 @@ def kv_forward_reference(
     x1, x2 = _split_pairs(emb, True)
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
-        left = _fma(x1, cl, -(x2 * sl), ct)
-        right = _fma(x1, sr, x2 * cr, ct)
+        fma = kernel_pairing("kv_fwd", k_pos_emb.dtype, cos.dtype)
+        left = _pair(x1, cl, x2, sl, True, fma.first, ct)
+        right = _pair(x2, cr, x1, sr, False, fma.second, ct)
     else:
         left = x1 * cl - x2 * sl
         right = x2 * cr + x1 * sr
@@ -355,8 +419,9 @@ def kv_backward_reference(
     g_l, g_r = _split_pairs(summed.to(ct)[:, None, :], keep_interleaved)
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
-        g1 = _fma(g_l, cl, g_r * sr, ct)
-        g2 = _fma(-g_l, sl, g_r * cr, ct)
+        g1, g2 = _rotate_bwd(
+            g_l, g_r, cl, cr, sl, sr, kernel_pairing("kv_bwd", dkey.dtype, cos.dtype), ct
+        )
     else:
         g1 = g_l * cl + g_r * sr
         g2 = -g_l * sl + g_r * cr
