@@ -234,6 +234,20 @@ def test_ext_spec_builds_mla_without_te(monkeypatch, mcore_parallel_state):
     assert isinstance(module.core_attention, SDPADotProductAttention)
 
 
+def test_swapping_the_sdpa_core_attention_in_applies_te_free_mla():
+    """The conversion that makes MLA buildable without TE is where the fix megatron-core 0.16's
+    MLA constructor needs is applied (declared in patches.PATCHES); building modules applies none.
+    """
+    patches.undo_patches(patches.TE_FREE_MLA)
+    to_megatron_ext_spec(local_mla_spec(), sdpa_core_attention=False)
+    assert not patches.is_applied(patches.TE_FREE_MLA)
+    to_megatron_ext_spec(local_mla_spec())
+    assert patches.is_applied(patches.TE_FREE_MLA)
+    patches.undo_patches(patches.TE_FREE_MLA)
+    get_gpt_layer_local_mla_spec(mla_transformer_config())
+    assert patches.is_applied(patches.TE_FREE_MLA)
+
+
 @pytest.mark.skipif(
     ExtFusedMLASelfAttention is None,
     reason="this megatron-core release has no FusedMLASelfAttention",
@@ -293,13 +307,13 @@ def test_patched_modules_are_every_megatron_core_module_that_names_mla():
     patched = set()
     for entry in patches.PATCHES[patches.MLA_ROPE_CONTIGUOUS_LOAD]:
         try:
-            module = importlib.import_module(entry.module)
+            module = importlib.import_module(entry.module_name)
         except ImportError:
             continue
         # An optional patch whose attribute this release lacks (0.19's DSA variant specs) does not
         # count as patched.
         if isinstance(entry, patches.SpecConstantsPatch) or hasattr(module, entry.attribute):
-            patched.add(entry.module)
+            patched.add(entry.module_name)
     rope_modules = {"megatron.core.fusions.fused_mla_yarn_rope_apply", mcore_mla.__name__}
     assert naming == patched - rope_modules
 
