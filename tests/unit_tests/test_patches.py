@@ -63,34 +63,23 @@ def test_every_declared_target_resolves_and_is_replaced_while_applied():
     _assert_same(before, _snapshot())
 
 
+# Each switch is called with an MLA config the flag can act on.
 _SWITCHES = {
-    "apply mla": lambda: apply_megatron_ext(mla_rope_contiguous_load=True, config=_mla_config()),
-    "apply slices": lambda: apply_megatron_ext(inference_static_active_slices=True),
-    "patch specs": patch_megatron_core_gpt_specs,
-    "unpatch specs": unpatch_megatron_core_gpt_specs,
-    "enable slices": megatron_ext.inference.enable_static_active_slices,
-    "disable slices": megatron_ext.inference.disable_static_active_slices,
-    "undo": undo_megatron_ext,
+    "apply mla": lambda config: apply_megatron_ext(mla_rope_contiguous_load=True, config=config),
+    "apply slices": lambda _: apply_megatron_ext(inference_static_active_slices=True),
+    "patch specs": lambda _: patch_megatron_core_gpt_specs(),
+    "unpatch specs": lambda _: unpatch_megatron_core_gpt_specs(),
+    "enable slices": lambda _: megatron_ext.inference.enable_static_active_slices(),
+    "disable slices": lambda _: megatron_ext.inference.disable_static_active_slices(),
+    "undo": lambda _: undo_megatron_ext(),
 }
 
 
-def _mla_config():
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return MLATransformerConfig(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=4,
-        rope_type="yarn",
-        apply_rope_fusion=True,
-    )
-
-
 @pytest.mark.parametrize("order", list(itertools.permutations(_SWITCHES, 3)))
-def test_undo_is_exact_in_any_order(order):
-    before = _snapshot()
+def test_undo_is_exact_in_any_order(order, make_mla_config):
+    before, config = _snapshot(), make_mla_config()
     for step in order:
-        _SWITCHES[step]()
+        _SWITCHES[step](config)
         state = applied_megatron_ext()
         assert state["mla_rope_contiguous_load"] == patches.is_applied(_FLAGS[0])
         assert state["inference_static_active_slices"] == patches.is_applied(_FLAGS[1])
