@@ -17,7 +17,8 @@ def version_text() -> str:
     """
     import megatron_ext
 
-    return f"megatron_ext {megatron_ext.__version__} (megatron-core {megatron_ext.MEGATRON_CORE_VERSION})"
+    core = megatron_ext.MEGATRON_CORE_VERSION
+    return f"megatron_ext {megatron_ext.__version__} (megatron-core {core})"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
