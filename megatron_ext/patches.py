@@ -3,20 +3,68 @@
 """Everything megatron_ext changes in megatron-core, and the one mechanism that does it.
 
 :data:`PATCHES` lists, per extension, each megatron-core attribute that is replaced while the
-extension is applied: module, attribute and replacement, and why. :func:`apply_patches` and
-:func:`undo_patches` are the only code that writes to megatron-core; ``apply_megatron_ext``,
-``undo_megatron_ext``, ``applied_megatron_ext`` and the direct switches all call them. Undo puts
-back the very object that was there before (or removes the attribute where the owner had none of
-its own), in any order of applies and undos.
+extension is applied: the module or class that holds it, the attribute, the replacement, and why.
+:func:`apply_patches` and :func:`undo_patches` are the only code that writes to megatron-core;
+``apply_megatron_ext``, ``undo_megatron_ext``, ``applied_megatron_ext``, the direct switches and
+``to_megatron_ext_spec`` (for ``te_free_mla``) all call them. Undo puts back the very object that
+was there before (or removes the attribute where the owner had none of its own), in any order of
+applies and undos, and refuses to remove a replacement that is no longer there (something patched
+the attribute after megatron_ext did).
 
-Importing this module imports nothing of megatron-core; replacements are named as
-``"module:attribute"`` and imported on apply.
+How an entry names things:
+
+* Targets and replacements are the objects themselves, imported above, wherever their module
+  imports on every supported release. A target's module is named by its dotted path only where
+  some releases lack the module (``optional=True``: 0.19's hybrid stack).
+* The kernel drop-ins are :class:`AttributeOf` megatron_ext's kernel module: the function that
+  module holds when the patch is applied, which is what ``ExtMLASelfAttention`` checks for at
+  every call (a wrapper put on that module, e.g. a profiler's, is what megatron-core then calls).
+* The inference constructors are ``"module:name"`` strings, imported on apply: their module is
+  part of :mod:`megatron_ext.inference`, whose switch imports this module, so importing it here
+  would make a circle; and the subclasses they build are release-specific, so a release whose
+  subclasses fail to import fails on apply, not at ``import megatron_ext.patches``.
+
+Why the inference flag rewrites a constructor, not a module name (the context redirect,
+:mod:`megatron_ext.inference.redirect`): users' scripts bind ``DynamicInferenceContext`` and
+``TextGenerationController`` with ``from megatron.core... import ...`` before their arguments are
+parsed, so rebinding the names in megatron-core's modules (what the RoPE flag does) would not
+reach them. Only the class object those names share can redirect them: while applied, its
+``__init__`` sets ``__class__`` to megatron_ext's subclass for an object of exactly
+megatron-core's class (the subclass adds no slots, so the layouts match) and runs the subclass's
+``__init__``; subclasses a user wrote are built as written. ``__init__`` rather than ``__new__``:
+CPython cannot take back a ``__new__`` assigned after class creation, so undo would not be exact;
+a metaclass cannot be changed after the class exists. Objects made without ``__init__``
+(``__new__``, ``copy``) stay megatron-core's class.
+
+Importing this module imports megatron-core's MLA, GPT spec and inference modules and
+megatron_ext's kernels (not ``import megatron_ext``, which stays light).
 """
 
 import dataclasses
 import importlib
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from megatron.core.fusions import fused_mla_yarn_rope_apply as mcore_rope
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+    TextGenerationController,
+)
+from megatron.core.models.gpt import experimental_attention_variant_module_specs as mcore_dsa_specs
+from megatron.core.models.gpt import gpt_layer_specs as mcore_gpt_specs
+from megatron.core.post_training.modelopt.gpt import model_specs as mcore_modelopt_gpt_specs
+from megatron.core.transformer import multi_latent_attention as mcore_mla
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.extensions.transformer_engine import AbsentTELinear, is_mock_te_linear
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
+from megatron_ext.transformer.multi_latent_attention import (
+    ExtFusedMLASelfAttention,
+    ExtMLASelfAttention,
+    megatron_core_to_ext_classes,
+)
+from megatron_ext.transformer.spec_utils import iter_module_specs
 
 __all__ = [
     "EXTENSIONS",
@@ -24,7 +72,9 @@ __all__ = [
     "MLA_ROPE_CONTIGUOUS_LOAD",
     "TE_FREE_MLA",
     "PATCHES",
+    "AttributeOf",
     "Patch",
+    "PatchConflictError",
     "SpecConstantsPatch",
     "apply_patches",
     "applied_extensions",
@@ -35,16 +85,30 @@ __all__ = [
 
 MLA_ROPE_CONTIGUOUS_LOAD = "mla_rope_contiguous_load"
 INFERENCE_STATIC_ACTIVE_SLICES = "inference_static_active_slices"
-# Not a user flag: applied when megatron_ext's SDPA core attention is built into an MLA module on a
-# megatron-core release whose MLA module misreads Transformer Engine's absence (see its entry).
+# Not a user flag: applied by to_megatron_ext_spec when it puts megatron_ext's SDPA core attention
+# into an MLA spec, on a megatron-core release whose MLA module misreads Transformer Engine's
+# absence (see its entry).
 TE_FREE_MLA = "te_free_mla"
 EXTENSIONS = (MLA_ROPE_CONTIGUOUS_LOAD, INFERENCE_STATIC_ACTIVE_SLICES, TE_FREE_MLA)
 
-_MCORE_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
-_MCORE_MLA = "megatron.core.transformer.multi_latent_attention"
-_EXT_ROPE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
-_EXT_MLA = "megatron_ext.transformer.multi_latent_attention"
-_EXT_REDIRECT = "megatron_ext.inference.redirect"
+Owner = Union[ModuleType, type, str]
+
+
+class PatchConflictError(RuntimeError):
+    """An attribute megatron_ext patches is (or is about to be) patched by someone else too."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttributeOf:
+    """The object ``getattr(owner, name)`` gives when the patch is applied.
+
+    Args:
+        owner: the module (or class) that holds the replacement.
+        name: its attribute name there.
+    """
+
+    owner: Any
+    name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,25 +116,34 @@ class Patch:
     """One megatron-core attribute replaced while an extension is applied.
 
     Args:
-        module: the megatron-core module that holds the attribute.
-        attribute: its name in the module; ``Class.attr`` for a class attribute.
-        replacement: ``"module:name"`` of the object put in its place, or, with ``wraps``, of a
-            factory called with the original that returns it.
+        target: the megatron-core module or class that holds the attribute; the module's dotted
+            name only where some supported releases lack the module (then ``optional``).
+        attribute: the attribute's name in ``target``.
+        replacement: the object put in its place, an :class:`AttributeOf`, or ``"module:name"``
+            imported on apply; with ``wraps``, a factory called with the original that returns it.
         why: what the patch is for (reported by :func:`resolve_targets`).
         optional: skip it where the module or attribute does not exist in the installed release
             (a release-specific builder); a missing non-optional target raises on apply.
-        wraps: ``replacement`` names a factory of the original.
-        when: ``"module:name"`` of a predicate of the original; the patch is skipped when it
-            returns False.
+        wraps: ``replacement`` is a factory of the original.
+        when: a predicate of the original; the patch is skipped when it returns False.
     """
 
-    module: str
+    target: Owner
     attribute: str
-    replacement: str
+    replacement: Any
     why: str
     optional: bool = False
     wraps: bool = False
-    when: Optional[str] = None
+    when: Optional[Callable[[Any], bool]] = None
+
+    @property
+    def module_name(self) -> str:
+        """The dotted name of the module that holds (or defines) the target."""
+        if isinstance(self.target, str):
+            return self.target
+        if isinstance(self.target, ModuleType):
+            return self.target.__name__
+        return self.target.__module__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +151,8 @@ class SpecConstantsPatch:
     """The ``module`` field of every MLA ``ModuleSpec`` held in a module's global spec constants.
 
     Args:
-        module: the megatron-core module whose globals hold prebuilt specs.
+        module: the dotted name of the megatron-core module whose globals hold prebuilt specs
+            (a name: only 0.19 has such a module).
         why: what the patch is for.
         optional: skip it where the module does not exist in the installed release.
     """
@@ -87,77 +161,82 @@ class SpecConstantsPatch:
     why: str
     optional: bool = True
 
+    @property
+    def module_name(self) -> str:
+        """The dotted name of the module whose globals are patched."""
+        return self.module
+
 
 PATCHES: Dict[str, Tuple[Any, ...]] = {
     MLA_ROPE_CONTIGUOUS_LOAD: (
         Patch(
-            _MCORE_MLA,
+            mcore_mla,
             "fused_apply_mla_rope_for_q",
-            f"{_EXT_ROPE}:fused_apply_mla_rope_for_q",
+            AttributeOf(ext_rope, "fused_apply_mla_rope_for_q"),
             "MLA's get_query_key_value_tensors calls it by this global name",
         ),
         Patch(
-            _MCORE_MLA,
+            mcore_mla,
             "fused_apply_mla_rope_for_kv",
-            f"{_EXT_ROPE}:fused_apply_mla_rope_for_kv",
+            AttributeOf(ext_rope, "fused_apply_mla_rope_for_kv"),
             "likewise for the key and value",
         ),
         Patch(
-            _MCORE_ROPE,
+            mcore_rope,
             "fused_apply_mla_rope_for_q",
-            f"{_EXT_ROPE}:fused_apply_mla_rope_for_q",
+            AttributeOf(ext_rope, "fused_apply_mla_rope_for_q"),
             "code that imports megatron-core's kernel after apply gets megatron_ext's",
         ),
         Patch(
-            _MCORE_ROPE,
+            mcore_rope,
             "fused_apply_mla_rope_for_kv",
-            f"{_EXT_ROPE}:fused_apply_mla_rope_for_kv",
+            AttributeOf(ext_rope, "fused_apply_mla_rope_for_kv"),
             "likewise for the key and value",
         ),
         Patch(
-            "megatron.core.models.gpt.gpt_layer_specs",
+            mcore_gpt_specs,
             "MLASelfAttention",
-            f"{_EXT_MLA}:ExtMLASelfAttention",
+            ExtMLASelfAttention,
             "the GPT layer spec builders (local, TE, inference; decoder block and MTP specs)",
         ),
         Patch(
-            "megatron.core.models.gpt.gpt_layer_specs",
+            mcore_gpt_specs,
             "FusedMLASelfAttention",
-            f"{_EXT_MLA}:ExtFusedMLASelfAttention",
+            ExtFusedMLASelfAttention,
             "0.19's GPT layer specs with fused MLA down-projections",
             optional=True,
         ),
         Patch(
-            "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+            mcore_dsa_specs,
             "MLASelfAttention",
-            f"{_EXT_MLA}:ExtMLASelfAttention",
+            ExtMLASelfAttention,
             "0.16's get_dsa_module_spec_for_backend",
             optional=True,
         ),
         Patch(
-            "megatron.core.post_training.modelopt.gpt.model_specs",
+            mcore_modelopt_gpt_specs,
             "MLASelfAttention",
-            f"{_EXT_MLA}:ExtMLASelfAttention",
+            ExtMLASelfAttention,
             "get_gpt_modelopt_spec",
         ),
         Patch(
             "megatron.core.post_training.modelopt.hybrid.model_specs",
             "MLASelfAttention",
-            f"{_EXT_MLA}:ExtMLASelfAttention",
+            ExtMLASelfAttention,
             "0.19's get_hybrid_stack_modelopt_spec",
             optional=True,
         ),
         Patch(
             "megatron.core.models.hybrid.hybrid_block",
             "FusedMLASelfAttention",
-            f"{_EXT_MLA}:ExtFusedMLASelfAttention",
+            ExtFusedMLASelfAttention,
             "0.19's HybridStack builds it when it fuses the MLA down-projections",
             optional=True,
         ),
         Patch(
             "megatron.core.models.hybrid.hybrid_layer_specs",
             "MLASelfAttention",
-            f"{_EXT_MLA}:ExtMLASelfAttention",
+            ExtMLASelfAttention,
             "0.19's hybrid layer spec builders",
             optional=True,
         ),
@@ -167,33 +246,31 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
         ),
     ),
     INFERENCE_STATIC_ACTIVE_SLICES: (
-        # A constructor, not the module names: scripts import the classes before their arguments
-        # are parsed, so only the class itself can redirect names bound earlier. Objects made
-        # without __init__ (__new__, copy) stay megatron-core's class.
+        # The class's constructor, not the module names (see the module docstring).
         Patch(
-            "megatron.core.inference.contexts.dynamic_context",
-            "DynamicInferenceContext.__init__",
-            f"{_EXT_REDIRECT}:redirect_context_init",
+            DynamicInferenceContext,
+            "__init__",
+            "megatron_ext.inference.redirect:redirect_context_init",
             "DynamicInferenceContext(...) builds StaticSlicesInferenceContext",
             wraps=True,
         ),
         Patch(
-            "megatron.core.inference.text_generation_controllers.text_generation_controller",
-            "TextGenerationController.__init__",
-            f"{_EXT_REDIRECT}:redirect_controller_init",
+            TextGenerationController,
+            "__init__",
+            "megatron_ext.inference.redirect:redirect_controller_init",
             "TextGenerationController(...) builds StaticSlicesTextGenerationController",
             wraps=True,
         ),
     ),
     TE_FREE_MLA: (
         Patch(
-            _MCORE_MLA,
+            mcore_mla,
             "TELinear",
-            "megatron_ext.transformer.sdpa_attention:AbsentTELinear",
+            AbsentTELinear,
             "without Transformer Engine, 0.16's MLA module imports megatron-core's mock TELinear "
             "(not a class) and its constructor's isinstance(linear_proj, TELinear) raises; a "
             "class nothing is an instance of gives the answer TE's absence means",
-            when="megatron_ext.transformer.sdpa_attention:is_mock_te_linear",
+            when=is_mock_te_linear,
         ),
     ),
 }
@@ -209,26 +286,31 @@ def _import_object(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _replacement(patch: Patch) -> Any:
+    if isinstance(patch.replacement, AttributeOf):
+        return getattr(patch.replacement.owner, patch.replacement.name)
+    if isinstance(patch.replacement, str):
+        return _import_object(patch.replacement)
+    return patch.replacement
+
+
 def _owner_and_name(patch: Patch) -> Optional[Tuple[Any, str]]:
-    try:
-        owner = importlib.import_module(patch.module)
-    except ImportError:
-        if patch.optional:
-            return None
-        raise
-    *path, name = patch.attribute.split(".")
-    for part in path:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            break
-    if owner is _MISSING or getattr(owner, name, _MISSING) is _MISSING:
+    owner = patch.target
+    if isinstance(owner, str):
+        try:
+            owner = importlib.import_module(owner)
+        except ImportError:
+            if patch.optional:
+                return None
+            raise
+    if getattr(owner, patch.attribute, _MISSING) is _MISSING:
         if patch.optional:
             return None
         raise AttributeError(
-            f"megatron_ext cannot patch {patch.module}.{patch.attribute}: this megatron-core "
+            f"megatron_ext cannot patch {patch.module_name}.{patch.attribute}: this megatron-core "
             "release has no such attribute"
         )
-    return owner, name
+    return owner, patch.attribute
 
 
 def _spec_constant_targets(entry: SpecConstantsPatch) -> List[Tuple[Any, str, Any]]:
@@ -238,16 +320,11 @@ def _spec_constant_targets(entry: SpecConstantsPatch) -> List[Tuple[Any, str, An
         if entry.optional:
             return []
         raise
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_ext.models.gpt.gpt_layer_specs import iter_module_specs
-    from megatron_ext.transformer.multi_latent_attention import megatron_core_to_ext_classes
-
     mapping = megatron_core_to_ext_classes()
     found = {}  # one entry per spec object, however many globals reach it
     for value in list(vars(module).values()):
         # 0.19.2's ModuleSpec is callable: only functions, classes and modules are passed over.
-        if isinstance(value, (type, type(module))) or (
+        if isinstance(value, (type, ModuleType)) or (
             callable(value) and not isinstance(value, ModuleSpec)
         ):
             continue
@@ -255,6 +332,11 @@ def _spec_constant_targets(entry: SpecConstantsPatch) -> List[Tuple[Any, str, An
             if isinstance(spec.module, type) and spec.module in mapping:
                 found[id(spec)] = (spec, "module", mapping[spec.module])
     return list(found.values())
+
+
+def _check_extension(extension: str) -> None:
+    if extension not in PATCHES:
+        raise KeyError(f"unknown megatron_ext extension {extension!r}; known: {list(EXTENSIONS)}")
 
 
 def resolve_targets(extension: str) -> List[Tuple[Any, str, Callable[[Any], Any], str]]:
@@ -271,8 +353,7 @@ def resolve_targets(extension: str) -> List[Tuple[Any, str, Callable[[Any], Any]
         KeyError: for an unknown extension.
         AttributeError: if a non-optional target does not exist in this release.
     """
-    if extension not in PATCHES:
-        raise KeyError(f"unknown megatron_ext extension {extension!r}; known: {list(EXTENSIONS)}")
+    _check_extension(extension)
     targets = []
     for entry in PATCHES[extension]:
         if isinstance(entry, SpecConstantsPatch):
@@ -283,12 +364,16 @@ def resolve_targets(extension: str) -> List[Tuple[Any, str, Callable[[Any], Any]
         if located is None:
             continue
         owner, name = located
-        if entry.when is not None and not _import_object(entry.when)(getattr(owner, name)):
+        if entry.when is not None and not entry.when(getattr(owner, name)):
             continue
-        replacement = _import_object(entry.replacement)
+        replacement = _replacement(entry)
         make = replacement if entry.wraps else (lambda _old, new=replacement: new)
         targets.append((owner, name, make, entry.why))
     return targets
+
+
+def _describe(owner: Any, name: str) -> str:
+    return f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
 
 
 def _patched_elsewhere(owner: Any, name: str) -> Optional[str]:
@@ -296,6 +381,14 @@ def _patched_elsewhere(owner: Any, name: str) -> Optional[str]:
         if any(o is owner and n == name for o, n, *_ in records):
             return other
     return None
+
+
+def _current(owner: Any, name: str) -> Any:
+    """What ``owner`` holds under ``name`` itself (not through its class or bases)."""
+    own = getattr(owner, "__dict__", None)
+    if own is not None:
+        return own.get(name, _MISSING)
+    return getattr(owner, name, _MISSING)
 
 
 def apply_patches(extension: str) -> bool:
@@ -310,7 +403,7 @@ def apply_patches(extension: str) -> bool:
     Raises:
         KeyError: for an unknown extension.
         AttributeError: if a non-optional target does not exist in this release.
-        RuntimeError: if another extension already patches one of the same attributes.
+        PatchConflictError: if another extension already patches one of the same attributes.
     """
     with _LOCK:
         if extension in _APPLIED:
@@ -321,20 +414,36 @@ def apply_patches(extension: str) -> bool:
             for owner, name, make, _why in targets:
                 other = _patched_elsewhere(owner, name)
                 if other is not None:
-                    raise RuntimeError(f"{name} of {owner!r} is already patched by {other!r}")
+                    raise PatchConflictError(
+                        f"{_describe(owner, name)} is already patched by {other!r}"
+                    )
                 had_own = name in getattr(owner, "__dict__", {})
                 original = getattr(owner, name)
                 replacement = make(original)
                 setattr(owner, name, replacement)
                 records.append((owner, name, original, had_own, replacement))
         except BaseException:
-            _restore(records)
+            _restore(extension, records)
             raise
         _APPLIED[extension] = records
         return True
 
 
-def _restore(records: List[Tuple[Any, str, Any, bool, Any]]) -> None:
+def _restore(extension: str, records: List[Tuple[Any, str, Any, bool, Any]]) -> None:
+    """Put back what ``records`` replaced, after checking that every replacement is still there.
+
+    Raises:
+        PatchConflictError: naming the first attribute whose replacement something else has
+            replaced since (then nothing is restored).
+    """
+    for owner, name, _original, _had_own, replacement in records:
+        current = _current(owner, name)
+        if current is not replacement:
+            raise PatchConflictError(
+                f"cannot undo megatron_ext's {extension!r}: {_describe(owner, name)} is no longer "
+                f"megatron_ext's replacement but {'nothing' if current is _MISSING else current!r}"
+                " (something patched it after megatron_ext did); undo that patch first"
+            )
     for owner, name, original, had_own, _replacement in reversed(records):
         if had_own:
             setattr(owner, name, original)
@@ -353,14 +462,16 @@ def undo_patches(extension: str) -> bool:
 
     Raises:
         KeyError: for an unknown extension.
+        PatchConflictError: if a replacement is no longer in place (something patched the same
+            attribute later); nothing is undone and the extension stays applied.
     """
-    if extension not in PATCHES:
-        raise KeyError(f"unknown megatron_ext extension {extension!r}; known: {list(EXTENSIONS)}")
+    _check_extension(extension)
     with _LOCK:
-        records = _APPLIED.pop(extension, None)
+        records = _APPLIED.get(extension)
         if records is None:
             return False
-        _restore(records)
+        _restore(extension, records)
+        del _APPLIED[extension]
         return True
 
 
@@ -373,8 +484,7 @@ def is_applied(extension: str) -> bool:
     Returns:
         bool: True while applied.
     """
-    if extension not in PATCHES:
-        raise KeyError(f"unknown megatron_ext extension {extension!r}; known: {list(EXTENSIONS)}")
+    _check_extension(extension)
     with _LOCK:
         return extension in _APPLIED
 
@@ -386,7 +496,4 @@ def applied_extensions() -> Dict[str, List[str]]:
         Dict[str, List[str]]: applied extension -> ``owner.attribute`` names it replaced.
     """
     with _LOCK:
-        return {
-            ext: [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, *_ in records]
-            for ext, records in _APPLIED.items()
-        }
+        return {ext: [_describe(o, n) for o, n, *_ in records] for ext, records in _APPLIED.items()}

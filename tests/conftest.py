@@ -50,3 +50,33 @@ def mcore_parallel_state():
 
         model_parallel_cuda_manual_seed(1234)
     yield parallel_state
+
+
+# A small MLA model the --mla-rope-contiguous-load flag can act on: yarn RoPE, RoPE fusion on.
+SMALL_MLA_CONFIG = dict(
+    num_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    rope_type="yarn",
+    apply_rope_fusion=True,
+)
+
+
+@pytest.fixture
+def make_mla_config():
+    """A factory of small ``MLATransformerConfig`` objects (:data:`SMALL_MLA_CONFIG`).
+
+    Returns:
+        Callable[..., MLATransformerConfig]: called with the fields to change.
+    """
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    def make(**overrides):
+        return MLATransformerConfig(**{**SMALL_MLA_CONFIG, **overrides})
+
+    return make

@@ -118,16 +118,16 @@ def _copy_ceiling(quick: bool) -> Dict[str, float]:
     return {"bytes": 2 * n, "us": us, "tb_per_s": 2 * n / us / 1e6}
 
 
-def _mcore():
-    from megatron.core.fusions import fused_mla_yarn_rope_apply as mc
+def _megatron_core_kernels():
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as kernels
 
-    return mc
+    return kernels
 
 
-def _ours():
-    from megatron_ext.fusions import fused_mla_yarn_rope_apply as ours
+def _megatron_ext_kernels():
+    from megatron_ext.fusions import fused_mla_yarn_rope_apply as kernels
 
-    return ours
+    return kernels
 
 
 def _backward_ctx(kind: str, cos, sin):
@@ -181,7 +181,7 @@ class _Call:
 
         self.call = call
         cos, sin = _tables(s, "cuda")
-        mod = _mcore() if package == "mcore" else _ours()
+        mod = _megatron_core_kernels() if package == "mcore" else _megatron_ext_kernels()
         q_rope, kv_rope = mod.fused_apply_mla_rope_for_q, mod.fused_apply_mla_rope_for_kv
         if call.startswith("q"):
             base = randn(s, b, h, QK + EMB)
@@ -340,8 +340,8 @@ def _bench_gpu(args) -> int:
     for s, b, h, what in SHAPES:
         for name in ("q_kernel", "kv_kernel"):  # autotune both packages for this shape
             for kind in ("rotary_fwd_", "rotary_bwd_"):
-                getattr(_mcore(), kind + name).cache.clear()
-        _ours().clear_autotune_cache()
+                getattr(_megatron_core_kernels(), kind + name).cache.clear()
+        _megatron_ext_kernels().clear_autotune_cache()
         for call in CALLS:
             theirs, mres, mcore_host = _measure("mcore", call, (s, b, h), quick)
             ours, ores, ours_host = _measure("ours", call, (s, b, h), quick)
@@ -405,7 +405,7 @@ def _bench_gpu(args) -> int:
 
 
 def _row_line(r: Dict) -> str:
-    m, o = r["mcore"], r["ours"]
+    mcore, ours = r["mcore"], r["ours"]
     if "autograd_host_us" in r:
         base = f"{r['autograd_host_us']:6.1f} {r['host_ratio_beyond_autograd']:5.2f}"
     else:
@@ -418,9 +418,10 @@ def _row_line(r: Dict) -> str:
     else:
         produced = f" {'-':>6} {'-':>6}"
     return (
-        f"{str(tuple(r['shape'])):>15} {r['call']:>20} | {m['gpu_us']:8.1f} {o['gpu_us']:8.1f} "
-        f"{r['gpu_speedup']:5.2f}x | {m['host_us']:6.1f} {o['host_us']:6.1f} "
-        f"{r['host_ratio']:5.2f} {base} | {m['eager_us']:7.1f} {o['eager_us']:7.1f} "
+        f"{str(tuple(r['shape'])):>15} {r['call']:>20} | "
+        f"{mcore['gpu_us']:8.1f} {ours['gpu_us']:8.1f} "
+        f"{r['gpu_speedup']:5.2f}x | {mcore['host_us']:6.1f} {ours['host_us']:6.1f} "
+        f"{r['host_ratio']:5.2f} {base} | {mcore['eager_us']:7.1f} {ours['eager_us']:7.1f} "
         f"{r['eager_speedup']:5.2f}x | {r['mcore_pct_ceiling']:5.1f}% {r['ours_pct_ceiling']:5.1f}%"
         f"{produced} | {'yes' if r['bitwise_equal'] else 'NO'}"
     )
@@ -465,11 +466,11 @@ def _print_table(result: Dict) -> None:
     )
     for r in result["rows"]:
         print(_row_line(r))
-    s = result["summary"]
+    summary = result["summary"]
 
     def say(key, fmt):
-        w = s[key]
-        return f"{fmt.format(w['value'])} ({w['call']} {tuple(w['shape'])})"
+        worst = summary[key]
+        return f"{fmt.format(worst['value'])} ({worst['call']} {tuple(worst['shape'])})"
 
     print(
         "summary (worst rows of q fwd, q bwd, kv fwd, kv bwd): host ratio "
@@ -478,7 +479,7 @@ def _print_table(result: Dict) -> None:
         + say("worst_eager_speedup", "{:.2f}x")
         + "; gpu speedup "
         + say("worst_gpu_speedup", "{:.2f}x")
-        + f"; bits equal everywhere: {s['bitwise_equal_everywhere']}"
+        + f"; bits equal everywhere: {summary['bitwise_equal_everywhere']}"
     )
 
 

@@ -14,9 +14,9 @@ is settled or needs more rounds.
 import math
 import random
 import statistics
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["ratio_interval", "step_paired_ratio"]
+__all__ = ["ratio_interval", "rounds_speedup", "spread", "step_paired_ratio"]
 
 
 def ratio_interval(
@@ -99,3 +99,43 @@ def step_paired_ratio(
         "pairs": float(len(ratios)),
         "unpaired": float(max(len(baseline), len(candidate)) - len(ratios)),
     }
+
+
+def spread(values: List[float]) -> Dict[str, float]:
+    """Median, min, max and interquartile range of per-round values.
+
+    Args:
+        values: one or more values.
+
+    Returns:
+        Dict[str, float]: ``median``, ``min``, ``max``, ``q1`` and ``q3``.
+    """
+    ordered = sorted(values)
+    if len(ordered) >= 4:
+        q1, _, q3 = statistics.quantiles(ordered, n=4)
+    else:
+        q1, q3 = ordered[0], ordered[-1]
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": q1,
+        "q3": q3,
+    }
+
+
+def rounds_speedup(per_round: List[float]) -> Dict[str, float]:
+    """``speedup``: the rounds' geometric mean, with its 95% bootstrap interval
+    (:func:`ratio_interval`) from two rounds on; the extreme rounds.
+
+    Args:
+        per_round: one positive ratio per round.
+
+    Returns:
+        Dict[str, float]: ``speedup``, ``round_min``, ``round_max``, and from two rounds on
+        ``low``, ``high`` and ``half_width``.
+    """
+    if len(per_round) < 2:
+        return {"speedup": per_round[0], "round_min": per_round[0], "round_max": per_round[0]}
+    interval = ratio_interval(per_round)
+    return {"speedup": interval.pop("ratio"), **interval}

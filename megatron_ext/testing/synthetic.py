@@ -16,7 +16,7 @@ import contextlib
 import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import torch
@@ -235,6 +235,7 @@ def build_synthetic_stack(
     num_cuda_graphs: Optional[int] = None,
     seed: int = 0,
     controller_kwargs: Optional[Dict[str, Any]] = None,
+    instrument: Optional[Callable[[type, type], Tuple[type, type]]] = None,
 ) -> SyntheticStack:
     """Build a dynamic inference context and controller around :class:`SyntheticLogits`.
 
@@ -258,6 +259,8 @@ def build_synthetic_stack(
         num_cuda_graphs (Optional[int]): context setting (batch-dimension buckets).
         seed (int): synthetic model seed; also the controller's sampling seed.
         controller_kwargs (Optional[Dict[str, Any]]): extra controller keywords (extension only).
+        instrument (Optional[Callable]): given the context and controller classes, returns the
+            subclasses to build instead (the benchmark's step probe times their methods).
 
     Returns:
         SyntheticStack: the objects.
@@ -276,6 +279,8 @@ def build_synthetic_stack(
     ensure_model_parallel()
     context_cls = StaticSlicesInferenceContext if extension else DynamicInferenceContext
     controller_cls = StaticSlicesTextGenerationController if extension else TextGenerationController
+    if instrument is not None:
+        context_cls, controller_cls = instrument(context_cls, controller_cls)
 
     model_config = TransformerConfig(
         num_layers=num_layers,

@@ -10,10 +10,9 @@ listed below, implemented with PyTorch's SDPA only.
 """
 
 import contextlib
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -25,26 +24,12 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
 
-from megatron_ext import patches
+from megatron_ext.transformer.context_parallel import all_gather_across_ranks, cp_chunk_positions
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover - torch < 2.3 is below this package's floor
     SDPBackend, sdpa_kernel = None, None
-
-
-class AbsentTELinear:
-    """Stands in for ``TELinear`` in megatron-core 0.16's MLA module when Transformer Engine is
-    absent (put there by :mod:`megatron_ext.patches`, ``te_free_mla``): no module is an instance."""
-
-
-def is_mock_te_linear(te_linear: Any) -> bool:
-    """Whether the MLA module's ``TELinear`` is megatron-core's mock rather than a class.
-
-    0.16 imports ``TELinear`` from ``megatron.core.extensions.transformer_engine``, which without
-    TE builds it on a ``MagicMock``; 0.19's MLA module sets it to None instead.
-    """
-    return te_linear is not None and not isinstance(te_linear, type)
 
 
 _BACKEND_NAMES = {
@@ -153,8 +138,6 @@ class SDPADotProductAttention(MegatronModule):
         sdpa_backends: Optional[Sequence[Union[str, "SDPBackend"]]] = None,
     ) -> None:
         super().__init__(config=config)
-        # An MLA module builds its core attention before the check that fails on 0.16 without TE.
-        patches.apply_patches(patches.TE_FREE_MLA)
         if sdpa_kernel is None:  # pragma: no cover
             raise ImportError("SDPADotProductAttention needs torch.nn.attention (torch >= 2.3)")
         if not isinstance(attn_mask_type, AttnMaskType):
@@ -367,7 +350,7 @@ class SDPADotProductAttention(MegatronModule):
 
     def _gather(self, x: Tensor) -> Tensor:
         """``[cp, *x.shape]``: every context-parallel rank's ``x``, in rank order."""
-        return _AllGatherAcrossRanks.apply(x, self.cp_group)
+        return all_gather_across_ranks(x, self.cp_group)
 
     def _forward_sbhd_cp(self, query: Tensor, key: Tensor, value: Tensor, causal: bool):
         s_local, batch = query.size(0), query.size(1)
@@ -546,52 +529,3 @@ def _packed_bounds(
     if len(b_q) != len(b_kv):
         raise ValueError("cu_seqlens_q and cu_seqlens_kv describe different numbers of sequences")
     return b_q, b_kv
-
-
-def cp_chunk_positions(
-    local_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None
-) -> Tensor:
-    """Global positions of the tokens a context-parallel rank holds of one sequence.
-
-    megatron-core's load-balanced causal layout: the sequence is cut into ``2 * cp_size`` chunks
-    and rank r holds chunks r and ``2 * cp_size - 1 - r``, in that order.
-
-    Args:
-        local_len: tokens of the sequence on this rank (two chunks).
-        cp_size: context-parallel ranks.
-        cp_rank: this rank.
-        device: where the positions go.
-
-    Returns:
-        Tensor: ``[local_len]`` int64 positions.
-
-    Raises:
-        ValueError: if ``local_len`` is odd (two equal chunks cannot make it up).
-    """
-    if local_len % 2:
-        raise ValueError(f"local_len must be even (two equal chunks), got {local_len}")
-    chunk = local_len // 2
-    first = torch.arange(chunk, device=device) + cp_rank * chunk
-    second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([first, second])
-
-
-class _AllGatherAcrossRanks(torch.autograd.Function):
-    """Stack every rank's tensor; the backward sums the gradients and keeps this rank's part.
-
-    torch's and megatron-core's gathers reduce-scatter in backward, which gloo lacks; an all-reduce
-    works on every backend (and, for two ranks, adds the same two numbers on both).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:  # pylint: disable=arguments-differ
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(group.size())]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # pylint: disable=arguments-differ
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.group.rank()], None

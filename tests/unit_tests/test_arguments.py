@@ -4,14 +4,13 @@
 
 import argparse
 import sys
-import types
 
 import pytest
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.transformer import multi_latent_attention as mcore_mla
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 from packaging.version import Version
 
 import megatron_ext.inference
@@ -28,8 +27,6 @@ from megatron_ext.arguments import (
     undo_megatron_ext,
 )
 from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
-
-KERNELS_MODULE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
 
 
 def megatron_lm_args(**overrides) -> argparse.Namespace:
@@ -48,30 +45,8 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
-def mla_config(**overrides) -> MLATransformerConfig:
-    kwargs = dict(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_head_dim=16,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=16,
-        rope_type="yarn",
-        apply_rope_fusion=True,
-    )
-    kwargs.update(overrides)
-    return MLATransformerConfig(**kwargs)
-
-
 @pytest.fixture(autouse=True)
-def _clean_state(monkeypatch):
-    # A kernels module that imports anywhere (the real one needs nothing from a GPU to import,
-    # but these tests are about the argument layer, not the kernels).
-    fake = types.ModuleType(KERNELS_MODULE)
-    fake.fused_apply_mla_rope_for_q = fake.fused_apply_mla_rope_for_kv = lambda *a, **k: None
-    monkeypatch.setitem(sys.modules, KERNELS_MODULE, fake)
+def _clean_state():
     undo_megatron_ext()
     yield
     undo_megatron_ext()
@@ -100,6 +75,8 @@ class TestParser:
         mla_help = parser._option_string_actions[MLA_ROPE_CONTIGUOUS_LOAD_FLAG].help
         assert "--multi-latent-attention" in mla_help and "--no-rope-fusion" in mla_help
         assert "yarn" in mla_help
+        # It also serves static-batching inference (not "training only").
+        assert "static-batching inference" in mla_help and "training only" not in mla_help
         assert (
             "CUDA graphs" in parser._option_string_actions[INFERENCE_STATIC_ACTIVE_SLICES_FLAG].help
         )
@@ -157,8 +134,8 @@ class TestApplyUndo:
         assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
         assert undo_megatron_ext()["mla_rope_contiguous_load"] is False  # no-op
 
-    def test_apply_from_keywords_and_config(self):
-        apply_megatron_ext(mla_rope_contiguous_load=True, config=mla_config())
+    def test_apply_from_keywords_and_config(self, make_mla_config):
+        apply_megatron_ext(mla_rope_contiguous_load=True, config=make_mla_config())
         assert applied_megatron_ext()["mla_rope_contiguous_load"]
 
     def test_keywords_override_args(self):
@@ -182,10 +159,10 @@ class TestApplyUndo:
             apply_megatron_ext(mla_rope_contiguous_load=True)
         assert not applied_megatron_ext()["mla_rope_contiguous_load"]
 
-    def test_config_preferred_over_args(self):
+    def test_config_preferred_over_args(self, make_mla_config):
         # args say MLA is off, the config (what the model is built from) says on: config wins.
         args = megatron_lm_args(multi_latent_attention=False)
-        apply_megatron_ext(args, config=mla_config())
+        apply_megatron_ext(args, config=make_mla_config())
         assert applied_megatron_ext()["mla_rope_contiguous_load"]
 
 
@@ -221,16 +198,16 @@ def test_every_problem_is_named():
     assert "rope_type" in str(info.value) and "apply_rope_fusion" in str(info.value)
 
 
-def test_config_objects_are_checked():
+def test_config_objects_are_checked(make_mla_config):
     with pytest.raises(MegatronExtConfigError, match="multi_latent_attention is off"):
         check_mla_rope_config(
             config=TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
         )
     with pytest.raises(MegatronExtConfigError, match="apply_rope_fusion is off"):
-        check_mla_rope_config(config=mla_config(apply_rope_fusion=False))
+        check_mla_rope_config(config=make_mla_config(apply_rope_fusion=False))
     with pytest.raises(MegatronExtConfigError, match="rope_type is 'rope'"):
-        check_mla_rope_config(config=mla_config(rope_type="rope", apply_rope_fusion=False))
-    check_mla_rope_config(config=mla_config())  # the supported configuration passes
+        check_mla_rope_config(config=make_mla_config(rope_type="rope", apply_rope_fusion=False))
+    check_mla_rope_config(config=make_mla_config())  # the supported configuration passes
 
 
 def test_unsupported_megatron_core_version(monkeypatch):
@@ -240,20 +217,13 @@ def test_unsupported_megatron_core_version(monkeypatch):
     assert not applied_megatron_ext()["mla_rope_contiguous_load"]
 
 
-def test_kernels_that_cannot_be_imported(monkeypatch):
-    monkeypatch.setitem(sys.modules, KERNELS_MODULE, None)
-    with pytest.raises(MegatronExtConfigError, match="cannot be imported"):
-        apply_megatron_ext(megatron_lm_args())
-    assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
-
-
 # ----------------------------------------------------------------------------------------------
 # The inference flag (its extension lives in megatron_ext.inference)
 
 
-def test_inference_flag_enables_static_active_slices():
+def test_inference_flag_enables_static_active_slices(make_mla_config):
     args = megatron_lm_args(mla_rope_contiguous_load=False, inference_static_active_slices=True)
-    assert apply_megatron_ext(args, config=mla_config())["inference_static_active_slices"]
+    assert apply_megatron_ext(args, config=make_mla_config())["inference_static_active_slices"]
     assert megatron_ext.inference.is_static_active_slices_enabled()
     assert not undo_megatron_ext()["inference_static_active_slices"]
     assert not megatron_ext.inference.is_static_active_slices_enabled()
@@ -341,15 +311,15 @@ def test_config_that_is_not_a_config_is_refused():
     assert not any(applied_megatron_ext().values())
 
 
-def test_args_without_the_flags_are_refused():
+def test_args_without_the_flags_are_refused(make_mla_config):
     # A parser that add_megatron_ext_args did not extend, or a config passed where args go.
     with pytest.raises(TypeError, match="add_megatron_ext_args"):
         apply_megatron_ext(argparse.Namespace(multi_latent_attention=True))
     with pytest.raises(TypeError, match="add_megatron_ext_args"):
-        apply_megatron_ext(mla_config())
+        apply_megatron_ext(make_mla_config())
     # With the flag as a keyword, such args are only read for the configuration check.
     state = apply_megatron_ext(
-        argparse.Namespace(), mla_rope_contiguous_load=True, config=mla_config()
+        argparse.Namespace(), mla_rope_contiguous_load=True, config=make_mla_config()
     )
     assert state["mla_rope_contiguous_load"]
 

@@ -67,6 +67,51 @@ def test_readme_python_blocks_are_marked_or_run():
     assert sum(marker is None for marker, _, _ in blocks) >= 2
 
 
+EXCERPT_HEADER = "# A fragment, not a script: "
+ELISION = "# ..."
+
+
+def check_excerpt(code: str, source: str, where: str) -> None:
+    """Fail unless ``code`` says it is a fragment and its lines are ``source``'s, in order, with
+    ``# ...`` wherever lines of the file are left out (so that what is shown together is together).
+
+    Args:
+        code: the README block.
+        source: the text of the file it quotes.
+        where: the block, for messages.
+    """
+    header, *lines = code.splitlines()
+    assert header.startswith(EXCERPT_HEADER), f"{where}: first line must say {EXCERPT_HEADER!r}"
+    source_lines = source.splitlines()
+    position, gap = 0, True
+    for line in lines:
+        if line.strip() == ELISION:
+            gap = True
+            continue
+        if not line.strip():
+            continue
+        try:
+            found = source_lines.index(line, position)
+        except ValueError:
+            pytest.fail(f"{where}: {line!r} is not in the file after line {position}")
+        skipped = [s for s in source_lines[position:found] if s.strip()]
+        assert gap or not skipped, f"{where}: lines left out before {line!r} need {ELISION!r}"
+        position, gap = found + 1, False
+
+
+def test_excerpt_check():
+    source = "a = 1\nb = 2\n\nc = 3\n"
+    check_excerpt(EXCERPT_HEADER + "x\na = 1\nb = 2\nc = 3", source, "ok")
+    check_excerpt(EXCERPT_HEADER + "x\na = 1\n# ...\nc = 3", source, "elided")
+    for code, message in (
+        ("a = 1", "must say"),
+        (EXCERPT_HEADER + "x\na = 1\nc = 3", "need '# ...'"),
+        (EXCERPT_HEADER + "x\nb = 2\na = 1", "not in the file"),
+    ):
+        with pytest.raises((AssertionError, pytest.fail.Exception), match=message):
+            check_excerpt(code, source, "bad")
+
+
 @pytest.mark.parametrize("index", range(len(_python_blocks())))
 def test_readme_python_block_runs_as_written(index):
     """Every unmarked block runs as written on CPU; a sketch compiles and its megatron_ext
@@ -74,15 +119,7 @@ def test_readme_python_block_runs_as_written(index):
     excerpt's lines are its file's, in the file's order (the file runs where it can)."""
     marker, path, code = _python_blocks()[index]
     if marker == "excerpt":
-        source = (REPO_ROOT / path).read_text().splitlines()
-        position = 0
-        for line in filter(str.strip, code.splitlines()):
-            try:
-                position = source.index(line, position) + 1
-            except ValueError:
-                pytest.fail(
-                    f"README block {index}: {line!r} is not in {path} (after line {position})"
-                )
+        check_excerpt(code, (REPO_ROOT / path).read_text(), f"README block {index} ({path})")
         return
     if marker == "sketch":
         compile(code, f"README block {index}", "exec")

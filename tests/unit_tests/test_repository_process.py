@@ -477,30 +477,75 @@ def test_every_functional_job_has_its_golden_values():
     )
 
 
-def test_linter_pins_agree_everywhere():
+# The tool each pre-commit hook runs (its entry's first word) -> the package of the `lint` extra
+# that installs it (None: the system's own).
+_HOOK_TOOLS = {
+    "black": "black",
+    "isort": "isort",
+    "ruff": "ruff",
+    "check-yaml": "pre-commit-hooks",
+    "trailing-whitespace-fixer": "pre-commit-hooks",
+    "end-of-file-fixer": "pre-commit-hooks",
+    "bash": None,
+}
+
+
+def test_pre_commit_hooks_run_offline_with_the_lint_extras_tools():
+    """pre-commit fetches remote hook repositories and the environments of ``language: python``
+    hooks from the network; CI reaches only the package index. Every hook is local and runs a
+    tool the `lint` extra pins."""
+    pins = _lint_pins()
+    assert {"pre-commit", "pre-commit-hooks"} <= set(pins)
+    config = _load_yaml(REPO_ROOT / ".pre-commit-config.yaml")
+    problems = []
+    for repo in config["repos"]:
+        if repo["repo"] != "local":
+            problems.append(f"repo {repo['repo']} is fetched from the network")
+        for hook in repo.get("hooks", []):
+            if hook.get("language") not in ("system", "unsupported"):
+                problems.append(f"{hook['id']}: language {hook.get('language')!r} installs its own")
+            if hook.get("additional_dependencies"):
+                problems.append(f"{hook['id']}: additional_dependencies are downloaded")
+            tool = shlex.split(hook["entry"])[0]
+            if tool not in _HOOK_TOOLS:
+                problems.append(f"{hook['id']}: runs {tool!r}, which no lint pin provides")
+            elif _HOOK_TOOLS[tool] is not None and _HOOK_TOOLS[tool] not in pins:
+                problems.append(f"{hook['id']}: {_HOOK_TOOLS[tool]} is not in the lint extra")
+    assert not problems, ".pre-commit-config.yaml: " + "; ".join(problems)
+
+
+def test_lint_script_runs_the_pre_commit_hooks():
+    text = (REPO_ROOT / LINT_SCRIPT).read_text(encoding="utf-8")
+    assert re.search(r"-m pre_commit run --all-files", text), f"{LINT_SCRIPT} must run the hooks"
+
+
+def test_workflows_install_the_lint_extras_pins():
     pins = _lint_pins()
     expected = set(pins.items())
     names = set(pins)
-
-    pre_commit = _load_yaml(REPO_ROOT / ".pre-commit-config.yaml")
-    hook_dependencies = [
-        dependency
-        for repo in pre_commit["repos"]
-        for hook in repo.get("hooks", [])
-        for dependency in hook.get("additional_dependencies", [])
-    ]
-    assert _pins_in(hook_dependencies, names) == expected, ".pre-commit-config.yaml vs pyproject"
-
     for path in WORKFLOWS:
         blocks = [b for job in _jobs(_load_yaml(path)).values() for b in _run_blocks(job)]
         found = _pins_in(blocks, names)
         assert found <= expected, f"{path.name} installs {sorted(found - expected)}"
+    lint_job = _jobs(_load_yaml(CPU_WORKFLOW))["lint"]
+    installed = _pins_in(_run_blocks(lint_job), names)
+    assert (
+        installed == expected
+    ), f"the lint job installs {sorted(installed)}, not {sorted(expected)}"
 
 
 def test_ci_entry_point_runs_the_lint_script():
     text = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert LINT_SCRIPT in _script_references(text)
     assert (REPO_ROOT / LINT_SCRIPT).is_file()
+
+
+def test_ci_entry_point_uses_a_fresh_virtual_environment_per_run():
+    """Two runs on one machine must not share (and overwrite) one environment."""
+    text = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    made = re.search(r'^venv="\$\(mktemp -d [^)]*\)"$', text, flags=re.M)
+    assert made, ".ci/run must make its virtual environment with mktemp -d"
+    assert re.search(r"""^trap 'rm -rf "\$venv"' EXIT$""", text, flags=re.M), "and remove it"
 
 
 def test_copy_pr_bot_configuration():

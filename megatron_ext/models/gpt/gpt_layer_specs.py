@@ -10,7 +10,9 @@ returns a copy in which
 * ``MLASelfAttention`` / ``FusedMLASelfAttention`` are megatron_ext's subclasses, which apply
   RoPE with the contiguous-load kernels, and
 * the local ``DotProductAttention`` inside MLA (which cannot build MLA: it has no
-  ``k_channels``/``v_channels``) is :class:`SDPADotProductAttention`.
+  ``k_channels``/``v_channels``) is :class:`SDPADotProductAttention`; where it puts that in, it
+  also applies the ``te_free_mla`` patch (:data:`megatron_ext.patches.PATCHES`), which
+  megatron-core 0.16's MLA constructor needs without Transformer Engine.
 
 :func:`to_megatron_core_spec` is the inverse. The input spec is never modified.
 
@@ -23,7 +25,7 @@ configuration.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -31,6 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_ext import patches
 from megatron_ext.transformer.multi_latent_attention import megatron_core_to_ext_classes
 from megatron_ext.transformer.sdpa_attention import SDPADotProductAttention, resolve_sdpa_backends
+from megatron_ext.transformer.spec_utils import iter_module_specs
 
 __all__ = [
     "get_gpt_layer_local_mla_spec",
@@ -77,6 +80,7 @@ class _SpecMapper:
         self.sdpa_backends = sdpa_backends
         self.memo: Dict[int, Any] = {}
         self.mla_found = 0
+        self.sdpa_swapped_in = 0
 
     def map(self, obj: Any) -> Any:
         """The mapped copy of ``obj`` (``obj`` itself when nothing in it changes)."""
@@ -157,6 +161,7 @@ class _SpecMapper:
             if self.to_ext and cls is DotProductAttention:
                 if self.sdpa_backends is not None:
                     params[_SDPA_PARAM] = self.sdpa_backends
+                self.sdpa_swapped_in += 1
                 clone = _shallow_copy(value)
                 clone.module, clone.params = SDPADotProductAttention, params
                 return clone
@@ -169,6 +174,7 @@ class _SpecMapper:
                 return clone
             return value
         if self.to_ext and value is DotProductAttention:
+            self.sdpa_swapped_in += 1
             if self.sdpa_backends is not None:
                 return ModuleSpec(
                     module=SDPADotProductAttention, params={_SDPA_PARAM: self.sdpa_backends}
@@ -219,7 +225,10 @@ def to_megatron_ext_spec(
         strict: raise if the spec has no MLA self-attention (nothing for the extension to do).
 
     Returns:
-        A new spec object; ``spec`` itself is not modified.
+        A new spec object; ``spec`` itself is not modified. Where it swapped the SDPA core
+        attention in, the ``te_free_mla`` patch of megatron-core is applied (a no-op except on
+        megatron-core 0.16 without Transformer Engine, whose MLA constructor needs it; undone by
+        ``undo_megatron_ext``).
 
     Raises:
         ValueError: if ``strict`` and the spec contains no MLA self-attention module.
@@ -235,6 +244,8 @@ def to_megatron_ext_spec(
             "MLA extension has nothing to act on (build the spec with multi_latent_attention=True,"
             " or pass strict=False)"
         )
+    if mapper.sdpa_swapped_in:
+        patches.apply_patches(patches.TE_FREE_MLA)
     return out
 
 
@@ -269,31 +280,6 @@ def count_mla_attention_specs(spec: SpecLike) -> Dict[str, int]:
         if isinstance(cls, type) and cls in _ALL_MLA:
             counts[cls.__name__] = counts.get(cls.__name__, 0) + 1
     return counts
-
-
-def iter_module_specs(obj: Any) -> Iterator[ModuleSpec]:
-    """Every distinct ``ModuleSpec`` reachable from ``obj`` (dataclass fields, lists, tuples).
-
-    Args:
-        obj: a spec, or any object holding specs.
-
-    Yields:
-        ModuleSpec: each one once, parents before their submodules.
-    """
-    seen = set()
-    stack = [obj]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, ModuleSpec):
-            yield node
-            stack.append(node.submodules)
-        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-            stack.extend(reversed([getattr(node, f.name, None) for f in dataclasses.fields(node)]))
-        elif isinstance(node, (list, tuple)):
-            stack.extend(reversed(node))
 
 
 def get_gpt_layer_local_mla_spec(config: Any, vp_stage: Optional[int] = None) -> ModuleSpec:

@@ -33,14 +33,21 @@ def _restore_switch():
     ext.disable_static_active_slices()
 
 
-def _build_with_megatron_core_names():
-    """Build a context and controller with megatron-core's own class names, as a user's engine
-    set-up does."""
+@pytest.fixture
+def build_context():
+    """Build a context of the given class with the installed release's constructor arguments
+    (0.19 takes a model and an inference config, 0.16 the sizes), as a user's engine set-up does.
+
+    Returns:
+        Callable[[type], DynamicInferenceContext]: the builder, and its template stack as
+        ``build_context.template``.
+    """
     template = build_synthetic_stack(extension=False, max_requests=8, max_tokens=64)
-    if UPSTREAM_HAS_ACTIVE_SLICES:
-        context = DynamicInferenceContext(template.model_config, template.context.config)
-    else:
-        context = DynamicInferenceContext(
+
+    def build(cls=DynamicInferenceContext):
+        if UPSTREAM_HAS_ACTIVE_SLICES:
+            return cls(template.model_config, template.context.config)
+        return cls(
             params_dtype=torch.float32,
             num_layers=1,
             kv_channels=8,
@@ -49,15 +56,27 @@ def _build_with_megatron_core_names():
             pipeline_model_parallel_size=1,
             **template.context_sizes,
         )
-    wrapper = SyntheticInferenceWrapper(context, template.model_config, template.logits_fn)
-    controller = TextGenerationController(wrapper, SyntheticTokenizer(256))
-    return context, controller
+
+    build.template = template
+    return build
 
 
-def test_enable_redirects_megatron_core_constructors():
+@pytest.fixture
+def build_with_megatron_core_names(build_context):
+    """Build a context and controller with megatron-core's own class names."""
+
+    def build():
+        context, template = build_context(), build_context.template
+        wrapper = SyntheticInferenceWrapper(context, template.model_config, template.logits_fn)
+        return context, TextGenerationController(wrapper, SyntheticTokenizer(256))
+
+    return build
+
+
+def test_enable_redirects_megatron_core_constructors(build_with_megatron_core_names):
     ext.enable_static_active_slices()
     assert ext.is_static_active_slices_enabled()
-    context, controller = _build_with_megatron_core_names()
+    context, controller = build_with_megatron_core_names()
     assert type(context) is StaticSlicesInferenceContext
     assert type(controller) is StaticSlicesTextGenerationController
     assert ReexportedContext is DynamicInferenceContext
@@ -67,14 +86,14 @@ def test_enable_redirects_megatron_core_constructors():
     assert context.device_active_slices.request_ids.numel() == context.max_requests
 
 
-def test_disable_restores_megatron_core_classes():
+def test_disable_restores_megatron_core_classes(build_with_megatron_core_names):
     init = vars(DynamicInferenceContext)["__init__"]
     ext.enable_static_active_slices()
     assert vars(DynamicInferenceContext)["__init__"] is not init
     ext.disable_static_active_slices()
     assert vars(DynamicInferenceContext)["__init__"] is init
     assert not ext.is_static_active_slices_enabled()
-    context, controller = _build_with_megatron_core_names()
+    context, controller = build_with_megatron_core_names()
     assert type(context) is DynamicInferenceContext
     assert type(controller) is TextGenerationController
 
@@ -113,22 +132,9 @@ def test_simple_text_generation_controller_alias_is_redirected():
     assert type(controller) is StaticSlicesTextGenerationController
 
 
-def test_other_subclasses_are_not_redirected():
+def test_other_subclasses_are_not_redirected(build_context):
     class UserContext(DynamicInferenceContext):
         pass
 
     ext.enable_static_active_slices()
-    template = build_synthetic_stack(extension=False, max_requests=8, max_tokens=64)
-    if UPSTREAM_HAS_ACTIVE_SLICES:
-        context = UserContext(template.model_config, template.context.config)
-    else:
-        context = UserContext(
-            params_dtype=torch.float32,
-            num_layers=1,
-            kv_channels=8,
-            num_attention_heads=1,
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            **template.context_sizes,
-        )
-    assert type(context) is UserContext
+    assert type(build_context(UserContext)) is UserContext

@@ -381,35 +381,18 @@ class TestErrors:
             resolve_sdpa_backends([3])
 
 
-def test_mla_builds_without_transformer_engine():
-    """megatron-core 0.16's MLA module must not call isinstance() on TE's mock without TE.
-
-    Building SDPADotProductAttention applies the declared TE_FREE_MLA patch where the MLA
-    module's TELinear is a mock; megatron-core's HAVE_TE is never written; undo restores it.
-    """
-    from megatron.core.extensions import transformer_engine as mcore_te
+def test_building_it_patches_nothing():
+    """Constructing the core attention writes nothing to megatron-core: the ``te_free_mla`` patch
+    that MLA needs without Transformer Engine is applied where a spec is converted."""
     from megatron.core.transformer import multi_latent_attention as mcore_mla
 
     from megatron_ext import patches
-    from megatron_ext.transformer.sdpa_attention import AbsentTELinear
 
-    if mcore_te.HAVE_TE:
-        pytest.skip("Transformer Engine is installed; the correction does not apply")
     patches.undo_patches(patches.TE_FREE_MLA)
-    have_te, te_linear = mcore_mla.HAVE_TE, mcore_mla.TELinear
-    SDPADotProductAttention(
-        make_config(), 1, AttnMaskType.causal, "self", k_channels=8, v_channels=4
-    )
-    assert mcore_mla.HAVE_TE is have_te
-    mocked = te_linear is not None and not isinstance(te_linear, type)
-    # Applied on every release; it replaces something only where TELinear is the mock (0.16).
-    assert patches.is_applied(patches.TE_FREE_MLA)
-    assert bool(patches.applied_extensions()[patches.TE_FREE_MLA]) is mocked
-    assert (mcore_mla.TELinear is AbsentTELinear) is mocked
-    if mocked:
-        assert not isinstance(torch.nn.Linear(2, 2), mcore_mla.TELinear)
-    patches.undo_patches(patches.TE_FREE_MLA)
-    assert mcore_mla.TELinear is te_linear and mcore_mla.HAVE_TE is have_te
+    te_linear = mcore_mla.TELinear
+    make_attention(k_channels=8, v_channels=4)
+    assert not any(patches.is_applied(extension) for extension in patches.EXTENSIONS)
+    assert mcore_mla.TELinear is te_linear
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,7 +409,7 @@ class _OneRankGroup:
 
 def _local_rows(lengths_padded, cp, rank):
     """Indices of the packed tokens a context-parallel rank holds (each sequence split 2*cp)."""
-    from megatron_ext.transformer.sdpa_attention import cp_chunk_positions
+    from megatron_ext.transformer.context_parallel import cp_chunk_positions
 
     rows, start = [], 0
     for plen in lengths_padded:
@@ -576,13 +559,3 @@ class TestGPU:
             sl = slice(start, start + length)
             torch.testing.assert_close(a[sl], b.view_as(a)[sl], atol=2e-2, rtol=2e-2)
             start += plen
-
-
-def test_cp_chunk_positions_layout_and_odd_length():
-    from megatron_ext.transformer.sdpa_attention import cp_chunk_positions
-
-    # 16 tokens, cp 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert cp_chunk_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
-    assert cp_chunk_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    with pytest.raises(ValueError, match="local_len must be even"):
-        cp_chunk_positions(7, 2, 0)

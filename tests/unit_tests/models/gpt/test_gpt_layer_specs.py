@@ -3,6 +3,7 @@
 """Swapping megatron_ext's classes into megatron-core GPT layer specs and back."""
 
 import dataclasses
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -15,7 +16,6 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_ext import patches
 from megatron_ext.models.gpt.gpt_layer_specs import (
@@ -167,18 +167,8 @@ def test_block_spec_keeps_sharing_and_swaps_every_layer():
     }
 
 
-def test_decoder_block_spec_from_megatron_core(mcore_parallel_state):
-    config = MLATransformerConfig(
-        num_layers=3,
-        hidden_size=64,
-        num_attention_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_head_dim=16,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=16,
-        normalization="RMSNorm",
-    )
+def test_decoder_block_spec_from_megatron_core(mcore_parallel_state, make_mla_config):
+    config = make_mla_config(num_layers=3, normalization="RMSNorm")
     block = mcore_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm"
     )
@@ -209,22 +199,12 @@ def test_strict_refuses_specs_without_mla():
     )
 
 
-def test_ext_spec_builds_mla_without_te(monkeypatch, mcore_parallel_state):
+def test_ext_spec_builds_mla_without_te(monkeypatch, mcore_parallel_state, make_mla_config):
     """The swapped local spec builds an MLA layer; megatron-core's own local spec cannot."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
-    config = MLATransformerConfig(
-        num_layers=1,
-        hidden_size=64,
-        num_attention_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_head_dim=16,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=16,
-        normalization="RMSNorm",
-        qk_layernorm=True,
-        use_cpu_initialization=True,
+    config = make_mla_config(
+        normalization="RMSNorm", qk_layernorm=True, use_cpu_initialization=True
     )
     spec = attention(local_mla_spec())
     with pytest.raises(TypeError):
@@ -232,6 +212,20 @@ def test_ext_spec_builds_mla_without_te(monkeypatch, mcore_parallel_state):
     ext = attention(to_megatron_ext_spec(local_mla_spec()))
     module = ext.module(config, ext.submodules, layer_number=1, attn_mask_type=AttnMaskType.causal)
     assert isinstance(module.core_attention, SDPADotProductAttention)
+
+
+def test_swapping_the_sdpa_core_attention_in_applies_te_free_mla(mla_transformer_config):
+    """The conversion that makes MLA buildable without TE is where the fix megatron-core 0.16's
+    MLA constructor needs is applied (declared in patches.PATCHES); building modules applies none.
+    """
+    patches.undo_patches(patches.TE_FREE_MLA)
+    to_megatron_ext_spec(local_mla_spec(), sdpa_core_attention=False)
+    assert not patches.is_applied(patches.TE_FREE_MLA)
+    to_megatron_ext_spec(local_mla_spec())
+    assert patches.is_applied(patches.TE_FREE_MLA)
+    patches.undo_patches(patches.TE_FREE_MLA)
+    get_gpt_layer_local_mla_spec(mla_transformer_config())
+    assert patches.is_applied(patches.TE_FREE_MLA)
 
 
 @pytest.mark.skipif(
@@ -293,34 +287,23 @@ def test_patched_modules_are_every_megatron_core_module_that_names_mla():
     patched = set()
     for entry in patches.PATCHES[patches.MLA_ROPE_CONTIGUOUS_LOAD]:
         try:
-            module = importlib.import_module(entry.module)
+            module = importlib.import_module(entry.module_name)
         except ImportError:
             continue
         # An optional patch whose attribute this release lacks (0.19's DSA variant specs) does not
         # count as patched.
         if isinstance(entry, patches.SpecConstantsPatch) or hasattr(module, entry.attribute):
-            patched.add(entry.module)
+            patched.add(entry.module_name)
     rope_modules = {"megatron.core.fusions.fused_mla_yarn_rope_apply", mcore_mla.__name__}
     assert naming == patched - rope_modules
 
 
-def mla_transformer_config(**overrides) -> MLATransformerConfig:
-    kwargs = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_head_dim=16,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=16,
-        normalization="RMSNorm",
-        rope_type="yarn",
-        apply_rope_fusion=True,
-        mtp_num_layers=1,
+@pytest.fixture
+def mla_transformer_config(make_mla_config):
+    """Two layers and a multi-token-prediction layer, RMSNorm."""
+    return functools.partial(
+        make_mla_config, num_layers=2, normalization="RMSNorm", mtp_num_layers=1
     )
-    kwargs.update(overrides)
-    return MLATransformerConfig(**kwargs)
 
 
 class _AnyBackend:
@@ -331,12 +314,11 @@ class _AnyBackend:
         return lambda *args, **kwargs: type(f"Placeholder_{name}", (), {})
 
 
-def _builders():
+def _builders(config):
     """(name, zero-argument builder) for every MLA-producing builder this release has."""
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as variants
     from megatron.core.post_training.modelopt.gpt.model_specs import get_gpt_modelopt_spec
 
-    config = mla_transformer_config()
     builders = [
         ("get_gpt_layer_local_spec", lambda: local_mla_spec()),
         (
@@ -396,8 +378,10 @@ def _mcore_and_ext_counts(spec):
     return mcore, ext
 
 
-def test_every_builder_builds_the_extension_while_patched(mcore_parallel_state):
-    builders = _builders()
+def test_every_builder_builds_the_extension_while_patched(
+    mcore_parallel_state, mla_transformer_config
+):
+    builders = _builders(mla_transformer_config())
     try:
         patch_megatron_core_gpt_specs()
         while_patched = {name: _mcore_and_ext_counts(build()) for name, build in builders}

@@ -1,0 +1,86 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""megatron_ext's imports run one way: no module reaches itself again through what it imports."""
+
+import ast
+import pathlib
+from typing import Dict, List, Set
+
+import megatron_ext
+
+PACKAGE_ROOT = pathlib.Path(megatron_ext.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: pathlib.Path = PACKAGE_ROOT) -> Dict[str, Set[str]]:
+    """Module -> the project modules it imports, at module level or inside a function.
+
+    Args:
+        root: the package directory.
+
+    Returns:
+        Dict[str, Set[str]]: the edges; ``from package import name`` counts as an import of
+        ``package.name`` where that is a module, else of ``package``.
+    """
+    modules = {_module_name(path): path for path in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    edges.add(sub if sub in modules else node.module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle through each module that lies on a cycle (depth-first search).
+
+    Args:
+        graph: module -> imported modules.
+
+    Returns:
+        List[List[str]]: each cycle as a path that ends where it starts.
+    """
+    found, done = [], set()
+
+    def visit(node: str, path: List[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                found.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    return found
+
+
+def test_cycle_finder():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    assert not cycles(import_graph())
+
+
+def test_patches_imports_what_it_patches_in_with():
+    """The wiring shows in the imports: the declared list imports megatron_ext's replacements."""
+    edges = import_graph()["megatron_ext.patches"]
+    assert {
+        "megatron_ext.fusions.fused_mla_yarn_rope_apply",
+        "megatron_ext.transformer.multi_latent_attention",
+        "megatron_ext.extensions.transformer_engine",
+    } <= edges
+    assert not any(e.startswith("megatron_ext.models") for e in edges)
