@@ -3,7 +3,7 @@
 #
 # The GPU suite: what the GitHub GPU job runs and what a developer runs by hand on a GPU machine.
 #
-#   bash scripts/run_gpu_suite.sh [--wheels DIR] [--results DIR] [--generate-golden]
+#   bash scripts/run_gpu_suite.sh [--wheels DIR] [--site DIR] [--results DIR] [--generate-golden]
 #                                 [--skip-unit] [--skip-survey] [--skip-sanitizer]
 #                                 [--skip-functional] [--skip-bench] [--quick-bench]
 #                                 [--repeat-unit N] [--unit-paths "PATH..."] [--bench NAME]
@@ -11,6 +11,8 @@
 #
 #   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
 #                      site directory first, for machines without network access
+#   --site DIR         a directory of installed packages put first on PYTHONPATH (another Triton,
+#                      say: the GPU matrix runs the suite once per Triton this way)
 #   --results DIR      where logs, JUnit XML, benchmark JSON/PNG and summary.md go (./results)
 #   --generate-golden  write the functional cases' golden values for this machine instead of
 #                      comparing with them
@@ -31,12 +33,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 
-wheels="" results="$repo/results" golden="" quick="" megatron_lm=""
+wheels="" site="" results="$repo/results" golden="" quick="" megatron_lm=""
 repeat_unit=1 unit_paths="tests/unit_tests" bench="all"
 skip_unit="" skip_survey="" skip_san="" skip_func="" skip_bench=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels="$2"; shift ;;
+    --site) site=$(cd "$2" && pwd) || exit 2; shift ;;
     --results) results="$2"; shift ;;
     --generate-golden) golden="--generate-golden" ;;
     --skip-unit) skip_unit=1 ;;
@@ -49,7 +52,7 @@ while [ $# -gt 0 ]; do
     --unit-paths) unit_paths="$2"; shift ;;
     --bench) bench="$2"; shift ;;
     --megatron-lm) megatron_lm="$2"; shift ;;
-    -h|--help) sed -n '3,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,31p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -62,6 +65,9 @@ rm -rf "$relaunch"
 mkdir -p "$relaunch"
 export MEGATRON_EXT_REPORT_DIR="$relaunch"
 
+if [ -n "$site" ]; then
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if [ -n "$wheels" ]; then
   site=$(mktemp -d)
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl \
