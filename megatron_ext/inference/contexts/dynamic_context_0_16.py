@@ -17,7 +17,7 @@ The attention metadata that megatron-core's ``initialize_attention_state`` updat
 CUDA graph too, without the two read-backs of megatron-core's non-graphed metadata.
 """
 
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 from torch import Tensor
@@ -56,6 +56,13 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self.cuda_graph_active_slices = True
         super().__init__(*args, **kwargs)
         with_device_counts([self.graph_attn_metadata, self.non_graph_attn_metadata], self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A captured CUDA graph does not pickle; the copy recaptures the slices' graph on first
+        # use, as after an allocation.
+        state = self.__dict__.copy()
+        state["_slices_graph"] = None
+        return state
 
     @property
     def cuda_graph_active_slices(self) -> bool:
