@@ -45,6 +45,8 @@ _MCORE_MLA = "megatron.core.transformer.multi_latent_attention"
 _EXT_ROPE = "megatron_ext.fusions.fused_mla_yarn_rope_apply"
 _EXT_MLA = "megatron_ext.transformer.multi_latent_attention"
 _EXT_REDIRECT = "megatron_ext.inference.redirect"
+_MCORE_ENGINE = "megatron.core.inference.engines.dynamic_engine"
+_EXT_ENGINE = "megatron_ext.inference.engines.dynamic_engine"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +184,21 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
             "TextGenerationController.__init__",
             f"{_EXT_REDIRECT}:redirect_controller_init",
             "TextGenerationController(...) builds StaticSlicesTextGenerationController",
+            wraps=True,
+        ),
+        Patch(
+            _MCORE_ENGINE,
+            "DynamicInferenceEngine._add_request",
+            f"{_EXT_ENGINE}:checked_add_request",
+            "a request the extension's context refuses fails alone when it enters, not at "
+            "scheduling, where it would stall the queue",
+            wraps=True,
+        ),
+        Patch(
+            _MCORE_ENGINE,
+            "DynamicInferenceEngine.async_bookkeep",
+            f"{_EXT_ENGINE}:failing_bookkeep",
+            "a request whose logits row is not finite fails alone, without a token",
             wraps=True,
         ),
     ),
