@@ -1052,3 +1052,40 @@ def test_release_refuses_bools_and_requests_still_held(ids, error, match):
     with pytest.raises(error, match=match):
         ctx.release_request_sampling_state(ids)
     assert ctx.sampling_requirements() == before and len(ctx._sampling_registry) == 3
+
+
+def test_a_context_pickles_and_its_copy_keeps_its_requests():
+    """As megatron-core's context does (0.16's failed on its attention metadata's weak
+    reference). pickle copies views apart from the tensors they view, so the copy links its
+    slices to its own buffers again; its slices then are the original's, step after step.
+    (On 0.19 megatron-core's own ContextGPUView is views of one buffer, which its pickled copy
+    loses: there only the extension's slices are compared.)"""
+    import pickle
+
+    ctx = make_context()
+    run_random(ctx, steps=12, seed=6)
+    copy = pickle.loads(pickle.dumps(ctx))
+    assert copy.sampling_requirements() == ctx.sampling_requirements()
+
+    def slices(each):
+        each.initialize_attention_state()
+        each.publish_active_slices()
+        device = each.device_active_slices
+        views = {name: _as_list(getattr(device, name)) for name in NEUTRAL_REQUEST}
+        views.update({label: _as_list(t) for label, t in device.metadata.items()})
+        return views
+
+    for _ in range(3):
+        assert slices(copy) == slices(ctx)
+        if not UPSTREAM_HAS_ACTIVE_SLICES:
+            assert check_active_slices(copy) == check_active_slices(ctx)
+        for each in (ctx, copy):
+            active = each.total_request_count - each.paused_request_count
+            device = each.request_ids.device
+            each.update_requests(
+                torch.ones(active, dtype=torch.uint8, device=device),
+                torch.arange(active, device=device),
+            )
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        storage = copy._ext_host.buffer.untyped_storage().data_ptr()
+        assert copy.active_request_ids.untyped_storage().data_ptr() == storage
