@@ -110,6 +110,11 @@ class AttributeOf:
     owner: Any
     name: str
 
+# megatron-core's engine module is named, not imported, here: importing it pulls in the whole
+# inference stack, which `import megatron_ext` must not pay for; the patch imports it when applied.
+_MCORE_ENGINE = "megatron.core.inference.engines.dynamic_engine"
+_EXT_ENGINE = "megatron_ext.inference.engines.dynamic_engine"
+
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
@@ -259,6 +264,21 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
             "__init__",
             "megatron_ext.inference.redirect:redirect_controller_init",
             "TextGenerationController(...) builds StaticSlicesTextGenerationController",
+            wraps=True,
+        ),
+        Patch(
+            _MCORE_ENGINE,
+            "DynamicInferenceEngine._add_request",
+            f"{_EXT_ENGINE}:checked_add_request",
+            "a request the extension's context refuses fails alone when it enters, not at "
+            "scheduling, where it would stall the queue",
+            wraps=True,
+        ),
+        Patch(
+            _MCORE_ENGINE,
+            "DynamicInferenceEngine.async_bookkeep",
+            f"{_EXT_ENGINE}:failing_bookkeep",
+            "a request whose logits row is not finite fails alone, without a token",
             wraps=True,
         ),
     ),

@@ -66,7 +66,12 @@ def _top_k_candidates_kernel(
     # A zero draw would make a filtered entry 0/0 = NaN, which argmax would pick.
     noise = tl.load(noise_ptr + row * noise_stride + cols, mask=inside, other=1.0)
     race = probs / tl.maximum(noise, TINY)
-    choice = tl.argmax(race, axis=0, tie_break_left=True)
+    # A row without finite scores (a NaN or +inf logit, or all -inf) races NaN in every lane,
+    # where argmax may name a lane past the candidates: NaN races as 0 (lane 0 wins) and the
+    # lane is clamped, so the read stays in the row. Finite rows race no NaN: nothing changes
+    # for them. The region reports such rows and never uses their token.
+    race = tl.where(race == race, race, 0.0)
+    choice = tl.minimum(tl.argmax(race, axis=0, tie_break_left=True), cap - 1)
     token = tl.load(indices_ptr + row * indices_stride + choice)
     tl.store(out_ptr + row, token)
 

@@ -14,7 +14,9 @@ Before the engine is built (nothing else in the set-up changes)::
 While enabled, constructing exactly megatron-core's ``DynamicInferenceContext`` or
 ``TextGenerationController`` (also through ``DynamicInferenceContext.from_config`` or 0.16's
 ``SimpleTextGenerationController`` alias) builds the extension's subclass, however the names were
-imported; subclasses a user wrote are built as written. The patches are declared in
+imported; subclasses a user wrote are built as written. megatron-core's ``DynamicInferenceEngine``
+then fails a request that the extension's context refuses, or whose logits are not finite,
+alone (:mod:`megatron_ext.inference.engines.dynamic_engine`). The patches are declared in
 :data:`megatron_ext.patches.PATCHES` (``inference_static_active_slices``).
 """
 
@@ -29,7 +31,8 @@ __all__ = [
 
 def enable_static_active_slices() -> None:
     """Make new ``DynamicInferenceContext`` / ``TextGenerationController`` objects the
-    extension's subclasses (static active slices, graph-safe sampling). Idempotent."""
+    extension's subclasses (static active slices, graph-safe sampling), and megatron-core's
+    engine fail a bad request alone. Idempotent."""
     patches.apply_patches(patches.INFERENCE_STATIC_ACTIVE_SLICES)
 
 

@@ -10,9 +10,13 @@ nothing), check context-parallel thd lengths, and run the fused RoPE under stati
 inference, which megatron-core refuses (Megatron-LM #7106); everything else is megatron-core's.
 """
 
-import contextlib
-from typing import Any, Dict, Iterator, Optional, Tuple
+import threading
+import weakref
+from contextvars import ContextVar
+from typing import Any, Dict, Optional, Tuple
 
+import numpy as np
+import torch
 from megatron.core.transformer import multi_latent_attention as _mcore_mla
 from megatron.core.utils import deprecate_inference_params
 
@@ -58,7 +62,13 @@ def _check_context_parallel_lengths(module, packed_seq_params) -> None:
             check_cp_sequence_lengths((cu[1:] - cu[:-1]).tolist(), cp_size)
 
 
-def _check_inference_context(inference_context: Any, packed_seq_params: Any) -> None:
+def _check_inference_context(module: Any, inference_context: Any, packed_seq_params: Any) -> int:
+    """The checks of a call with an inference context; returns its ``sequence_len_offset``."""
+    if not callable(getattr(inference_context, "is_static_batching", None)):
+        raise TypeError(
+            "inference_context must be a megatron-core inference context (BaseInferenceContext), "
+            f"got {type(inference_context).__name__}"
+        )
     if not inference_context.is_static_batching():
         raise ValueError(
             "megatron_ext's fused MLA RoPE runs under static-batching inference "
@@ -71,43 +81,97 @@ def _check_inference_context(inference_context: Any, packed_seq_params: Any) -> 
             "static-batching inference passes sbhd activations; got packed_seq_params with "
             "qkv_format='thd'"
         )
-    offset = inference_context.sequence_len_offset
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise TypeError(
-            "inference_context.sequence_len_offset must be a non-negative int (a tensor would "
-            f"sync the host on every step), got {offset!r}"
+    pg_collection = getattr(module, "pg_collection", None)
+    cp_size = pg_collection.cp.size() if pg_collection is not None else 1
+    if cp_size > 1:
+        raise ValueError(
+            f"static-batching inference with context parallelism ({cp_size} ranks) is not "
+            "supported: each step's rows would be split across ranks"
         )
+    for name in ("sequence_len_offset", "max_sequence_length"):
+        value = getattr(inference_context, name, None)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(
+                f"inference_context.{name} must be a host int (a tensor would sync the host on "
+                f"every step), got {type(value).__name__} ({value!r})"
+            )
+    offset = int(inference_context.sequence_len_offset)
+    if offset < 0:
+        raise ValueError(f"inference_context.sequence_len_offset must be >= 0, got {offset}")
+    return offset
 
 
-@contextlib.contextmanager
-def _rope_rows_from(rotary_pos_emb: Any, offset: int, max_sequence_length: int) -> Iterator[None]:
-    """For one call, ``rotary_pos_emb.get_cached_cos_sin(n)`` returns rows ``offset..offset+n``.
+# The static-batching step running in this thread or task: (module, the rotary embedding as that
+# step sees it). A context variable rather than state on the module, so that threads and tasks
+# sharing one module each see their own step.
+_STEP: ContextVar[Optional[Tuple[Any, "_StepRotaryEmbedding"]]] = ContextVar(
+    "megatron_ext_static_inference_step", default=None
+)
+
+# Per rotary embedding, its full cos/sin tables by (rows, dtype, device): computed once under the
+# lock, never changed afterwards (megatron-core's own cache is rebuilt in place whenever a call
+# asks for another length or dtype, which threads sharing the module would race on).
+_TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]]]" = (
+    weakref.WeakKeyDictionary()
+)
+_TABLES_LOCK = threading.Lock()
+
+
+def _cos_sin_table(
+    rotary: Any, rows: int, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin tables megatron-core's ``get_cached_cos_sin(rows, dtype=dtype)`` returns (the
+    same expression over the same ``forward``), without touching the module's cache."""
+    key = (rows, dtype, device)
+    with _TABLES_LOCK:
+        tables = _TABLES.setdefault(rotary, {})
+        if key not in tables:
+            emb, mscale = rotary.forward(rows, 0, False)
+            tables[key] = (
+                (emb.cos() * mscale).to(dtype).contiguous(),
+                (emb.sin() * mscale).to(dtype).contiguous(),
+            )
+        return tables[key]
+
+
+class _StepRotaryEmbedding:
+    """A module's rotary embedding as one static-batching step sees it: ``get_cached_cos_sin``
+    returns the step's rows (positions ``offset..``) instead of rows from 0.
 
     megatron-core's method takes its cos/sin rows from ``get_cached_cos_sin(n)``, rows from 0,
     and its fused kernels rotate token i with row i: right for training, wrong for a step whose
-    first token sits at ``offset``. Rows come from one table of ``max_sequence_length`` rows
-    (built once, then sliced), so a step costs no launches; row p holds the same bits in every
-    table length, so a decode step rotates exactly as the full-sequence forward does.
+    first token sits at ``offset``. Row p holds the same bits in every table length, so a
+    decode step rotates exactly as the full-sequence forward does. Everything else is the
+    embedding's own.
     """
-    full_table = type(rotary_pos_emb).get_cached_cos_sin
 
-    def rows(seq_len: int, offset_: int = 0, dtype: Optional[Any] = None, packed_seq=False):
-        if offset + seq_len > max_sequence_length:
-            raise ValueError(
-                f"inference step covers positions {offset}..{offset + seq_len - 1}, past the "
-                f"context's max_sequence_length {max_sequence_length}"
-            )
-        kwargs = {} if dtype is None else {"dtype": dtype}
-        cos, sin = full_table(
-            rotary_pos_emb, max_sequence_length, offset_, packed_seq=packed_seq, **kwargs
-        )
-        return cos[offset : offset + seq_len], sin[offset : offset + seq_len]
+    __slots__ = ("_rotary", "_cos", "_sin")
 
-    rotary_pos_emb.get_cached_cos_sin = rows
-    try:
-        yield
-    finally:
-        del rotary_pos_emb.get_cached_cos_sin
+    def __init__(self, rotary: Any, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._rotary = rotary
+        self._cos = cos
+        self._sin = sin
+
+    def get_cached_cos_sin(self, *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows (the length megatron-core asks for is the step's, or a packed
+        ``max_seqlen``, which bounds no position of a static-batching step)."""
+        return self._cos, self._sin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rotary, name)
+
+
+def _step_rotary_embedding(
+    rotary: Any,
+    offset: int,
+    count: int,
+    max_sequence_length: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> _StepRotaryEmbedding:
+    """``rotary`` as a step of ``count`` tokens from position ``offset`` sees it."""
+    cos, sin = _cos_sin_table(rotary, max_sequence_length, dtype, device)
+    return _StepRotaryEmbedding(rotary, cos[offset : offset + count], sin[offset : offset + count])
 
 
 class _ContiguousLoadRopeMixin:
@@ -127,13 +191,18 @@ class _ContiguousLoadRopeMixin:
         the context's ``sequence_len_offset``.
 
         Graph-safe as megatron-core's unfused inference path is: the offset is a host int.
+        Writes no state of the module: the step's cos/sin rows reach megatron-core's method
+        through this call's context (threads and tasks may share the module).
 
         Raises:
             MegatronExtRopeNotAppliedError: if RoPE fusion is on and megatron_ext's RoPE patch is
                 not applied.
-            ValueError: for a dynamic-batching context, thd input under a static one, or a step
-                past ``max_sequence_length`` (before any RoPE kernel runs).
-            TypeError: if the context's ``sequence_len_offset`` is not a host int.
+            TypeError: for an ``inference_context`` that is not an inference context, one whose
+                ``sequence_len_offset`` or ``max_sequence_length`` is not a host int, or
+                ``hidden_states`` that are not a 3-D tensor.
+            ValueError: for a dynamic-batching context, thd input or context parallelism under a
+                static one, a negative offset, or a step past ``max_sequence_length`` (all before
+                any projection or RoPE kernel runs).
         """
         inference_context = deprecate_inference_params(inference_context, inference_params)
         args = (hidden_states, key_value_states, position_ids, packed_seq_params)
@@ -148,15 +217,49 @@ class _ContiguousLoadRopeMixin:
         _check_context_parallel_lengths(self, packed_seq_params)
         if inference_context is None:
             return super().get_query_key_value_tensors(*args)
-        _check_inference_context(inference_context, packed_seq_params)
+        offset = _check_inference_context(self, inference_context, packed_seq_params)
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            raise TypeError(
+                "hidden_states must be a 3-D tensor [s, b, h], got "
+                + (
+                    f"shape {tuple(hidden_states.shape)}"
+                    if isinstance(hidden_states, torch.Tensor)
+                    else type(hidden_states).__name__
+                )
+            )
+        rotary = self._modules["rotary_pos_emb"]
+        # The step's rows: every token of the step, as megatron-core counts them without packing
+        # (a packed sbhd max_seqlen bounds the batch's lengths, not this step's positions).
+        count = rotary.get_rotary_seq_len(None, None, hidden_states, self.config, None)
+        max_sequence_length = int(inference_context.max_sequence_length)
+        if offset + count > max_sequence_length:
+            raise ValueError(
+                f"inference step covers positions {offset}..{offset + count - 1}, past the "
+                f"context's max_sequence_length {max_sequence_length}"
+            )
+        step = _step_rotary_embedding(
+            rotary, offset, count, max_sequence_length, hidden_states.dtype, hidden_states.device
+        )
         # megatron-core's only other uses of the context in this method are its unfused and
         # latent-caching branches, which a fused static-batching call never takes.
-        with _rope_rows_from(
-            self.rotary_pos_emb,
-            inference_context.sequence_len_offset,
-            inference_context.max_sequence_length,
-        ):
+        token = _STEP.set((self, step))
+        try:
             return super().get_query_key_value_tensors(*args)
+        finally:
+            _STEP.reset(token)
+
+    @property
+    def rotary_pos_emb(self) -> Any:
+        """megatron-core's rotary embedding; during a static-batching step of this module in
+        this thread or task, that step's view of it (:class:`_StepRotaryEmbedding`)."""
+        try:
+            rotary = self._modules["rotary_pos_emb"]
+        except KeyError:
+            raise AttributeError("rotary_pos_emb") from None
+        step = _STEP.get()
+        if step is not None and step[0] is self:
+            return step[1]
+        return rotary
 
 
 class ExtMLASelfAttention(_ContiguousLoadRopeMixin, _mcore_mla.MLASelfAttention):

@@ -35,7 +35,9 @@ FAKE_ENTRY = textwrap.dedent("""
     p.add_argument("--differ-at", type=int, default=0)
     p.add_argument("--exit", type=int, default=0)
     p.add_argument("--no-output", action="store_true")
-    p.add_argument("--result-shape", default="ok", choices=["ok", "list", "env-string"])
+    p.add_argument(
+        "--result-shape", default="ok", choices=["ok", "list", "env-string", "version-0"]
+    )
     a = p.parse_args()
     runs = []
     for i, mode in enumerate(a.modes):
@@ -50,6 +52,8 @@ FAKE_ENTRY = textwrap.dedent("""
         result = runs
     elif a.result_shape == "env-string":
         result["environment"] = "megatron-core 0.16.1 on an H200"
+    elif a.result_shape == "version-0":
+        result["environment"]["megatron_core"] = "0"
     if not a.no_output:
         with open(a.output_json, "w") as f:
             json.dump(result, f)
@@ -349,6 +353,8 @@ def test_golden_hex_is_checked_against_values_directly():
 BAD_RESULTS = [
     ("list", "top level must be an object"),
     ("env-string", "'environment' must be an object"),
+    # Raised out of run_case and aborted the whole run (no later case, no summary).
+    ("version-0", "cannot read a release from megatron-core version '0'; pass --env"),
 ]
 
 
@@ -514,3 +520,37 @@ def test_inference_case_runs_off_and_on_identically_on_cpu(tmp_path, monkeypatch
     assert off["generated log probs"] == on["generated log probs"]
     assert len(on["generated log probs"]) == len(on["generated tokens"])
     assert on["finished_requests"] == result["requests"]
+
+
+def _usage_error(capsys, argv) -> str:
+    """main(argv) stops with argparse's usage error (status 2, no traceback); its message."""
+    with pytest.raises(SystemExit) as stop:
+        runner.main(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "option,value,problem",
+    [
+        ("--extra-args", "--lr '1e-3", r"--extra-args \"--lr '1e-3\": No closing quotation"),
+        ("--gpus", "-1", r"--gpus: must be >= 0, got -1"),
+        ("--gpus", "two", r"--gpus: not an integer: 'two'"),
+        ("--platform", "x/y", r"--platform 'x/y': a golden file tag is"),
+        ("--env", "..", r"--env '..': a golden file tag is"),
+        ("--python", "/nonexistent/python3", r"--python '/nonexistent/python3': no such"),
+    ],
+)
+def test_bad_command_line_values_are_usage_errors(tmp_path, capsys, option, value, problem):
+    case = make_case(tmp_path)
+    message = _usage_error(capsys, [str(case), "--out", str(tmp_path / "out"), option, value])
+    assert re.search(problem, message), message
+    assert not (tmp_path / "out" / "gpt").exists()  # no case ran
+
+
+def test_out_naming_a_file_is_a_usage_error(tmp_path, capsys):
+    case = make_case(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    for out in (tmp_path / "a_file", tmp_path / "a_file" / "below"):
+        message = _usage_error(capsys, [str(case), "--out", str(out)])
+        assert f"--out '{out}'" in message, message

@@ -17,7 +17,7 @@ The attention metadata that megatron-core's ``initialize_attention_state`` updat
 CUDA graph too, without the two read-backs of megatron-core's non-graphed metadata.
 """
 
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 from torch import Tensor
@@ -56,6 +56,20 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         self.cuda_graph_active_slices = True
         super().__init__(*args, **kwargs)
         with_device_counts([self.graph_attn_metadata, self.non_graph_attn_metadata], self)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A captured CUDA graph does not pickle (the copy recaptures on first use, as after an
+        # allocation), and pickle copies views apart from their tensors: the gather groups are
+        # views, linked again to the copy's own tensors when it is unpickled.
+        state = self.__dict__.copy()
+        state["_slices_graph"] = None
+        state["_gather_groups"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._device_active_slices is not None:
+            self._link_gather_groups()
 
     @property
     def cuda_graph_active_slices(self) -> bool:
@@ -105,37 +119,11 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             setattr(self, attr, torch.empty(rows, dtype=torch.int32, device=device))
         self.active_request_last_token_idxs = torch.zeros(rows, dtype=torch.int32, device=device)
 
-        # The copied static copies in a fixed order (that of _slice_sources), with their neutral
-        # values; the last-token indices are computed, not copied.
-        statics: List[Tensor] = [getattr(self, attr) for _, attr, _ in REQUEST_SLICE_FIELDS]
-        templates = [
-            torch.full_like(static, ACTIVE_REQUEST_PAD_VALUES[name])
-            for (name, _, _), static in zip(REQUEST_SLICE_FIELDS, statics)
-        ]
-        for label, static in self.active_request_metadata.items():
-            statics.append(static)
-            templates.append(torch.full_like(static, pad_value(label, static.dtype)))
-
         # _write_slices' inputs: [paused, copy, pad start, pad stop] on the device, the row
-        # numbers, and the copied fields grouped by element width (gathered as raw bits, one
-        # gather per group). The sources are megatron-core's tensors, allocated with ours and
-        # never rebound until the next allocation, which also drops the graph captured over them.
+        # numbers, and the copied fields grouped by element width (_link_gather_groups).
         self._slice_counts = DeviceCounts(4, device)
         self._row_numbers = torch.arange(rows, dtype=torch.int64, device=device)
-        copied = list(zip(statics, templates, self._slice_sources()))
-        groups = {}
-        for static, template, source in copied:
-            groups.setdefault(static.dtype.itemsize, []).append((static, template, source))
-        self._gather_groups = []
-        for itemsize, members in groups.items():
-            bits = _BITS_BY_ITEMSIZE[itemsize]
-            self._gather_groups.append(
-                (
-                    [static.view(bits) for static, _, _ in members],
-                    torch.stack([template.view(bits) for _, template, _ in members]),
-                    [source.view(bits) for _, _, source in members],
-                )
-            )
+        self._link_gather_groups()
         self._slices_graph = None
         self._drop_metadata_graphs()
 
@@ -149,6 +137,34 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         )
         self.static_slices_generation += 1
         self._write_slices(0, 0, 0, rows)
+
+    def _link_gather_groups(self) -> None:
+        """The copied fields grouped by element width, as views of the static copies, their
+        neutral values and their sources (gathered as raw bits, one gather per group), in a
+        fixed order (that of _slice_sources); the last-token indices are computed, not copied.
+        The sources are megatron-core's tensors, allocated with ours and never rebound until the
+        next allocation, which also drops the graph captured over them."""
+        statics: List[Tensor] = [getattr(self, attr) for _, attr, _ in REQUEST_SLICE_FIELDS]
+        templates = [
+            torch.full_like(static, ACTIVE_REQUEST_PAD_VALUES[name])
+            for (name, _, _), static in zip(REQUEST_SLICE_FIELDS, statics)
+        ]
+        for label, static in self.active_request_metadata.items():
+            statics.append(static)
+            templates.append(torch.full_like(static, pad_value(label, static.dtype)))
+        groups = {}
+        for static, template, source in zip(statics, templates, self._slice_sources()):
+            groups.setdefault(static.dtype.itemsize, []).append((static, template, source))
+        self._gather_groups = []
+        for itemsize, members in groups.items():
+            bits = _BITS_BY_ITEMSIZE[itemsize]
+            self._gather_groups.append(
+                (
+                    [static.view(bits) for static, _, _ in members],
+                    torch.stack([template.view(bits) for _, template, _ in members]),
+                    [source.view(bits) for _, _, source in members],
+                )
+            )
 
     def _drop_metadata_graphs(self) -> None:
         # Graphs captured over the request tensors that an allocation replaces. During

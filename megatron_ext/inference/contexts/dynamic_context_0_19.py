@@ -11,7 +11,7 @@ runs after ``initialize_attention_state``. A step whose consumer reads none of t
 engine sampling with megatron-core's own sampler) skips it and costs what stock costs.
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
@@ -65,15 +65,20 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
 
         # Re-home upstream's host metadata slices into the packed buffer so the whole set crosses
         # to the device in one copy; upstream reads them through the dict.
-        for label in list(self.active_request_metadata):
-            view = self._ext_host[f"metadata:{label}"]
-            view.copy_(self.active_request_metadata[label])
-            self.active_request_metadata[label] = view
-        for name, attr, _ in REQUEST_SLICE_FIELDS:
-            setattr(self, attr, self._ext_host[name])
+        for label, values in self.active_request_metadata.items():
+            self._ext_host[f"metadata:{label}"].copy_(values)
+        self._link_static_slices()
         self._pad_all_rows()
         self._ext_device.buffer.copy_(self._ext_host.buffer)
+        self.static_slices_generation += 1
 
+    def _link_static_slices(self) -> None:
+        """Point upstream's host metadata slices, the request slices and the device slices at
+        the packed buffers' views."""
+        for label in list(self.active_request_metadata):
+            self.active_request_metadata[label] = self._ext_host[f"metadata:{label}"]
+        for name, attr, _ in REQUEST_SLICE_FIELDS:
+            setattr(self, attr, self._ext_host[name])
         metadata = {
             label: self._ext_device[f"metadata:{label}"] for label in self.active_request_metadata
         }
@@ -85,7 +90,14 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             last_token_idxs=self.gpu_view.active_request_last_token_idxs,
             metadata=metadata,
         )
-        self.static_slices_generation += 1
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # pickle copies views apart from the tensor they view: the packed buffers make their
+        # views again (PackedBuffer), and the slices are pointed at them. (megatron-core's own
+        # ContextGPUView is views of one buffer too, which its pickled copy loses.)
+        self.__dict__.update(state)
+        if self._device_active_slices is not None:
+            self._link_static_slices()
 
     def _pad_rows(self, pad: slice) -> None:
         for label, view in self.active_request_metadata.items():

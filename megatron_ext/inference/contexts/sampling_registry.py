@@ -3,11 +3,23 @@
 """Host-side record of what the requests in a context need from a sampling step, so that a
 sampler picks its kernels without reading request metadata back from the device."""
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
-__all__ = ["RequestSamplingRegistry", "SamplingRequirements", "top_k_cap_for"]
+import torch
+
+from megatron_ext.inference.contexts.request_checks import as_bool, as_int, as_real
+
+__all__ = [
+    "RequestSamplingRegistry",
+    "SamplingLimits",
+    "SamplingRequirements",
+    "min_sampling_temperature",
+    "request_features",
+    "top_k_cap_for",
+]
 
 
 @dataclass(frozen=True)
@@ -42,19 +54,78 @@ def top_k_cap_for(max_top_k: int) -> int:
     return 0 if max_top_k <= 1 else 1 << (max_top_k - 1).bit_length()
 
 
-def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
+def min_sampling_temperature(dtype: torch.dtype = torch.float32) -> float:
+    """The smallest temperature whose reciprocal is finite in ``dtype``, computed from
+    :func:`torch.finfo` (float32: about 2.94e-39, a subnormal number).
+
+    A smaller positive temperature stored in ``dtype`` is subnormal or 0, so ``logits /
+    temperature`` is +-inf for every logit and the softmax NaN: no distribution to sample.
+
+    Args:
+        dtype (torch.dtype): the floating dtype the context stores temperatures in.
+
+    Returns:
+        float: the bound, a value of ``dtype``.
+    """
+    return _min_sampling_temperature(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _min_sampling_temperature(dtype: torch.dtype) -> float:
+    one = torch.ones((), dtype=dtype)
+    up = torch.tensor(float("inf"), dtype=dtype)
+    bound = torch.tensor(1.0 / torch.finfo(dtype).max, dtype=torch.float64).to(dtype)
+    # 1 / max rounds to a value whose reciprocal may still overflow: step up to the first that
+    # does not (one step in float32).
+    while not torch.isfinite(one / bound):
+        bound = torch.nextafter(bound, up)
+    return float(bound)
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What the sampler of a context can honour, set by the controller that samples from it.
+
+    Attributes:
+        max_top_k (Optional[int]): the largest ``top_k`` (megatron-core 0.16: the logits' width;
+            0.19: one less than the vocabulary); None while no controller has said.
+        max_top_n_logprobs (Optional[int]): the largest ``top_n_logprobs`` (the logits' width).
+        temperature_dtype (torch.dtype): the dtype temperatures are stored in.
+    """
+
+    max_top_k: Optional[int] = None
+    max_top_n_logprobs: Optional[int] = None
+    temperature_dtype: torch.dtype = torch.float32
+
+
+def request_features(
+    sampling_params: Any, limits: SamplingLimits = SamplingLimits()
+) -> Tuple[int, bool, bool, bool]:
     """(top_k, uses top-p, wants log-probs, samples the whole vocabulary) of one request,
     following megatron-core's rule: greedy for ``top_k == 1``, top-k filtering for ``top_k > 1``,
     top-p filtering only when ``top_k < 1``.
 
+    Args:
+        sampling_params: the request's ``SamplingParams``.
+        limits (SamplingLimits): what the sampler can honour.
+
     Raises:
+        TypeError: for a field of the wrong type (a str, None, a bool where a number belongs, a
+            float ``top_k``).
         ValueError: for what megatron-core's sampler refuses with an assert or fails on (top-k
-            and top-p together, top-p above 1 or NaN, temperature 0 when sampling) and for a
-            negative temperature when sampling (stock would sample the least likely tokens).
+            and top-p together, top-p above 1 or NaN, temperature 0 when sampling, ``top_k``
+            above the limit), for a negative temperature when sampling (stock would sample the
+            least likely tokens), and for values no sampler can use (a temperature whose
+            reciprocal overflows, ``top_n_logprobs`` above the logits' width).
     """
-    top_k = int(sampling_params.top_k)
-    top_p = float(sampling_params.top_p)
-    temperature = float(sampling_params.temperature)
+    if sampling_params is None:
+        raise TypeError("sampling_params must be a SamplingParams, got None")
+    top_k = as_int("top_k", sampling_params.top_k)
+    top_p = as_real("top_p", sampling_params.top_p)
+    temperature = as_real("temperature", sampling_params.temperature)
+    return_log_probs = as_bool("return_log_probs", sampling_params.return_log_probs)
+    top_n = getattr(sampling_params, "top_n_logprobs", 0)
+    top_n = 0 if top_n is None else as_int("top_n_logprobs", top_n)
     if top_k > 0 and top_p > 0.0:
         raise ValueError(
             f"top_k ({top_k}) and top_p ({top_p}) cannot both be greater than zero "
@@ -62,17 +133,32 @@ def request_features(sampling_params: Any) -> Tuple[int, bool, bool, bool]:
         )
     if not top_p <= 1.0:  # a NaN too, as megatron-core's assert refuses it
         raise ValueError(f"top_p must be at most 1.0, got {top_p}")
-    if top_k != 1 and not temperature > 0.0:
+    if limits.max_top_k is not None and top_k > limits.max_top_k:
         raise ValueError(
-            f"temperature must be > 0 when sampling (top_k={top_k}), got {temperature}; "
-            "use top_k=1 for greedy decoding"
+            f"top_k ({top_k}) is larger than the sampler allows ({limits.max_top_k}: the "
+            "vocabulary of the logits)"
+        )
+    if top_k != 1:
+        if not temperature > 0.0:
+            raise ValueError(
+                f"temperature must be > 0 when sampling (top_k={top_k}), got {temperature}; "
+                "use top_k=1 for greedy decoding"
+            )
+        smallest = min_sampling_temperature(limits.temperature_dtype)
+        if temperature < smallest:
+            raise ValueError(
+                f"temperature ({temperature!r}) is too small to sample with (top_k={top_k}): "
+                f"1 / temperature overflows {limits.temperature_dtype}, so every scaled logit "
+                f"is infinite; the smallest is {smallest!r} (use top_k=1 for greedy decoding)"
+            )
+    if limits.max_top_n_logprobs is not None and top_n > limits.max_top_n_logprobs:
+        raise ValueError(
+            f"top_n_logprobs ({top_n}) is larger than the vocabulary of the logits "
+            f"({limits.max_top_n_logprobs})"
         )
     uses_top_p = top_k < 1 and top_p > 0.0
     full_vocab = top_k < 1 and top_p <= 0.0
-    wants_log_probs = bool(sampling_params.return_log_probs) or (
-        int(getattr(sampling_params, "top_n_logprobs", 0) or 0) > 0
-    )
-    return top_k, uses_top_p, wants_log_probs, full_vocab
+    return top_k, uses_top_p, return_log_probs or top_n > 0, full_vocab
 
 
 class RequestSamplingRegistry:
@@ -94,10 +180,12 @@ class RequestSamplingRegistry:
     def __contains__(self, request_id: int) -> bool:
         return int(request_id) in self._features
 
-    def add(self, request_id: int, sampling_params: Any) -> None:
-        """Record (or replace) a request's sampling features (ValueError: see
-        :func:`request_features`)."""
-        features = request_features(sampling_params)
+    def add(
+        self, request_id: int, sampling_params: Any, limits: SamplingLimits = SamplingLimits()
+    ) -> None:
+        """Record (or replace) a request's sampling features (TypeError, ValueError: see
+        :func:`request_features`; nothing is recorded then)."""
+        features = request_features(sampling_params, limits)
         self.discard((request_id,))
         self._features[int(request_id)] = features
         self._update(features, +1)

@@ -8,16 +8,17 @@ The release-specific classes live in ``dynamic_context_0_16`` and ``dynamic_cont
 ``dynamic_context`` picks one for the installed megatron-core.
 """
 
-import operator
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
+from megatron_ext.inference.contexts.request_checks import as_int, check_metadata_value
 from megatron_ext.inference.contexts.sampling_registry import (
     RequestSamplingRegistry,
+    SamplingLimits,
     SamplingRequirements,
     request_features,
 )
@@ -122,6 +123,8 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     def _init_static_slices_state(self) -> None:
         """Host-side state; set before megatron-core's constructor allocates tensors."""
         self._sampling_registry = RequestSamplingRegistry()
+        # What the sampler can honour; the controller that samples from the context sets it.
+        self._sampling_limits = SamplingLimits()
         # Bumped whenever the static buffers are (re)allocated, so that consumers holding CUDA
         # graphs over the old addresses know to recapture.
         self.static_slices_generation = 0
@@ -204,27 +207,126 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         """Sampling features of the requests added and not yet released (host-only)."""
         return self._sampling_registry.requirements()
 
+    @property
+    def sampling_limits(self) -> SamplingLimits:
+        """What the sampler of this context can honour (``top_k``, ``top_n_logprobs``, the
+        temperature's dtype); requests asking for more are refused by :meth:`add_request`."""
+        return self._sampling_limits
+
+    def set_sampling_limits(
+        self, max_top_k: Optional[int] = None, max_top_n_logprobs: Optional[int] = None
+    ) -> None:
+        """Set what the sampler can honour (the controller calls it when it is built).
+
+        Args:
+            max_top_k (Optional[int]): the largest ``top_k``; None: no limit known.
+            max_top_n_logprobs (Optional[int]): the largest ``top_n_logprobs``.
+
+        Raises:
+            TypeError, ValueError: for a limit that is not a positive int.
+        """
+        for name, value in (("max_top_k", max_top_k), ("max_top_n_logprobs", max_top_n_logprobs)):
+            if value is not None:
+                check_row_count(name, value, 1, INT32_MAX, "a vocabulary size")
+        dtype = dict((label, dtype) for label, dtype, *_ in self.request_metadata_types)
+        self._sampling_limits = SamplingLimits(
+            max_top_k=max_top_k,
+            max_top_n_logprobs=max_top_n_logprobs,
+            temperature_dtype=dtype.get("temperature", torch.float32),
+        )
+
+    def check_request(self, req: Any) -> int:
+        """Refuse a request this context could not hold or sample correctly; changes nothing.
+
+        Checked: the request id (an int in ``[0, INT32_MAX]``: the context stores int32 ids), every
+        tracked sampling parameter against the dtype the context stores it in, and the sampling
+        rules of :func:`request_features` against :attr:`sampling_limits`. megatron-core's engine,
+        while the inference flag is applied, fails a request this refuses alone, with the reason
+        (``megatron_ext.inference.engines.dynamic_engine``).
+
+        Args:
+            req: a ``DynamicInferenceRequest``.
+
+        Returns:
+            int: the request id.
+
+        Raises:
+            TypeError, ValueError: naming the parameter and its value.
+        """
+        request_id = as_int("request_id", getattr(req, "request_id", None))
+        if not 0 <= request_id <= INT32_MAX:
+            raise ValueError(
+                f"request_id ({request_id}) must be in [0, {INT32_MAX}] (the context stores "
+                "request ids as int32; -1 marks padding rows)"
+            )
+        params = getattr(req, "sampling_params", None)
+        if params is None:
+            raise TypeError(f"request {request_id}: sampling_params must be a SamplingParams")
+        for label, dtype, *_ in self.request_metadata_types:
+            value = getattr(params, label, None)
+            if label == "termination_id" and value is None:
+                continue  # megatron-core's request reads it as -1
+            check_metadata_value(label, value, dtype)
+        request_features(params, self._sampling_limits)
+        return request_id
+
+    def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> None:
+        """The prompt tokens, and the chunk and output lengths megatron-core's ``add_request``
+        stores (int32), checked before it allocates anything."""
+        tokens = req.remaining_prompt_tokens
+        if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+            raise TypeError(
+                "the prompt tokens must be a 1-D integer tensor (megatron-core would cast a "
+                f"floating one to ids), got {_describe(tokens)}"
+            )
+        remaining = tokens.numel()
+        if remaining == 0:
+            raise ValueError(f"request {req.request_id} has no prompt tokens left to add")
+        chunk = args[0] if args else kwargs.get("chunk_length", kwargs.get("prefill_chunk_length"))
+        if chunk is not None:
+            check_row_count(
+                "chunk_length", chunk, 1, remaining, "the request's remaining prompt tokens"
+            )
+        to_generate = req.sampling_params.num_tokens_to_generate
+        done = int(getattr(req, "finished_chunk_token_count", 0) or 0)
+        check_row_count(
+            "num_tokens_to_generate",
+            to_generate,
+            0,
+            INT32_MAX - done - remaining,
+            "the request's output length is stored as int32",
+        )
+
     def release_request_sampling_state(self, request_ids: Iterable[int]) -> None:
         """Tell the context that requests have left it (finished), for
-        :meth:`sampling_requirements`. Ids still held (e.g. the chunked-prefill request) are kept.
+        :meth:`sampling_requirements`. Unknown ids are ignored.
+
+        Reads the ids the context holds (a device read on megatron-core 0.16); the controller's
+        own step releases its finished requests without it.
 
         Args:
             request_ids (Iterable[int]): ids of requests that left the context.
+
+        Raises:
+            TypeError: for something other than an iterable of ints (bools included).
+            ValueError: for an id the context still holds (active, paused or the chunked-prefill
+                request): its sampling features are still needed. Nothing is released then.
         """
-        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
-            raise TypeError(
-                f"request_ids must be an iterable of ints, got {type(request_ids).__name__}"
+        ids = _request_id_list(request_ids)
+        held = set(self.request_ids[: self.total_request_count].tolist())
+        still_held = sorted(set(ids) & held)
+        if still_held:
+            raise ValueError(
+                f"request ids {still_held} are still in the context (active or paused); "
+                "release only requests that left it (finished or evicted)"
             )
-        ids = []
-        for rid in request_ids:
-            try:
-                ids.append(operator.index(rid))
-            except TypeError:
-                raise TypeError(
-                    f"request_ids must hold ints, got {type(rid).__name__} ({rid!r})"
-                ) from None
+        self._sampling_registry.discard(ids)
+
+    def _release_finished_requests(self, request_ids: List[int]) -> None:
+        """Forget requests the step just finished (the chunked-prefill request, which a step
+        never finishes, is kept). Host-only; for the controllers' steps."""
         keep = self.chunked_prefill_request_id
-        self._sampling_registry.discard(rid for rid in ids if rid != keep)
+        self._sampling_registry.discard(rid for rid in request_ids if rid != keep)
 
     def _check_build_batch_size(self, batch_size: Any) -> int:
         """build_active_slices' argument: every active row, and no row past the tensors."""
@@ -278,22 +380,19 @@ class StaticSlicesContextBase(DynamicInferenceContext):
             )
 
     def add_request(self, req: Any, *args: Any, **kwargs: Any) -> None:
-        """megatron-core's ``add_request``, then record the request's sampling features.
+        """megatron-core's ``add_request``, after :meth:`check_request`, then record the
+        request's sampling features.
 
         Raises:
-            ValueError: if a request with the same id is already in the context (megatron-core
-                would hold two rows with one id; finishing either would then be ambiguous),
-                except for a later chunk of a chunked-prefill request.
+            TypeError, ValueError: for what :meth:`check_request` refuses, prompt tokens that
+                are not a non-empty 1-D integer tensor, a chunk length or
+                ``num_tokens_to_generate`` megatron-core could not store, and a request whose id
+                is already in the context (megatron-core would hold two rows with one id;
+                finishing either would then be ambiguous), except for a later chunk of a
+                chunked-prefill request. All before megatron-core changes anything.
         """
-        try:
-            request_id = -1 if isinstance(req.request_id, bool) else operator.index(req.request_id)
-        except TypeError:
-            request_id = -1
-        if request_id < 0:
-            raise ValueError(
-                f"request ids must be ints >= 0 (-1 marks padding rows), got {req.request_id!r}"
-            )
-        request_features(req.sampling_params)  # refuse bad sampling parameters before any change
+        request_id = self.check_request(req)
+        self._check_added_tokens(req, args, kwargs)
         # A later chunk of a chunked prefill comes back under its id (finished_chunk_token_count
         # counts the chunks already added).
         continuing = int(getattr(req, "finished_chunk_token_count", 0) or 0) > 0
@@ -303,7 +402,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
                 "among the requests a context holds"
             )
         super().add_request(req, *args, **kwargs)
-        self._sampling_registry.add(request_id, req.sampling_params)
+        self._sampling_registry.add(request_id, req.sampling_params, self._sampling_limits)
 
     def update_requests(self, *args: Any, **kwargs: Any) -> Any:
         """megatron-core's ``update_requests``; evicted requests leave the sampling registry
@@ -317,3 +416,17 @@ class StaticSlicesContextBase(DynamicInferenceContext):
 
     def _active_request_count(self) -> int:
         return self.total_request_count - self.paused_request_count
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return type(value).__name__
+
+
+def _request_id_list(request_ids: Any) -> List[int]:
+    if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
+        raise TypeError(
+            f"request_ids must be an iterable of ints, got {type(request_ids).__name__}"
+        )
+    return [as_int(f"request_ids[{i}]", rid) for i, rid in enumerate(request_ids)]

@@ -12,7 +12,12 @@ graph-safe sampling region, its CUDA-graph cache and its static buffers.
   ``device_active_slices`` (sampling parameters, termination ids, lengths, request ids);
 * work: per-row sampling (greedy, temperature, top-k, top-p; all rows at once, parameters read
   as tensors), the log-prob of each sampled token, and the per-request "still active" mask;
-* outputs: one packed static buffer (tokens, log-probs, mask, request ids, flags).
+* outputs: one packed static buffer (tokens, log-probs, mask, request ids, flags), among them
+  a per-row code that says whether the row's scores were finite (``non_finite``): a row whose
+  logits hold a NaN or a +inf, or are all -inf, or whose ``logits / temperature`` overflowed,
+  has no distribution to sample, and the host fails that request alone after its one copy of
+  the outputs (:meth:`~StaticSlicesControllerBase.non_finite_requests`) instead of taking the
+  token the region drew from NaN probabilities.
 
 The region has no host synchronisation and allocates nothing that outlives it, so it is
 captured once per (row count, sampling plan) in a CUDA graph and replayed on every later step
@@ -27,7 +32,7 @@ the plan comes from (``sampling_plan``) and how the region plugs into megatron-c
 """
 
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +52,16 @@ from megatron_ext.inference.contexts.static_slices_context_base import (
     StaticSlicesContextBase,
     check_row_count,
 )
+from megatron_ext.inference.engines.dynamic_engine import engine_fails_requests
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REQUIRED_METADATA_LABELS", "SamplingPlan", "StaticSlicesControllerBase"]
+__all__ = [
+    "NON_FINITE_REASONS",
+    "REQUIRED_METADATA_LABELS",
+    "SamplingPlan",
+    "StaticSlicesControllerBase",
+]
 
 # Metadata labels the graph-safe region reads.
 REQUIRED_METADATA_LABELS = (
@@ -61,6 +72,12 @@ REQUIRED_METADATA_LABELS = (
     "return_log_probs",
     "top_n_logprobs",
 )
+
+# The region's per-row ``non_finite`` codes (0: the row's scores were finite) and what each means.
+NON_FINITE_REASONS = {
+    1: "logits / temperature overflowed float32 (the temperature is too small for these logits)",
+    2: "its logits row is not finite (a NaN or a +inf, or every entry -inf)",
+}
 
 # The sampling plan is a SamplingRequirements with the top-k cap clamped to the vocabulary; it is
 # hashable and keys the CUDA graph cache together with the row count.
@@ -159,6 +176,7 @@ class StaticSlicesControllerBase(TextGenerationController):
             ("top_n_logprobs", torch.int32, rows),
             ("active_mask", torch.uint8, rows),
             ("return_log_probs", torch.bool, rows),
+            ("non_finite", torch.uint8, rows),
             ("plan_violation", torch.int32, 1),
         ]
         self._step_out = PackedBuffer(fields, self._device)
@@ -171,11 +189,18 @@ class StaticSlicesControllerBase(TextGenerationController):
             self._sampled_tokens_cuda = self._step_out["tokens"]
         self._logits_buffer: Optional[Tensor] = None
         vocab_size, logits_dtype = self._expected_logits_shape()
+        check_row_count("the model's vocabulary", vocab_size, 1, 2**31 - 1, "the logits' width")
+        self._vocab_size = vocab_size
         self._ensure_logits_buffer(vocab_size, logits_dtype)
+        # Requests the sampler could not honour are refused when they are added.
+        context.set_sampling_limits(
+            max_top_k=self._largest_top_k(vocab_size), max_top_n_logprobs=vocab_size
+        )
         # Column indices of the top-k candidates, shared by every row count and plan.
         self._candidate_columns: Dict[int, Tensor] = {}
 
         self._graphs: Dict[Tuple[int, SamplingPlan], Any] = {}
+        self._checked_plans: Set[Tuple[SamplingPlan, int]] = set()
         self._graph_pool = None
         self._slices_generation = context.static_slices_generation
         self._warned_plan_violation = False
@@ -184,6 +209,11 @@ class StaticSlicesControllerBase(TextGenerationController):
     def _expected_logits_shape(self) -> Tuple[int, torch.dtype]:
         """(vocabulary size, dtype) of the logits the forward pass returns."""
         raise NotImplementedError
+
+    def _largest_top_k(self, vocab_size: int) -> int:
+        """The largest ``top_k`` megatron-core's sampler of this line accepts (0.16: the logits'
+        width)."""
+        return vocab_size
 
     def _ensure_logits_buffer(self, vocab_size: int, dtype: torch.dtype) -> Tensor:
         buffer = self._logits_buffer
@@ -297,10 +327,11 @@ class StaticSlicesControllerBase(TextGenerationController):
                 ``max(padded_active_request_count, active requests)``. Padding rows gather row 0.
 
         Raises:
-            TypeError: if logits is not a Tensor or rows not an int.
-            ValueError: on a logits shape the buffer cannot hold, fewer rows than the step's
-                active requests (last-token logits) or active tokens, or rows outside
-                [active requests, max_logit_rows].
+            TypeError: if logits is not a floating-point Tensor or rows not an int.
+            ValueError: on a logits shape the buffer cannot hold (a width other than the
+                model's vocabulary included), logits on another device or aliasing the buffer,
+                fewer rows than the step's active requests (last-token logits) or active tokens,
+                or rows outside [active requests, max_logit_rows]. Nothing is written then.
             RuntimeError: with one logit row per token, if the context has not published this
                 step's slices (the gather reads their last-token indices).
         """
@@ -309,6 +340,21 @@ class StaticSlicesControllerBase(TextGenerationController):
             raise TypeError(f"logits must be a Tensor, got {type(logits).__name__}")
         if logits.dim() != 3 or logits.size(0) != 1:
             raise ValueError(f"expected logits of shape [1, S, V], got {tuple(logits.shape)}")
+        if not logits.dtype.is_floating_point:
+            raise TypeError(f"logits must be floating point, got {logits.dtype}")
+        if logits.size(2) != self._vocab_size:
+            raise ValueError(
+                f"logits have {logits.size(2)} columns, the model's vocabulary has "
+                f"{self._vocab_size}"
+            )
+        if logits.device != self._device:
+            raise ValueError(
+                f"logits are on {logits.device}, the sampling buffers on {self._device}"
+            )
+        if logits.numel() and (
+            logits.untyped_storage().data_ptr() == self._logits_buffer.untyped_storage().data_ptr()
+        ):
+            raise ValueError("logits alias the controller's logits_buffer; pass the model's output")
         count = self._region_rows() if rows is None else self._check_rows(rows)
         flat = logits.squeeze(0)
         # Rows missing here would be sampled from the previous step's logits (or, per token,
@@ -356,6 +402,8 @@ class StaticSlicesControllerBase(TextGenerationController):
         * ``active_mask[r]``: 1 unless the token is the termination id or the sequence reaches
           its output length (megatron-core's rule);
         * ``request_ids``, ``return_log_probs``, ``top_n_logprobs``: copies for the host;
+        * ``non_finite[r]``: 0 when the row's scores were finite, else a key of
+          :data:`NON_FINITE_REASONS` (``tokens[r]`` is then meaningless);
         * ``plan_violation``: non-zero if a real row needs something the plan left out.
 
         Args:
@@ -373,14 +421,33 @@ class StaticSlicesControllerBase(TextGenerationController):
         # Outputs are written with out= where an op can: each copy saved is a launch (int64
         # tokens on both megatron-core lines, as argmax writes them).
         tokens = self._sampled_tokens_cuda[:rows]
+        non_finite = out["non_finite"][:rows]
         if not plan.sample:
             torch.argmax(logits, dim=-1, out=tokens)
+            # argmax takes a NaN as the maximum, so the value it picked is the row's maximum in
+            # every case that matters: NaN, +inf, or -inf for a row that is all -inf.
+            row_max = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            torch.mul(torch.isfinite(row_max).logical_not_(), 2, out=non_finite)
         else:
-            sampled = self._sample_rows(logits, meta["temperature"][:rows], top_k, top_p, plan)
+            temperature = meta["temperature"][:rows]
+            sampled, row_max = self._sample_rows(logits, temperature, top_k, top_p, plan)
+            greedy_rows = top_k == 1
             if plan.greedy:
-                torch.where(top_k == 1, torch.argmax(logits, dim=-1), sampled, out=tokens)
+                torch.where(greedy_rows, torch.argmax(logits, dim=-1), sampled, out=tokens)
             else:
                 tokens.copy_(sampled)
+            # The largest scaled score is the row maximum scaled (the division is monotonic);
+            # greedy rows are not scaled (their temperature may be 0).
+            scaled_max = row_max.float() / temperature.float()
+            if plan.greedy:
+                scaled_max = torch.where(greedy_rows, row_max.float(), scaled_max)
+            # 2 where the logits are not finite (their scaled maximum then is not either), 1
+            # where only the scaling overflowed.
+            torch.add(
+                torch.isfinite(scaled_max).logical_not_().to(torch.uint8),
+                torch.isfinite(row_max).logical_not_(),
+                out=non_finite,
+            )
 
         if plan.log_probs:
             log_probs = F.log_softmax(logits.float(), dim=-1)
@@ -427,10 +494,16 @@ class StaticSlicesControllerBase(TextGenerationController):
 
     def _sample_rows(
         self, logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, plan: SamplingPlan
-    ) -> Tensor:
-        """Per-row temperature / top-k / top-p sampling. GRAPH-SAFE (see graph_safe_step)."""
+    ) -> Tuple[Tensor, Tensor]:
+        """Per-row temperature / top-k / top-p sampling. GRAPH-SAFE (see graph_safe_step).
+
+        Returns:
+            Tuple[Tensor, Tensor]: the drawn tokens and each row's largest logit (NaN where the
+            row holds one).
+        """
         if not (plan.top_p or plan.full_vocab) and plan.top_k_cap > 0:
             return self._sample_top_k_candidates(logits, temperature, top_k, plan.top_k_cap)
+        row_max = logits.amax(dim=-1)
         scores = _scaled_scores(logits, temperature)
         neg_inf = float("-inf")
         if plan.top_k_cap > 0:
@@ -450,7 +523,7 @@ class StaticSlicesControllerBase(TextGenerationController):
             drop_sorted &= ((top_k < 1) & (top_p > 0)).unsqueeze(1)
             drop = torch.zeros_like(drop_sorted).scatter_(1, sorted_idx, drop_sorted)
             scores = scores.masked_fill(drop, neg_inf)
-        return self._exponential_race(scores.softmax(dim=-1))
+        return self._exponential_race(scores.softmax(dim=-1)), row_max
 
     def _exponential_race(self, probs: Tensor) -> Tensor:
         """One draw per row from ``probs``. GRAPH-SAFE.
@@ -467,7 +540,7 @@ class StaticSlicesControllerBase(TextGenerationController):
 
     def _sample_top_k_candidates(
         self, logits: Tensor, temperature: Tensor, top_k: Tensor, cap: int
-    ) -> Tensor:
+    ) -> Tuple[Tensor, Tensor]:
         """Top-k sampling when every sampling row has ``1 < top_k <= cap``. GRAPH-SAFE.
 
         One ``topk`` of ``cap`` candidates per row reads the vocabulary once; the temperature,
@@ -475,20 +548,25 @@ class StaticSlicesControllerBase(TextGenerationController):
         them, up to the cap), the softmax and the draw then work on ``[rows, cap]`` rather than
         ``[rows, vocab]``. Positive temperature scaling keeps the order, so the candidates are
         the same as after scaling.
+
+        Returns:
+            Tuple[Tensor, Tensor]: the drawn tokens and each row's largest logit (``topk`` sorts
+            a NaN first, on the CPU and on CUDA devices).
         """
         values, indices = torch.topk(logits, cap, dim=-1)
+        row_max = values[:, 0]
         if values.is_cuda and cap <= MAX_FUSED_CAP and values.dtype in FUSED_DTYPES:
             # The same draws as the torch path below ([rows, cap] float32 from the generator),
             # raced in one kernel instead of a dozen launches.
             noise = torch.empty(values.shape, dtype=torch.float32, device=values.device)
             noise.exponential_(1.0, generator=self.sampling_rng)
-            return sample_top_k_candidates(values, indices, temperature, top_k, noise)
+            return sample_top_k_candidates(values, indices, temperature, top_k, noise), row_max
         k = top_k.clamp(min=1, max=cap).long().unsqueeze(1)
         kth = values.gather(1, k - 1)
         scores = _scaled_scores(values, temperature)
         scores = scores.masked_fill(values < kth, float("-inf"))
         choice = self._exponential_race(scores.softmax(dim=-1))
-        return indices.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return indices.gather(1, choice.unsqueeze(1)).squeeze(1), row_max
 
     def run_graph_safe_step(
         self, rows: int, plan: SamplingPlan, use_cuda_graph: Optional[bool] = None
@@ -501,13 +579,14 @@ class StaticSlicesControllerBase(TextGenerationController):
             use_cuda_graph (Optional[bool]): default ``self.use_cuda_graphs``.
 
         Raises:
-            TypeError: if rows is not an int or plan not a SamplingPlan.
-            ValueError: if rows is outside [active requests, max_logit_rows], or a CUDA graph
-                is asked for on a context that is not on a CUDA device.
+            TypeError: if rows is not an int, plan not a SamplingPlan or one of its flags not a
+                bool.
+            ValueError: if rows is outside [active requests, max_logit_rows], the plan's top-k
+                cap outside [0, vocabulary], or a CUDA graph is asked for on a context that is
+                not on a CUDA device.
         """
         self._check_rows(rows)
-        if not isinstance(plan, SamplingPlan):
-            raise TypeError(f"plan must be a SamplingPlan, got {type(plan).__name__}")
+        self._check_plan(plan)
         self._sync_with_context()
         if use_cuda_graph is None:
             use_cuda_graph = self.use_cuda_graphs
@@ -521,6 +600,21 @@ class StaticSlicesControllerBase(TextGenerationController):
             graph = self._capture(rows, plan)
             self._graphs[(rows, plan)] = graph
         graph.replay()
+
+    def _check_plan(self, plan: Any) -> None:
+        """A plan the region can build: flags that are bools and a top-k cap in ``[0, vocab]``
+        (checked once per plan and logits width; the graph cache keys on both)."""
+        if not isinstance(plan, SamplingPlan):
+            raise TypeError(f"plan must be a SamplingPlan, got {type(plan).__name__}")
+        width = self._logits_buffer.shape[1]
+        if (plan, width) in self._checked_plans:
+            return
+        for name, value in plan.__dict__.items():
+            if name in ("top_k_cap", "max_top_k"):
+                check_row_count(f"plan.{name}", value, 0, width, "the logits' width")
+            elif not isinstance(value, bool):
+                raise TypeError(f"plan.{name} must be a bool, got {type(value).__name__}")
+        self._checked_plans.add((plan, width))
 
     def _capture(self, rows: int, plan: SamplingPlan) -> "torch.cuda.CUDAGraph":
         # One eager run on a side stream first (lazy library initialisation must not happen
@@ -600,6 +694,45 @@ class StaticSlicesControllerBase(TextGenerationController):
             self.run_graph_safe_step(rows, self._universal_plan(), use_cuda_graph=False)
             host = self.fetch_step_outputs()
         return host
+
+    def non_finite_requests(self, host: Dict[str, Tensor], count: int) -> Dict[int, str]:
+        """The requests among the first ``count`` rows of a fetched step whose scores were not
+        finite, with the reason (host-only: reads the host copy of the outputs).
+
+        The chunked-prefill request is left out: its token is never used, and its next chunk's
+        row is checked again.
+
+        Args:
+            host (Dict[str, Tensor]): from :meth:`fetch_step_outputs` or
+                :meth:`run_sampling_step`.
+            count (int): rows that belong to active requests.
+
+        Returns:
+            Dict[int, str]: request id -> reason; empty in a step without such rows.
+        """
+        flags = host["non_finite"][:count]
+        if not bool(flags.any()):
+            return {}
+        context = self.inference_wrapped_model.inference_context
+        ids = host["request_ids"][:count].tolist()
+        rows = flags.nonzero().flatten().tolist()
+        return {
+            ids[row]: NON_FINITE_REASONS[int(flags[row])]
+            for row in rows
+            if ids[row] != context.chunked_prefill_request_id
+        }
+
+    def _refuse_unless_failable(self, failed: Dict[int, str], can_fail: bool = True) -> None:
+        """Raise for ``failed`` unless the step can hand them to an engine that fails single
+        requests (the inference flag's patch): their tokens must not reach the requests.
+        Called before the step's bookkeeping changes anything."""
+        if failed and not (can_fail and engine_fails_requests()):
+            raise ValueError(
+                "no token can be sampled for requests "
+                + "; ".join(f"{rid}: {reason}" for rid, reason in sorted(failed.items()))
+                + " (megatron-core's engine fails them alone while "
+                "megatron_ext.inference.enable_static_active_slices() is in effect)"
+            )
 
     # ---------------------------------------------------------------------- engine hooks
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from megatron_ext.inference.engines.dynamic_engine import FAILED_REQUESTS_KEY
 from megatron_ext.inference.text_generation_controllers.static_slices_controller_base import (
     SamplingPlan,
     StaticSlicesControllerBase,
@@ -100,6 +101,8 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         await asyncio.sleep(0)
 
         host = self.run_sampling_step()
+        failed = self.non_finite_requests(host, active_request_count)
+        self._refuse_unless_failable(failed, can_fail=not skip_bookkeeping)
         tokens = host["tokens"][:active_request_count].clone()
         log_probs, top_n_logprobs = self._step_log_probs(logits, host, active_request_count)
 
@@ -110,7 +113,10 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
             "cuda_graph_request_count": cuda_graph_request_count,
         }
         if not skip_bookkeeping:
-            result.update(self._step_bookkeeping(host, active_request_count))
+            result.update(self._step_bookkeeping(host, active_request_count, failed))
+            if failed:
+                # The engine takes their rows out of this result and fails them.
+                result[FAILED_REQUESTS_KEY] = failed
         return result
 
     def _step_log_probs(
@@ -136,23 +142,24 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         return log_probs, top_n_logprobs
 
     def _step_bookkeeping(
-        self, host: Dict[str, Tensor], active_request_count: int
+        self, host: Dict[str, Tensor], active_request_count: int, failed: Dict[int, str]
     ) -> Dict[str, Any]:
-        """Finished requests from the region's mask, then megatron-core's update_requests."""
+        """Finished requests from the region's mask (and the requests to fail, which leave
+        the context as finished ones do), then megatron-core's update_requests."""
         context = self.inference_wrapped_model.inference_context
         n = active_request_count
         request_ids = host["request_ids"][:n].clone()
         mask = host["active_mask"][:n].clone()
         device_mask = self._step_out["active_mask"][:n]
 
+        leaving = set(failed)
         if self._get_stop_word_finished_ids_callback is not None:
-            id_list = request_ids.tolist()
-            stop_word_finished_ids = self._get_stop_word_finished_ids_callback(id_list)
-            if stop_word_finished_ids:
-                for idx, request_id in enumerate(id_list):
-                    if request_id in stop_word_finished_ids:
-                        mask[idx] = 0
-                        device_mask[idx] = 0
+            leaving |= set(self._get_stop_word_finished_ids_callback(request_ids.tolist()) or ())
+        if leaving:
+            for idx, request_id in enumerate(request_ids.tolist()):
+                if request_id in leaving:
+                    mask[idx] = 0
+                    device_mask[idx] = 0
 
         # As in megatron-core, finished ids are taken before update_requests keeps the
         # chunked-prefill request alive.
@@ -160,7 +167,7 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
         # update_requests keeps a view of the tokens it is given (paused tokens).
         new_tokens = self._sampled_tokens_cuda[:n].clone()
         update_result = context.update_requests(device_mask, new_tokens)
-        context.release_request_sampling_state(finished_request_ids.tolist())
+        context._release_finished_requests(finished_request_ids.tolist())
         return {
             "active_request_ids": request_ids,
             "finished_request_ids": finished_request_ids,

@@ -18,13 +18,14 @@ of the logits into its static buffer; upstream's bucketed sampler does less laun
 same tokens, so an eager step of this controller is megatron-core's step.
 """
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from megatron.core.inference.config import AsyncScheduleMode
 from torch import Tensor
 
 from megatron_ext.inference.contexts.sampling_registry import top_k_cap_for
+from megatron_ext.inference.engines.dynamic_engine import FAILED_REQUESTS_KEY
 from megatron_ext.inference.text_generation_controllers.static_slices_controller_base import (
     SamplingPlan,
     StaticSlicesControllerBase,
@@ -40,9 +41,18 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
 
     # Upstream owns the sampled-token buffer's address (its bookkeeping reads it).
     _OWNS_SAMPLED_TOKENS = False
+    # Whether the region sampled this step (its outputs are then read back in one copy), and the
+    # requests that step found without finite scores (request id -> reason), until bookkeeping.
+    _region_sampled = False
+    _step_failed: Optional[Dict[int, str]] = None
 
     def _expected_logits_shape(self) -> Tuple[int, torch.dtype]:
         return self.vocab_size, self.inference_wrapped_model.config.params_dtype
+
+    def _largest_top_k(self, vocab_size: int) -> int:
+        # 0.19's sampler asserts top_k < vocab_size when it samples (greedy takes the argmax
+        # first).
+        return max(vocab_size - 1, 1)
 
     def sampling_plan(self) -> SamplingPlan:
         """The sampling plan for this step, read from upstream's host-side active slices (exact
@@ -118,19 +128,52 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
     def _dynamic_step_sample_logits(self) -> None:
         """Sample with the graph-safe region's CUDA graph (see ``region_samples_this_step``);
         megatron-core's sampler otherwise."""
+        self._region_sampled = False
         if not self.region_samples_this_step():
             return super()._dynamic_step_sample_logits()
         plan = self.sampling_plan()
         # Upstream computes log-probs itself (raw or processed, per its config).
         plan = SamplingPlan(**{**plan.__dict__, "log_probs": False})
         self.run_graph_safe_step(self._region_rows(), plan)
+        self._region_sampled = True
+
+    def _transfer_samples_to_cpu(self, active_request_count: int) -> tuple:
+        """megatron-core's one copy of the sampled tokens to the host; after a step the region
+        sampled, the copy of the region's packed outputs instead (the tokens and the per-row
+        ``non_finite`` codes in one copy), and the requests whose scores were not finite noted
+        for the bookkeeping (or refused, before it changes anything, where the engine cannot
+        fail them alone)."""
+        if not self._region_sampled:
+            return super()._transfer_samples_to_cpu(active_request_count)
+        self._region_sampled = False
+        host = self.fetch_step_outputs()
+        failed = self.non_finite_requests(host, active_request_count)
+        self._refuse_unless_failable(failed)
+        self._step_failed = failed
+        return host["tokens"][:active_request_count].clone(), None
+
+    def _apply_stop_word_finished_ids(
+        self, active_request_ids: Tensor, active_request_mask: Tensor
+    ):
+        """megatron-core's stop-word finishes; the requests to fail leave the context too."""
+        super()._apply_stop_word_finished_ids(active_request_ids, active_request_mask)
+        failed = self._step_failed
+        if failed:
+            for row, request_id in enumerate(active_request_ids.tolist()):
+                if request_id in failed:
+                    active_request_mask[row] = 0
 
     def _dynamic_step_context_bookkeeping(self) -> Dict[str, Tensor]:
-        """megatron-core's bookkeeping, then release finished requests' sampling state."""
+        """megatron-core's bookkeeping, then release finished requests' sampling state; the
+        requests to fail are handed to the engine under ``FAILED_REQUESTS_KEY``."""
+        self._step_failed = None
         result = super()._dynamic_step_context_bookkeeping()
+        if self._step_failed:
+            result[FAILED_REQUESTS_KEY] = self._step_failed
+        self._step_failed = None
         finished = result.get("finished_request_ids")
         if finished is not None:
             # A host tensor on 0.19: no synchronisation.
             context = self.inference_wrapped_model.inference_context
-            context.release_request_sampling_state(finished.tolist())
+            context._release_finished_requests(finished.tolist())
         return result

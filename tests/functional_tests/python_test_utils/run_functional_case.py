@@ -567,6 +567,12 @@ def env_name(version: str) -> str:
     return f"mcore-{parts[0]}.{parts[1]}"
 
 
+def is_file_tag(tag: str) -> bool:
+    """Whether ``tag`` can be part of a golden file's name: letters, digits, '.', '_', '-'
+    (no path separator, not '.' or '..')."""
+    return bool(re.fullmatch(r"[A-Za-z0-9._-]+", tag)) and tag not in (".", "..")
+
+
 def platform_name(device: str) -> str:
     """A short platform tag from a GPU name: 'NVIDIA H200' -> 'h200'."""
     match = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", device.replace("NVIDIA", ""))
@@ -767,14 +773,24 @@ def run_case(
         problems.extend(compare_runs(result, case.metrics))
 
     environment = result.get("environment", {})
-    env = env or (
-        env_name(environment["megatron_core"]) if environment.get("megatron_core") else detect_env()
-    )
+    tag_problem = None
+    try:
+        env = env or (
+            env_name(environment["megatron_core"])
+            if environment.get("megatron_core")
+            else detect_env()
+        )
+    except ValueError as exc:
+        tag_problem = f"{output_json}: {exc}; pass --env"
     platform = platform or (
         platform_name(environment["device"]) if environment.get("device") else None
     )
+    if tag_problem is None and env is not None and not is_file_tag(env):
+        tag_problem = f"{output_json}: the env tag {env!r} cannot name a golden file; pass --env"
     if case.golden == "bitwise":
-        if env is None or platform is None:
+        if tag_problem is not None:
+            problems.append(tag_problem)
+        elif env is None or platform is None:
             problems.append(
                 "cannot tell the environment/platform for the golden file name; "
                 "pass --env and --platform"
@@ -831,6 +847,40 @@ def summary_markdown(outcomes: Sequence[CaseOutcome]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
+    """Refuse (argparse's usage error, exit status 2) what would otherwise fail later with a
+    traceback; returns the split ``--extra-args``."""
+    try:
+        extra = shlex.split(args.extra_args)
+    except ValueError as exc:
+        parser.error(f"--extra-args {args.extra_args!r}: {exc}")
+    for name in ("env", "platform"):
+        tag = getattr(args, name)
+        if tag is not None and not is_file_tag(tag):
+            parser.error(
+                f"--{name} {tag!r}: a golden file tag is letters, digits, '.', '_' and '-' only"
+            )
+    if shutil.which(args.python) is None:
+        parser.error(f"--python {args.python!r}: no such executable")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {str(args.out)!r}: exists and is not a directory")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {str(args.out)!r}: {exc.strerror or exc}")
+    return extra
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point; see the module docstring.
 
@@ -863,7 +913,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument(
         "--gpus",
-        type=int,
+        type=_non_negative_int,
         default=None,
         help="GPUs this machine offers (default: detected with nvidia-smi)",
     )
@@ -873,6 +923,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="exit 0 when the only unrun cases need more GPUs or a module this environment lacks",
     )
     args = parser.parse_args(argv)
+    extra = _check_arguments(parser, args)
 
     try:
         case_dirs = find_cases(args.cases)
@@ -880,7 +931,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     available = gpu_count() if args.gpus is None else args.gpus
-    extra = shlex.split(args.extra_args)
     outcomes = []
     total_start = time.monotonic()
     for case_dir in case_dirs:
@@ -893,16 +943,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"=== {outcome.name}", flush=True)
         else:
             print(f"=== {case.name} (NPROC {case.nproc})", flush=True)
-            outcome = run_case(
-                case,
-                args.out / case.path.parent.name / case.path.name,
-                generate_golden=args.generate_golden,
-                env=args.env,
-                platform=args.platform,
-                python=args.python,
-                extra_args=extra,
-                available_gpus=available,
-            )
+            try:
+                outcome = run_case(
+                    case,
+                    args.out / case.path.parent.name / case.path.name,
+                    generate_golden=args.generate_golden,
+                    env=args.env,
+                    platform=args.platform,
+                    python=args.python,
+                    extra_args=extra,
+                    available_gpus=available,
+                )
+            except Exception as exc:  # pylint: disable=broad-except
+                # A runner bug fails its case; the others still run and the summary is written.
+                outcome = CaseOutcome(
+                    case.name, FAILED, [f"the runner failed: {type(exc).__name__}: {exc}"]
+                )
         outcomes.append(outcome)
         print(f"--- {outcome.status}: {outcome.name} ({outcome.seconds:.1f} s)")
         for line in outcome.timings:

@@ -107,6 +107,34 @@ def test_draws_follow_the_tempered_softmax_of_the_kept_candidates():
     assert ((counts - rows * expected).abs() <= 5 * sd + 1e-9).all(), (counts, rows * expected)
 
 
+def test_rows_without_finite_scores_read_only_their_own_candidates():
+    """A NaN or +inf candidate, or all -inf, races NaN in every lane, the masked lanes past the
+    cap included (cap 5, block 8): the token read must still be one of the row's candidates, not
+    one past them (the next row's, or past the end: the guard values). The region reports such
+    rows and never uses their token."""
+    rows, cap = 4, 5
+    values = torch.randn(rows, cap, generator=torch.Generator().manual_seed(3))
+    values = values.sort(dim=-1, descending=True).values
+    values[0, 0] = float("nan")
+    values[1, 0] = float("inf")
+    values[2] = float("-inf")
+    storage = torch.full((rows * cap + 16,), GUARD, dtype=torch.int64, device=DEVICE)
+    indices = storage[: rows * cap].view(rows, cap)
+    indices.copy_(torch.arange(rows * cap, device=DEVICE).view(rows, cap) * 10)
+    buffer, out = _guarded_out(rows)
+    sample_top_k_candidates(
+        values.to(DEVICE),
+        indices,
+        torch.ones(rows, device=DEVICE),
+        torch.full((rows,), cap, dtype=torch.int32, device=DEVICE),
+        torch.ones(rows, cap, device=DEVICE),
+        out=out,
+    )
+    for row, token in enumerate(out.tolist()):
+        assert token in indices[row].tolist(), (row, token)
+    assert (buffer[:4] == GUARD).all() and (buffer[4 + rows :] == GUARD).all()
+
+
 def test_no_rows_is_no_launch():
     values, indices, temperature, top_k, noise = _case(3, 4, torch.float32, seed=1)
     out = sample_top_k_candidates(values[:0], indices[:0], temperature[:0], top_k[:0], noise[:0])

@@ -59,10 +59,10 @@ def test_flag_on_generates_as_megatron_core_unfused(cpu_stack):
 def test_float64_check_sees_a_decode_step_rotated_at_the_wrong_position(cpu_stack, monkeypatch):
     prompts = small_mla_gpt.prompts_for(2, 6, SIZES["vocab_size"], 0, "cpu")
     right, right_reference = generate("on", prompts)
-    rows_from = ext_mla._rope_rows_from
+    rows_from = ext_mla._step_rotary_embedding
     # Every step rotated as if it started at position 0 (what megatron-core's fused path would do).
     monkeypatch.setattr(
-        ext_mla, "_rope_rows_from", lambda rotary, offset, length: rows_from(rotary, 0, length)
+        ext_mla, "_step_rotary_embedding", lambda rotary, offset, *rest: rows_from(rotary, 0, *rest)
     )
     wrong, wrong_reference = generate("on", prompts)
     errors = {

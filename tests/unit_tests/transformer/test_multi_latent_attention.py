@@ -3,9 +3,11 @@
 """ExtMLASelfAttention: megatron-core's MLA with megatron_ext's RoPE kernels, nothing else."""
 
 import contextlib
+import threading
 import types
 
 import mla_rope_reference
+import numpy as np
 import pytest
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -138,9 +140,17 @@ def ext_rope_applied():
 
 def test_override_is_minimal():
     def methods(cls):
-        return {k for k, v in vars(cls).items() if callable(v) and not k.startswith("__")}
+        return {
+            k
+            for k, v in vars(cls).items()
+            if (callable(v) or isinstance(v, property)) and not k.startswith("__")
+        }
 
-    assert methods(ext_mla._ContiguousLoadRopeMixin) == {"get_query_key_value_tensors"}
+    # rotary_pos_emb: megatron-core's submodule, seen by a static-batching step as its own rows.
+    assert methods(ext_mla._ContiguousLoadRopeMixin) == {
+        "get_query_key_value_tensors",
+        "rotary_pos_emb",
+    }
     assert methods(ExtMLASelfAttention) == set()
     assert issubclass(ExtMLASelfAttention, mcore_mla.MLASelfAttention)
     fused = getattr(mcore_mla, "FusedMLASelfAttention", None)
@@ -395,28 +405,126 @@ def test_static_inference_matches_megatron_core_unfused_path(rope_spies, cpu_cur
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_static_inference_refusals(rope_spies, cpu_current_device):
+def test_static_inference_refusals(rope_spies, cpu_current_device, monkeypatch):
+    """Each refused before any projection runs (so before any RoPE kernel)."""
     _, ext = build_pair(make_config("cpu"))
     hidden, _ = make_inputs(make_config("cpu"), "sbhd", seq=4)
+    projections = []
+    ext.linear_kv_down_proj.register_forward_pre_hook(lambda *_: projections.append(1))
     dynamic = types.SimpleNamespace(is_static_batching=lambda: False)
     thd = PackedSeqParams(qkv_format="thd")
     context = static_context(max_sequence_length=8)
+
+    def refused(error, match, *args, inference_context=context, **kwargs):
+        with pytest.raises(error, match=match):
+            ext.get_query_key_value_tensors(
+                *(args or (hidden,)), inference_context=inference_context, **kwargs
+            )
+
     with ext_rope_applied(), torch.no_grad():
-        with pytest.raises(ValueError, match="static-batching inference .* only"):
-            ext.get_query_key_value_tensors(hidden, inference_context=dynamic)
-        with pytest.raises(ValueError, match="qkv_format='thd'"):
-            ext.get_query_key_value_tensors(hidden, None, None, thd, inference_context=context)
-        context.sequence_len_offset = torch.tensor(2)
-        with pytest.raises(TypeError, match="non-negative int"):
-            ext.get_query_key_value_tensors(hidden, inference_context=context)
+        refused(ValueError, "static-batching inference .* only", inference_context=dynamic)
+        for bad, name in ((object(), "object"), ({}, "dict")):
+            refused(
+                TypeError,
+                f"inference_context must be .*inference context.*got {name}",
+                inference_context=bad,
+            )
+        refused(ValueError, "qkv_format='thd'", hidden, None, None, thd)
+        for bad in (torch.tensor(2), 2.0, None, True):
+            context.sequence_len_offset = bad
+            refused(TypeError, r"sequence_len_offset must be a host int")
+        context.sequence_len_offset = -1
+        refused(ValueError, r"sequence_len_offset must be >= 0, got -1")
         context.sequence_len_offset = 5
-        with pytest.raises(ValueError, match="positions 5..8, past the context's max_sequence"):
-            ext.get_query_key_value_tensors(hidden, inference_context=context)
-        assert "get_cached_cos_sin" not in vars(ext.rotary_pos_emb)
-        # The deprecated keyword reaches the same path.
+        refused(ValueError, "positions 5..8, past the context's max_sequence")
         context.sequence_len_offset = 4
+        context.max_sequence_length = "8"
+        refused(TypeError, r"max_sequence_length must be a host int .*got str \('8'\)")
+        context.max_sequence_length = 8
+        refused(TypeError, r"hidden_states must be a 3-D tensor .*shape \(4, 64\)", hidden[:, 0])
+        with monkeypatch.context() as patch:
+            cp = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+            patch.setattr(ext, "pg_collection", types.SimpleNamespace(cp=cp))
+            refused(ValueError, r"context parallelism \(2 ranks\)")
+        assert projections == [] and rope_spies["ext"] == []
+        assert "get_cached_cos_sin" not in vars(ext.rotary_pos_emb)
+        # The deprecated keyword reaches the same path; numpy ints are host ints.
+        context.sequence_len_offset = np.int64(4)
         ext.get_query_key_value_tensors(hidden, inference_params=context)
     assert rope_spies["ext"] == ["q", "kv"]
+
+
+def test_static_decode_with_packed_sbhd_params_at_an_offset(rope_spies, cpu_current_device):
+    """A packed sbhd ``max_seqlen`` bounds the batch's sequence lengths, not a decode step's
+    positions: megatron-core's unfused path computes a row at offset 4 of 16, and so does the
+    fused one (it was refused as "positions 4..19")."""
+    _, fused = build_pair(make_config("cpu"))
+    unfused, _ = build_pair(make_config("cpu", apply_rope_fusion=False))
+    hidden, _ = make_inputs(make_config("cpu"), "sbhd", seq=16)
+    params = PackedSeqParams(qkv_format="sbhd", max_seqlen_q=16, max_seqlen_kv=16)
+    for offset in (4, 15):
+        context = static_context(max_sequence_length=16, batch=hidden.shape[1])
+        context.sequence_len_offset = offset
+        row = hidden[offset : offset + 1]
+        with torch.no_grad():
+            want = unfused.get_query_key_value_tensors(row, None, None, params, context)[:3]
+            with ext_rope_applied():
+                got = fused.get_query_key_value_tensors(row, None, None, params, context)[:3]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert rope_spies["ext"] == ["q", "kv"] * 2
+
+
+def test_threads_sharing_a_module_each_rotate_from_their_own_context(
+    rope_spies, cpu_current_device
+):
+    """Two threads, each with its own StaticInferenceContext (offsets 3 and 40), run one module
+    many times: every output is bitwise the single-threaded one, and the module's state (its
+    rotary embedding's attributes and megatron-core's cos/sin cache) never changes."""
+    _, ext = build_pair(make_config("cpu"))
+    hidden, _ = make_inputs(make_config("cpu"), "sbhd", seq=48)
+    offsets, steps, rows = (3, 40), 150, 2
+    contexts = {}
+    for offset in offsets:
+        contexts[offset] = static_context(max_sequence_length=64, batch=hidden.shape[1])
+        contexts[offset].sequence_len_offset = offset
+
+    def step(offset):
+        with torch.no_grad():  # grad mode is per thread
+            out = ext.get_query_key_value_tensors(
+                hidden[offset : offset + rows], inference_context=contexts[offset]
+            )
+        return [t.clone() for t in out[:3]]
+
+    errors, mismatches = [], []
+
+    def worker(offset, start):
+        try:
+            start.wait()
+            for _ in range(steps):
+                got = step(offset)
+                if not all(torch.equal(a, b) for a, b in zip(got, expected[offset])):
+                    mismatches.append(offset)
+        except Exception as error:  # noqa: BLE001 (reported below, with its thread)
+            errors.append((offset, repr(error)))
+
+    rotary = ext.rotary_pos_emb
+    with ext_rope_applied():
+        expected = {offset: step(offset) for offset in offsets}
+        assert not torch.equal(expected[3][0], step(40)[0])
+        state = dict(vars(rotary))
+        cache = (rotary.cos_cached, rotary.sin_cached)
+        start = threading.Barrier(len(offsets))
+        threads = [threading.Thread(target=worker, args=(o, start)) for o in offsets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == [] and mismatches == [], (errors, mismatches[:5])
+    assert len(rope_spies["ext"]) == 2 * (len(offsets) * (steps + 1) + 1)
+    assert dict(vars(rotary)) == state
+    assert rotary.cos_cached is cache[0] and rotary.sin_cached is cache[1]
+    assert ext.rotary_pos_emb is rotary
 
 
 @pytest.fixture

@@ -52,6 +52,20 @@ class DeviceCountsMHAMetadataMixin:
         self._update_graph: Optional["torch.cuda.CUDAGraph"] = None
         self._reset_graph: Optional["torch.cuda.CUDAGraph"] = None
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # A weak reference does not pickle: the context goes in as itself (pickle keeps it one
+        # object with the context that owns this), and the graphs, which do not pickle either,
+        # are recaptured on first use.
+        state = self.__dict__.copy()
+        state["_context_ref"] = self._context_ref() if self._context_ref is not None else None
+        state["_update_graph"] = state["_reset_graph"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        context = state.pop("_context_ref")
+        self.__dict__.update(state)
+        self._context_ref = weakref.ref(context) if context is not None else None
+
     def bind_context(self, context: Any) -> None:
         """Read decode steps' rows from ``context`` (held weakly: the context owns this object).
 

@@ -15,6 +15,7 @@ import random
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.inference.inference_request import DynamicInferenceRequest
@@ -252,6 +253,16 @@ class RandomDriver:
         return counts
 
 
+def finish_every_request(ctx, keep=()) -> None:
+    """One step that finishes every active request except those in ``keep``."""
+    ctx.initialize_attention_state()
+    paused, total = ctx.paused_request_count, ctx.total_request_count
+    ids = _as_list(ctx.request_ids[paused:total])
+    device = ctx.request_ids.device
+    mask = torch.tensor([int(rid in keep) for rid in ids], dtype=torch.uint8, device=device)
+    ctx.update_requests(mask, torch.zeros(len(ids), dtype=torch.int64, device=device))
+
+
 def run_random(ctx, steps: int, seed: int, **driver_kwargs) -> Dict[str, int]:
     driver = RandomDriver(ctx, seed, **driver_kwargs)
     driver.arrive(6)
@@ -411,6 +422,7 @@ def test_duplicate_request_id_is_refused():
     with pytest.raises(ValueError, match="request id 3 is already in the context"):
         ctx.add_request(make_request(3, 2, rng))
     assert ctx.total_request_count == 1  # refused before megatron-core added a row
+    finish_every_request(ctx)
     ctx.release_request_sampling_state([3])
     ctx.add_request(make_request(3, 2, rng))  # an id that left the context may come back
 
@@ -445,14 +457,19 @@ def test_sampling_requirements_track_requests():
     assert ctx.sampling_requirements() == SamplingRequirements(
         sample=True, top_k_cap=8, top_p=True, log_probs=True, greedy=True, max_top_k=5
     )
-    ctx.release_request_sampling_state([2])
+    # A request still in the context keeps its features, the chunked-prefill one too.
+    ctx.chunked_prefill_request_id = 1
+    for held in ([2], [1], [7, 0]):
+        with pytest.raises(ValueError, match=r"still in the context"):
+            ctx.release_request_sampling_state(held)
+    ctx._release_finished_requests([1])  # a step never finishes the chunked-prefill request
+    ctx.chunked_prefill_request_id = -1
+    assert ctx.sampling_requirements().top_k_cap == 8
+    finish_every_request(ctx, keep=[0, 1])
+    ctx.release_request_sampling_state([2, 9])  # 9: unknown ids are ignored
     assert ctx.sampling_requirements() == SamplingRequirements(
         sample=True, top_k_cap=8, greedy=True, max_top_k=5
     )
-    # The chunked-prefill request stays in the context, so it is not released.
-    ctx.chunked_prefill_request_id = 1
-    ctx.release_request_sampling_state([1])
-    assert ctx.sampling_requirements().top_k_cap == 8
     ctx.reset()
     assert ctx.sampling_requirements() == SamplingRequirements()
 
@@ -893,3 +910,182 @@ def test_the_context_class_of_the_installed_megatron_core_line():
     cls = dynamic_context.StaticSlicesInferenceContext
     assert cls.__module__ == f"megatron_ext.inference.contexts.dynamic_context_{line}"
     assert f"megatron_ext.inference.contexts.dynamic_context_{other}" not in sys.modules
+
+
+def _state(ctx) -> Tuple:
+    """What add_request changes: counts, KV blocks, the request ids and the sampling record."""
+    allocator = getattr(ctx, "kv_block_allocator", None) or ctx.block_allocator
+    return (
+        ctx.total_request_count,
+        ctx.active_token_count,
+        allocator.total_avail,
+        _as_list(ctx.request_ids),
+        len(ctx._sampling_registry),
+        ctx.sampling_requirements(),
+    )
+
+
+# (what to change in a good request, exception, what the message must say). Each used to reach
+# megatron-core's add_request, which converts the values only after it has allocated the
+# request's KV blocks and written its id (an int32 overflow then left a half-added request),
+# or to be recorded and sampled as token 0 (a temperature whose reciprocal overflows).
+BAD_REQUESTS = {
+    "temperature_1e-40": (dict(temperature=1e-40, top_k=0), ValueError, "too small to sample"),
+    "temperature_1e-50_top_p": (
+        dict(temperature=1e-50, top_k=0, top_p=0.5),
+        ValueError,
+        "too small to sample",
+    ),
+    "temperature_str": (dict(temperature="1.0"), TypeError, r"temperature .*got str \('1.0'\)"),
+    "temperature_none": (dict(temperature=None), TypeError, "temperature .*got NoneType"),
+    "top_k_none": (dict(top_k=None), TypeError, "top_k must be an int, got NoneType"),
+    "top_k_2**31": (dict(top_k=2**31), ValueError, r"top_k \(2147483648\)"),
+    "top_k_and_top_p": (dict(top_k=5, top_p=0.9), ValueError, "cannot both be greater"),
+    "top_k_above_vocab": (dict(top_k=65), ValueError, r"top_k \(65\) is larger"),
+    "termination_id_2**63": (dict(termination_id=2**63), ValueError, r"termination_id \(9223"),
+    "top_n_logprobs_2**31": (
+        dict(top_n_logprobs=2**31, return_log_probs=True),
+        ValueError,
+        r"top_n_logprobs \(2147483648\)",
+    ),
+    "return_log_probs_str": (dict(return_log_probs="no"), TypeError, "return_log_probs .*bool"),
+    "num_tokens_none": (dict(num_tokens_to_generate=None), TypeError, "num_tokens_to_generate"),
+    "num_tokens_2**31": (dict(num_tokens_to_generate=2**31), ValueError, "num_tokens_to_generate"),
+}
+BAD_IDS = {
+    "id_2**31": (2**31, ValueError, r"request_id \(2147483648\) must be in \[0, 2147483647\]"),
+    "id_2**63": (2**63, ValueError, r"request_id \(9223372036854775808\) must be in"),
+    "id_negative": (-1, ValueError, r"request_id \(-1\) must be in"),
+    "id_bool": (True, TypeError, "request_id must be an int, got bool"),
+    "id_str": ("3", TypeError, r"request_id must be an int, got str \('3'\)"),
+    "id_float": (3.0, TypeError, "request_id must be an int, got float"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS) + list(BAD_IDS))
+def test_bad_requests_are_refused_before_anything_changes(case):
+    ctx = make_context()
+    rng = random.Random(0)
+    ctx.add_request(make_request(0, 3, rng))
+    before = _state(ctx)
+    if case in BAD_IDS:
+        request_id, error, match = BAD_IDS[case]
+        request = make_request(1, 3, rng)
+        request.request_id = request_id
+    else:
+        sampling, error, match = BAD_REQUESTS[case]
+        request = make_request(1, 3, rng)
+        for field, value in sampling.items():
+            setattr(request.sampling_params, field, value)
+    with pytest.raises(error, match=match):
+        ctx.add_request(request)
+    assert _state(ctx) == before
+    ctx.add_request(make_request(2, 3, rng))  # the context still works
+
+
+@pytest.mark.parametrize(
+    "tokens,error,match",
+    [
+        (lambda: torch.tensor([3.7, 1.2]), TypeError, "1-D integer tensor .*float32"),
+        (lambda: torch.tensor([[3, 1]]), TypeError, "1-D integer tensor .*2-D"),
+        (lambda: [3, 1], TypeError, "1-D integer tensor .*got list"),
+        (lambda: torch.tensor([], dtype=torch.int64), ValueError, "has no prompt tokens"),
+    ],
+    ids=["float", "2-D", "list", "empty"],
+)
+def test_bad_prompt_tokens_are_refused_before_anything_changes(tokens, error, match):
+    """megatron-core casts floating ids to integers, or asserts on an empty chunk."""
+    ctx = make_context()
+    before = _state(ctx)
+    request = make_request(0, 3, random.Random(0))
+    request.remaining_prompt_tokens = tokens()
+    with pytest.raises(error, match=match):
+        ctx.add_request(request)
+    assert _state(ctx) == before
+
+
+@pytest.mark.parametrize(
+    "chunk,error,match",
+    [
+        (0, ValueError, r"chunk_length \(0\) must be in \[1, 3\]"),
+        (4, ValueError, r"chunk_length \(4\) must be in \[1, 3\]"),
+        (True, TypeError, "chunk_length must be an int"),
+        (1.5, TypeError, "chunk_length must be an int"),
+    ],
+)
+def test_bad_chunk_lengths_are_refused_before_anything_changes(chunk, error, match):
+    ctx = make_context()
+    before = _state(ctx)
+    request = make_request(0, 3, random.Random(0))
+    with pytest.raises(error, match=match):
+        ctx.add_request(request, chunk)
+    assert _state(ctx) == before
+
+
+def test_numpy_ids_and_parameters_are_accepted():
+    ctx = make_context()
+    request = make_request(0, 3, random.Random(0), top_k=np.int64(5), temperature=np.float32(0.5))
+    request.request_id = np.int64(7)
+    ctx.add_request(request)
+    assert _as_list(ctx.request_ids[:1]) == [7] and 7 in ctx._sampling_registry
+
+
+@pytest.mark.parametrize(
+    "ids,error,match",
+    [
+        ([True], TypeError, r"request_ids\[0\] must be an int, got bool"),
+        ([4, np.bool_(True)], TypeError, r"request_ids\[1\] must be an int, got bool"),
+        ([1.0], TypeError, r"request_ids\[0\] must be an int, got float \(1.0\)"),
+        (1, TypeError, "request_ids must be an iterable of ints, got int"),
+        ("1", TypeError, "request_ids must be an iterable of ints, got str"),
+        ([1], ValueError, r"request ids \[1\] are still in the context"),
+    ],
+)
+def test_release_refuses_bools_and_requests_still_held(ids, error, match):
+    """``[True]`` used to release id 1, and a request still in the context could be released
+    (its features then missing from the plan)."""
+    ctx = make_context()
+    rng = random.Random(0)
+    for request_id in range(3):
+        ctx.add_request(make_request(request_id, 3, rng, top_k=5 if request_id == 1 else 1))
+    before = ctx.sampling_requirements()
+    with pytest.raises(error, match=match):
+        ctx.release_request_sampling_state(ids)
+    assert ctx.sampling_requirements() == before and len(ctx._sampling_registry) == 3
+
+
+def test_a_context_pickles_and_its_copy_keeps_its_requests():
+    """As megatron-core's context does (0.16's failed on its attention metadata's weak
+    reference). pickle copies views apart from the tensors they view, so the copy links its
+    slices to its own buffers again; its slices then are the original's, step after step.
+    (On 0.19 megatron-core's own ContextGPUView is views of one buffer, which its pickled copy
+    loses: there only the extension's slices are compared.)"""
+    import pickle
+
+    ctx = make_context()
+    run_random(ctx, steps=12, seed=6)
+    copy = pickle.loads(pickle.dumps(ctx))
+    assert copy.sampling_requirements() == ctx.sampling_requirements()
+
+    def slices(each):
+        each.initialize_attention_state()
+        each.publish_active_slices()
+        device = each.device_active_slices
+        views = {name: _as_list(getattr(device, name)) for name in NEUTRAL_REQUEST}
+        views.update({label: _as_list(t) for label, t in device.metadata.items()})
+        return views
+
+    for _ in range(3):
+        assert slices(copy) == slices(ctx)
+        if not UPSTREAM_HAS_ACTIVE_SLICES:
+            assert check_active_slices(copy) == check_active_slices(ctx)
+        for each in (ctx, copy):
+            active = each.total_request_count - each.paused_request_count
+            device = each.request_ids.device
+            each.update_requests(
+                torch.ones(active, dtype=torch.uint8, device=device),
+                torch.arange(active, device=device),
+            )
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        storage = copy._ext_host.buffer.untyped_storage().data_ptr()
+        assert copy.active_request_ids.untyped_storage().data_ptr() == storage

@@ -17,3 +17,18 @@ def test_packed_buffer_views_are_aligned_and_disjoint():
     packed["a"].fill_(True)
     assert packed["b"].tolist() == [-1, -1] and packed["a"].all()
     assert packed["c"].tolist() == [2.5] * 5
+
+
+def test_a_pickled_copy_views_its_own_buffer():
+    """pickle copies views apart from the tensor they view; the copy's views are its buffer's."""
+    import pickle
+
+    packed = PackedBuffer([("a", torch.int64, 3), ("b", torch.uint8, 5)], torch.device("cpu"))
+    packed["a"].copy_(torch.tensor([7, 8, 9]))
+    copy = pickle.loads(pickle.dumps(packed))
+    assert copy["a"].tolist() == [7, 8, 9]
+    copy["b"].fill_(4)
+    copy["a"][0] = -1
+    assert copy.buffer.view(torch.uint8)[24:29].tolist() == [4] * 5
+    assert copy.buffer[:8].view(torch.int64).tolist() == [-1]
+    assert packed["a"].tolist() == [7, 8, 9]  # the original is untouched

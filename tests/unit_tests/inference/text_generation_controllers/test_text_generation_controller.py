@@ -9,10 +9,11 @@ sampling rules are checked directly. The ``gpu`` tests capture the region in CUD
 check every replay bit for bit against eager execution, and that the region never synchronises.
 """
 
+import contextlib
 import logging
 import random
 from types import SimpleNamespace
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
+import megatron_ext.inference as inference_switch
 from megatron_ext.fusions.fused_top_k_sampling import sample_top_k_candidates
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.inference.text_generation_controllers import (
@@ -506,6 +508,15 @@ def test_rejects_bad_arguments():
         controller.run_graph_safe_step(4, None, use_cuda_graph=False)
     with pytest.raises(ValueError):
         controller.stage_logits(torch.zeros(2, 3))
+    # A plan the region cannot build fails before any launch (it used to reach torch.topk).
+    for bad, error, match in (
+        (SamplingPlan(sample=True, top_k_cap=-3), ValueError, r"plan.top_k_cap \(-3\)"),
+        (SamplingPlan(sample=True, top_k_cap=VOCAB + 1), ValueError, r"must be in \[0, 64\]"),
+        (SamplingPlan(sample=True, top_k_cap=2.0), TypeError, "plan.top_k_cap must be an int"),
+        (SamplingPlan(sample="yes"), TypeError, "plan.sample must be a bool"),
+    ):
+        with pytest.raises(error, match=match):
+            controller.run_graph_safe_step(4, bad, use_cuda_graph=False)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError):
             controller.run_graph_safe_step(4, plan, use_cuda_graph=True)
@@ -597,9 +608,10 @@ def test_the_fused_candidate_draw_uses_the_torch_paths_draws():
     owner._exponential_race = (
         lambda probs: controller_base.StaticSlicesControllerBase._exponential_race(owner, probs)
     )
-    torch_tokens = controller_base.StaticSlicesControllerBase._sample_top_k_candidates(
+    torch_tokens, row_max = controller_base.StaticSlicesControllerBase._sample_top_k_candidates(
         owner, logits, temperature, top_k, cap
     )
+    assert torch.equal(row_max, logits.amax(-1))
     values, indices = torch.topk(logits, cap, dim=-1)
     noise = torch.empty(rows, cap).exponential_(1.0, generator=torch.Generator().manual_seed(123))
     device = _device()
@@ -767,36 +779,359 @@ SAMPLING_EDGES = {
     "temperature_zero_sampling": dict(top_k=5, temperature=0.0),
     "temperature_zero_greedy": dict(top_k=1, temperature=0.0),
     "temperature_tiny": dict(top_k=5, temperature=1e-3),
+    # Subnormal or 0 in the float32 metadata: stock's softmax is NaN and multinomial raises;
+    # the extension used to sample token 0 every time.
+    "temperature_1e-40": dict(top_k=0, temperature=1e-40),
+    "temperature_1e-50_top_p": dict(top_k=0, top_p=0.5, temperature=1e-50),
 }
 
 
+def sample_with_the_region_every_step(controller) -> None:
+    """Make the region sample every step, run eagerly on CPU in place of its graph (on 0.19 a
+    step samples with the region only when it is graphed)."""
+    controller.use_cuda_graphs = True
+    original = controller.run_graph_safe_step
+    controller.run_graph_safe_step = lambda rows, plan, use_cuda_graph=None: original(
+        rows, plan, use_cuda_graph=False
+    )
+
+
+@contextlib.contextmanager
+def inference_flag():
+    """The inference flag's patches of megatron-core (its engine fails single requests)."""
+    inference_switch.enable_static_active_slices()
+    try:
+        yield
+    finally:
+        inference_switch.disable_static_active_slices()
+
+
+def add_to_engine(engine, requests: Dict[int, Tuple[List[int], SamplingParams]]) -> None:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, list(prompt), params)
+
+
+def run_engine_records(engine, requests: Dict[int, Tuple[List[int], SamplingParams]]):
+    """Add the requests (id -> prompt, params), step until all are done; every request's merged
+    record by id."""
+    add_to_engine(engine, requests)
+    return step_until_done(engine, set(requests))
+
+
+def step_until_done(engine, request_ids) -> Dict[int, Any]:
+    records = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests() and set(records) >= request_ids:
+            break
+        result = engine.step_modern()
+        for record in result["finished_request_records"]:
+            request = record.merge() if hasattr(record, "merge") else record
+            records[request.request_id] = request
+    assert set(records) == request_ids, "the engine did not finish every request"
+    return records
+
+
+def failure_reason(request) -> str:
+    """The message of the request's non-transient error event (it must have exactly one)."""
+    from megatron.core.inference.inference_request import DynamicInferenceEventType, Status
+
+    assert request.status == Status.FAILED, request.status
+    errors = [
+        e.payload for e in request.events if e.type == DynamicInferenceEventType.ERROR_NONTRANSIENT
+    ]
+    assert len(errors) == 1, request.events
+    assert errors[0].request_id == request.request_id and not errors[0].is_transient
+    return errors[0].message
+
+
+def completed(request) -> bool:
+    from megatron.core.inference.inference_request import Status
+
+    return request.status == Status.COMPLETED
+
+
 def _outcome(extension: bool, sampling: Dict):
-    requests = random_requests(3, seed=41)
+    """Stock: the exception its engine raised, or None. The extension (flag applied): request
+    1's failure reason, or None when it completed; the others must complete either way."""
+    requests = dict(enumerate(random_requests(3, seed=41)))
     prompt, _ = requests[1]
     requests[1] = (prompt, SamplingParams(num_tokens_to_generate=4, termination_id=-1, **sampling))
-    stack = make_stack(extension=extension)
-    if extension:
-        controller = stack.controller
-        controller.use_cuda_graphs = True
-        original = controller.run_graph_safe_step
-        # The region samples every step (eagerly on CPU, in place of its graph).
-        controller.run_graph_safe_step = lambda rows, plan, use_cuda_graph=None: original(
-            rows, plan, use_cuda_graph=False
-        )
-    try:
-        run_engine(build_engine(stack), requests)
-    except Exception as error:  # noqa: BLE001 (the comparison is about whether and how)
-        return error
-    return None
+    if not extension:
+        try:
+            run_engine_records(build_engine(make_stack(extension=False)), requests)
+        except Exception as error:  # noqa: BLE001 (the comparison is about whether and how)
+            return error
+        return None
+    with inference_flag():
+        stack = make_stack()
+        sample_with_the_region_every_step(stack.controller)
+        records = run_engine_records(build_engine(stack), requests)
+    assert completed(records[0]) and completed(records[2])
+    return None if completed(records[1]) else failure_reason(records[1])
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_EDGES))
 def test_sampling_inputs_refused_exactly_where_megatron_core_refuses_them(case):
+    """Where stock raises (every later step of its engine raising too), the extension's engine
+    fails that request alone when it is added, with the reason; where stock generates, the
+    extension generates."""
     stock = _outcome(False, SAMPLING_EDGES[case])
     ours = _outcome(True, SAMPLING_EDGES[case])
     if stock is None:
-        assert ours is None, f"stock generates, megatron_ext raised {ours!r}"
+        assert ours is None, f"stock generates, megatron_ext failed the request: {ours}"
         return
     assert ours is not None, f"stock raised {stock!r}, megatron_ext generated"
-    assert isinstance(ours, (ValueError, TypeError)), repr(ours)
-    assert "top_k" in str(ours) or "top_p" in str(ours) or "temperature" in str(ours), ours
+    assert ours.startswith(("ValueError", "TypeError")), ours
+    assert "top_k" in ours or "top_p" in ours or "temperature" in ours, ours
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: torch.randn(1, 3, 0), ValueError, "logits have 0 columns, the model's vocab"),
+        (lambda: torch.randn(1, 3, VOCAB + 1), ValueError, f"{VOCAB + 1} columns"),
+        (lambda: torch.randn(1, 3, VOCAB - 1), ValueError, f"{VOCAB - 1} columns"),
+        (lambda: torch.ones(1, 3, VOCAB, dtype=torch.bool), TypeError, "floating point"),
+        (lambda: torch.ones(1, 3, VOCAB, dtype=torch.complex64), TypeError, "floating point"),
+        (lambda: torch.ones(1, 3, VOCAB, dtype=torch.int64), TypeError, "floating point"),
+        (lambda: torch.empty(1, 3, VOCAB, device="meta"), ValueError, "logits are on meta"),
+        (None, ValueError, "alias the controller's logits_buffer"),
+    ],
+    ids=["width_0", "width_plus_1", "width_minus_1", "bool", "complex", "int64", "meta", "alias"],
+)
+def test_stage_logits_refuses_bad_logits_before_writing(make, error, match):
+    """A [1, 3, 0] tensor used to reallocate the buffer to width 0 (then "top_k (1) is larger
+    than the vocabulary (0)"); one column more or fewer and int64 logits were accepted, bool and
+    complex ones reached torch's argmax error."""
+    stack = make_stack(max_requests=8)
+    add_requests(stack, [dict(top_k=1)] * 3)
+    controller = stack.controller
+    prepare_region(stack, torch.randn(3, VOCAB, device=_device()))
+    buffer = controller.logits_buffer
+    before = buffer.clone()
+    logits = controller.logits_buffer[:3].unsqueeze(0) if make is None else make()
+    if make is not None and logits.device.type != "meta":
+        logits = logits.to(_device())
+    with pytest.raises(error, match=match):
+        controller.stage_logits(logits)
+    assert controller.logits_buffer is buffer and torch.equal(buffer, before)
+    good = torch.randn(1, 3, VOCAB, device=_device())
+    controller.stage_logits(good)
+    assert torch.equal(controller.logits_buffer[:3], good[0])
+
+
+# Rows whose scores are not finite, and the code the region gives each. Row 4's request has a
+# temperature at the float32 edge (allowed: 1 / t is finite) that overflows logits near 10.
+_POISONED_ROWS = {1: "nan", 2: "inf", 3: "all_neg_inf", 4: "overflow"}
+
+
+def _poisoned_logits(rows: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, VOCAB, generator=gen) * 2 + 8
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    logits[5, :10] = float("-inf")  # a masked vocabulary is finite
+    return logits.to(_device())
+
+
+_NON_FINITE_PLANS = {
+    "greedy": dict(top_k=1),
+    "top_k": dict(top_k=4, temperature=0.8),
+    "top_p": dict(top_k=0, top_p=0.9),
+    "whole_vocab": dict(top_k=0, temperature=1.3),
+    "mixed": None,
+}
+
+
+def _non_finite_requests(mode: str) -> List[Dict]:
+    if mode == "mixed":
+        params = [dict(top_k=1), dict(top_k=4), dict(top_k=0, top_p=0.5), dict(top_k=0)] * 2
+        params = params[:6]
+    else:
+        params = [dict(_NON_FINITE_PLANS[mode]) for _ in range(6)]
+    params[4]["temperature"] = 1e-38
+    return params
+
+
+def _expected_codes(params: List[Dict]) -> List[int]:
+    codes = [0] * len(params)
+    for row, kind in _POISONED_ROWS.items():
+        if kind == "overflow":
+            codes[row] = 0 if params[row]["top_k"] == 1 else 1  # greedy rows are not scaled
+        else:
+            codes[row] = 2
+    return codes
+
+
+@pytest.mark.parametrize("mode", list(_NON_FINITE_PLANS))
+def test_the_region_reports_rows_whose_scores_are_not_finite(mode):
+    """A NaN, a +inf or an all -inf row, or logits / temperature overflowing, used to be sampled
+    as a plausible token (usually 0). The region gives each row a code, read with the outputs'
+    one copy; the finite rows sample as before."""
+    params = _non_finite_requests(mode)
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    controller = stack.controller
+    logits = _poisoned_logits(len(params))
+    prepare_region(stack, logits)
+    host = controller.run_sampling_step()
+    expected = _expected_codes(params)
+    assert host["non_finite"][: len(params)].tolist() == expected
+    failed = controller.non_finite_requests(host, len(params))
+    reasons = controller_base.NON_FINITE_REASONS
+    assert failed == {row: reasons[code] for row, code in enumerate(expected) if code}
+    for row in (0, 5):
+        token = int(host["tokens"][row])
+        assert bool(torch.isfinite(logits[row, token])), (row, token)
+        if params[row]["top_k"] == 1:
+            assert token == int(logits[row].argmax())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(_NON_FINITE_PLANS))
+def test_gpu_graph_replay_reports_rows_whose_scores_are_not_finite(mode):
+    """The graphed region cannot raise: its replays give the rows the same codes as an eager
+    run, with every output bitwise equal, and the host reads them from its one copy."""
+    params = _non_finite_requests(mode)
+    stack = make_stack(max_requests=16)
+    add_requests(stack, params)
+    controller = stack.controller
+    logits = _poisoned_logits(len(params))
+    rows = prepare_region(stack, logits)
+    plan = controller.sampling_plan()
+    state = controller.sampling_rng.get_state()
+    controller.run_graph_safe_step(rows, plan, use_cuda_graph=False)
+    eager = {k: v[:rows].clone() for k, v in controller.step_outputs.items() if v.numel() > 1}
+    expected = _expected_codes(params)
+    reasons = controller_base.NON_FINITE_REASONS
+    for _ in range(3):  # the capture, then replays
+        controller.sampling_rng.set_state(state)
+        controller.run_graph_safe_step(rows, plan, use_cuda_graph=True)
+        host = controller.fetch_step_outputs()
+        for key, value in eager.items():
+            if key == "log_probs" and not plan.log_probs:
+                continue
+            assert torch.equal(value.cpu(), host[key][:rows]), key
+        assert host["non_finite"][: len(params)].tolist() == expected
+        failed = controller.non_finite_requests(host, len(params))
+        assert failed == {row: reasons[code] for row, code in enumerate(expected) if code}
+    assert list(controller._graphs) == [(rows, plan)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["greedy", "top_k"])
+def test_gpu_engine_with_graphed_sampling_fails_a_non_finite_request_alone(mode):
+    """As test_engine_fails_a_request_whose_logits_are_not_finite_alone, with the region
+    replayed from its CUDA graphs (the fused candidate draw in the top-k plan)."""
+    mark = VOCAB - 1
+    sampling = {"greedy": dict(top_k=1), "top_k": dict(top_k=4)}[mode]
+    requests = dict(enumerate(random_requests(8, seed=45, **sampling)))
+    prompt, params = requests[5]
+    requests[5] = ([*prompt, mark], params)
+    with inference_flag():
+        stack = make_stack()
+        _poison(stack, "nan", mark)
+        assert stack.controller.use_cuda_graphs
+        records = run_engine_records(build_engine(stack), requests)
+    assert stack.controller._graphs, "the region was not replayed from a graph"
+    assert "logits row is not finite" in failure_reason(records[5])
+    assert records[5].generated_tokens == []
+    assert all(completed(records[k]) for k in requests if k != 5)
+
+
+def _poison(stack, kind: str, mark: int) -> None:
+    """Logits of rows whose input token is ``mark`` become ``kind``; no row ever samples
+    ``mark`` (its column is -inf)."""
+    wrapper = stack.controller.inference_wrapped_model
+    real = wrapper.logits_fn
+
+    def poisoned(input_ids, position_ids):
+        logits = real(input_ids, position_ids).clone()
+        logits[:, mark] = float("-inf")
+        rows = input_ids.reshape(-1) == mark
+        if kind == "nan":
+            logits[rows, 3] = float("nan")
+        elif kind == "inf":
+            logits[rows, 3] = float("inf")
+        else:
+            logits[rows] = float("-inf")
+        return logits
+
+    wrapper.logits_fn = poisoned
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "all_neg_inf"])
+@pytest.mark.parametrize("mode", ["greedy", "top_k", "top_p"])
+def test_engine_fails_a_request_whose_logits_are_not_finite_alone(mode, kind):
+    """Through megatron-core's engine: the request fails alone, with the reason and no token,
+    and the requests beside it finish as they do without it."""
+    mark = VOCAB - 1  # random_requests' prompts never hold it
+    sampling = {"greedy": dict(top_k=1), "top_k": dict(top_k=4), "top_p": dict(top_k=0, top_p=0.9)}
+    requests = dict(enumerate(random_requests(8, seed=43, **sampling[mode])))
+    prompt, params = requests[3]
+    requests[3] = ([*prompt, mark], params)
+
+    def run(with_bad: bool):
+        stack = make_stack()
+        _poison(stack, kind, mark)
+        sample_with_the_region_every_step(stack.controller)
+        wanted = requests if with_bad else {k: v for k, v in requests.items() if k != 3}
+        return run_engine_records(build_engine(stack), wanted)
+
+    with inference_flag():
+        records = run(with_bad=True)
+        clean = run(with_bad=False)
+    assert "logits row is not finite" in failure_reason(records[3])
+    assert records[3].generated_tokens == []
+    for request_id, request in clean.items():
+        assert completed(records[request_id]), request_id
+        if mode == "greedy":  # sampled rows draw other noise beside another row
+            assert records[request_id].generated_tokens == request.generated_tokens
+    # Without the engine's patch no request can fail alone: the step refuses, naming it, before
+    # its bookkeeping changed anything.
+    stack = make_stack()
+    _poison(stack, kind, mark)
+    sample_with_the_region_every_step(stack.controller)
+    with pytest.raises(ValueError, match=r"no token can be sampled for requests 3: its logits"):
+        run_engine_records(build_engine(stack), requests)
+
+
+# Requests refused where they enter (each used to stall megatron-core's queue: every later step
+# raised on the head of it, and the requests behind it never finished).
+REFUSED_AT_ADD = {
+    "top_k_and_top_p": (dict(top_k=5, top_p=0.9), "top_k (5) and top_p (0.9)"),
+    "temperature_1e-40": (dict(top_k=0, temperature=1e-40), "temperature (1e-40) is too small"),
+    "temperature_str": (dict(top_k=0, temperature="1.0"), "temperature must be a real number"),
+    "top_k_2**31": (dict(top_k=2**31), "top_k (2147483648)"),
+    "top_k_above_vocab": (dict(top_k=VOCAB + 1), f"top_k ({VOCAB + 1}) is larger"),
+    "request_id_2**31": (None, "request_id (2147483648) must be in"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AT_ADD))
+def test_engine_fails_a_refused_request_when_it_enters_and_finishes_the_rest(case):
+    sampling, reason = REFUSED_AT_ADD[case]
+    requests = dict(enumerate(random_requests(6, seed=47)))
+    bad_id = 2
+    if sampling is None:
+        bad_id = 2**31
+        requests[bad_id] = requests.pop(2)
+    else:
+        prompt, _ = requests[2]
+        requests[2] = (prompt, SamplingParams(num_tokens_to_generate=4, **sampling))
+    with inference_flag():
+        engine = build_engine(make_stack())
+        add_to_engine(engine, requests)
+        assert bad_id not in engine.waiting_request_ids  # it never reaches the scheduler
+        records = step_until_done(engine, set(requests))
+    assert reason in failure_reason(records[bad_id])
+    assert records[bad_id].generated_tokens == []
+    good = sorted(k for k in requests if k != bad_id)
+    clean, _ = engine_outputs(True, [requests[k] for k in good])
+    for index, request_id in enumerate(good):
+        assert completed(records[request_id]), request_id
+        assert records[request_id].generated_tokens == clean[index]["generated_tokens"]

@@ -296,3 +296,46 @@ def test_the_context_builds_and_rebinds_its_metadata():
     non_graphed._update_graph = object()
     context.deallocate_all_tensors()
     assert non_graphed._update_graph is None
+
+
+def test_a_context_pickles_and_its_copy_decodes_as_the_original():
+    """megatron-core's context pickles; the extension's did not (its metadata holds the context
+    weakly). The copy's metadata is bound to the copy, and a decode step of each sets up the
+    same attention buffers."""
+    import pickle
+
+    from megatron.core.inference.inference_request import DynamicInferenceRequest
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron_ext.testing.synthetic import build_synthetic_stack
+
+    context = build_synthetic_stack(extension=True, max_requests=8, max_tokens=64).context
+    device = context.request_ids.device
+    for request_id, prompt in enumerate([[3, 4, 5], [6], [7, 8]]):
+        params = SamplingParams(num_tokens_to_generate=5, termination_id=-1)
+        tokens = torch.tensor(prompt, device=device)
+        context.add_request(
+            DynamicInferenceRequest(
+                request_id=request_id, prompt_tokens=tokens, sampling_params=params
+            )
+        )
+    context.initialize_attention_state()
+    context.update_requests(
+        torch.ones(3, dtype=torch.uint8, device=device), torch.tensor([1, 2, 3], device=device)
+    )
+    # A stand-in for a captured graph (which does not pickle): the copy recaptures.
+    context.non_graph_attn_metadata["mha_metadata"]._update_graph = object()
+
+    copy = pickle.loads(pickle.dumps(context))
+    for table in ("graph_attn_metadata", "non_graph_attn_metadata"):
+        metadata = getattr(copy, table)["mha_metadata"]
+        assert metadata._context_ref() is copy, table
+        assert metadata._update_graph is None and metadata._reset_graph is None
+    assert context.non_graph_attn_metadata["mha_metadata"]._update_graph is not None
+    assert copy.sampling_requirements() == context.sampling_requirements()
+    for ctx in (context, copy):
+        ctx.initialize_attention_state()
+        assert ctx.is_decode_only()
+    ours = _bits(context.non_graph_attn_metadata["mha_metadata"])
+    theirs = _bits(copy.non_graph_attn_metadata["mha_metadata"])
+    assert ours == theirs

@@ -1,0 +1,170 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""megatron-core's ``DynamicInferenceEngine`` failing one bad request alone (mirrors
+``megatron.core.inference.engines.dynamic_engine``).
+
+megatron-core's engine queues a request when it is added and hands it to the context when it is
+scheduled; a request the extension's context refuses there (``check_request``: top-k with
+top-p, a temperature too small to sample with, an id the context cannot store, ...) would stay
+at the head of the queue, and every later step would raise on it. And a request whose logits row
+is not finite has no distribution to sample from, which the graph-safe sampling region can only
+report (it cannot raise). While the inference flag is applied
+(:data:`megatron_ext.patches.PATCHES`, ``inference_static_active_slices``), the engine wrapped
+here:
+
+* ``_add_request``: fails a request the context refuses when it enters, as megatron-core fails a
+  request longer than the context (status ``FAILED``, a non-transient error event whose message
+  is the reason), so it never reaches the scheduler;
+* ``async_bookkeep``: takes the requests the controller reports under
+  :data:`FAILED_REQUESTS_KEY` out of the step's outputs (their rows have already left the
+  context) and fails them the same way; the others are post-processed as megatron-core does.
+
+The error is megatron-core's own ``ContextOverflowError`` (non-transient), which its request
+events serialise. Engines around megatron-core's own context are unchanged.
+"""
+
+import functools
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from megatron.core.inference.contexts.dynamic_context import ContextOverflowError
+from megatron.core.inference.inference_request import Status
+
+from megatron_ext.inference.contexts.static_slices_context_base import StaticSlicesContextBase
+
+__all__ = [
+    "FAILED_REQUESTS_KEY",
+    "checked_add_request",
+    "engine_fails_requests",
+    "failing_bookkeep",
+]
+
+# Key of the controller's step result holding {request id: reason} of requests to fail.
+FAILED_REQUESTS_KEY = "megatron_ext_failed_requests"
+
+# Marks the wrapped bookkeeping, so that a controller can tell whether the engine fails requests.
+_MARKER = "_megatron_ext_fails_requests"
+
+
+def _add_error(request: Any, reason: str) -> None:
+    """megatron-core's non-transient error event on ``request``, saying ``reason``."""
+    request_id = getattr(request, "request_id", None)
+    request.add_event_error_nontransient(
+        ContextOverflowError(request_id, reason, is_transient=False)
+    )
+
+
+def _fail(engine: Any, request_id: int, reason: str) -> None:
+    """Fail one request the engine holds: megatron-core's error event, then its own failure
+    path (0.19's ``_handle_failed_request``; 0.16 resolves ``failed_request_ids`` in its
+    bookkeeping)."""
+    request = engine.get_request(request_id)
+    _add_error(request, reason)
+    handle = getattr(engine, "_handle_failed_request", None)
+    if handle is not None:
+        handle(request_id)
+    else:
+        request.status = Status.FAILED
+        engine.failed_request_ids.append(request_id)
+
+
+def _without_requests(result: Dict[str, Any], failed: Dict[int, str]) -> Dict[str, Any]:
+    """The step result without the rows of ``failed`` (every per-row entry, in both
+    megatron-core lines' layouts), and without them among the finished requests."""
+    result = dict(result)
+    ids = result["active_request_ids"]
+    keep = [row for row, rid in enumerate(ids.tolist()) if rid not in failed]
+    index = torch.tensor(keep, dtype=torch.long)
+    for key in ("active_request_ids", "sample", "accepted_tokens"):
+        value = result.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            result[key] = value[index.to(value.device)]
+    if result.get("log_probs"):
+        result["log_probs"] = [result["log_probs"][row] for row in keep]
+    top_n = result.get("top_n_logprobs")
+    if top_n:
+        result["top_n_logprobs"] = {new: top_n[old] for new, old in enumerate(keep) if old in top_n}
+    finished = result["finished_request_ids"]
+    dropped = torch.tensor(sorted(failed), dtype=finished.dtype, device=finished.device)
+    result["finished_request_ids"] = finished[~torch.isin(finished, dropped)]
+    routing = result.get("finished_routing_block_ids")
+    if routing:
+        result["finished_routing_block_ids"] = {
+            rid: blocks for rid, blocks in routing.items() if rid not in failed
+        }
+    return result
+
+
+def _refusal(engine: Any, request: Any) -> Optional[str]:
+    """The reason the engine's context refuses ``request``, or None (also for megatron-core's
+    own context, which checks nothing here)."""
+    context = engine.context
+    if not isinstance(context, StaticSlicesContextBase):
+        return None
+    try:
+        context.check_request(request)
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def checked_add_request(original: Callable) -> Callable:
+    """``DynamicInferenceEngine._add_request`` that fails a request the context refuses.
+
+    Args:
+        original: megatron-core's ``_add_request``.
+
+    Returns:
+        Callable: the replacement.
+    """
+
+    @functools.wraps(original)
+    def _add_request(self, request: Any) -> Any:
+        reason = _refusal(self, request)
+        if reason is not None:
+            # megatron-core's own convention for a request that can never run: its
+            # _add_request routes a FAILED request to the failed ones, not the queue.
+            request.status = Status.FAILED
+            _add_error(request, reason)
+        return original(self, request)
+
+    return _add_request
+
+
+def failing_bookkeep(original: Callable) -> Callable:
+    """``DynamicInferenceEngine.async_bookkeep`` that fails the requests the controller
+    reports under :data:`FAILED_REQUESTS_KEY`.
+
+    Args:
+        original: megatron-core's ``async_bookkeep``.
+
+    Returns:
+        Callable: the replacement.
+    """
+
+    @functools.wraps(original)
+    async def async_bookkeep(self, step_result: Any, *args: Any, **kwargs: Any) -> Any:
+        failed = None
+        if isinstance(step_result, dict):
+            failed = step_result.get(FAILED_REQUESTS_KEY)
+            step_result = {k: v for k, v in step_result.items() if k != FAILED_REQUESTS_KEY}
+        if failed:
+            step_result = _without_requests(step_result, failed)
+            for request_id, reason in failed.items():
+                _fail(self, request_id, reason)
+        return await original(self, step_result, *args, **kwargs)
+
+    setattr(async_bookkeep, _MARKER, True)
+    return async_bookkeep
+
+
+def engine_fails_requests() -> bool:
+    """Whether megatron-core's engine fails the requests a controller reports (the inference
+    flag's patch is applied).
+
+    Returns:
+        bool: True while ``DynamicInferenceEngine.async_bookkeep`` is :func:`failing_bookkeep`'s.
+    """
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+
+    return bool(getattr(DynamicInferenceEngine.async_bookkeep, _MARKER, False))
