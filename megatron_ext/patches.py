@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from megatron.core.fusions import fused_mla_yarn_rope_apply as mcore_rope
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
@@ -110,9 +111,8 @@ class AttributeOf:
     owner: Any
     name: str
 
-# megatron-core's engine module is named, not imported, here: importing it pulls in the whole
-# inference stack, which `import megatron_ext` must not pay for; the patch imports it when applied.
-_MCORE_ENGINE = "megatron.core.inference.engines.dynamic_engine"
+
+# Named, not imported: megatron_ext.inference imports this module (see the module docstring).
 _EXT_ENGINE = "megatron_ext.inference.engines.dynamic_engine"
 
 
@@ -267,16 +267,16 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
             wraps=True,
         ),
         Patch(
-            _MCORE_ENGINE,
-            "DynamicInferenceEngine._add_request",
+            DynamicInferenceEngine,
+            "_add_request",
             f"{_EXT_ENGINE}:checked_add_request",
             "a request the extension's context refuses fails alone when it enters, not at "
             "scheduling, where it would stall the queue",
             wraps=True,
         ),
         Patch(
-            _MCORE_ENGINE,
-            "DynamicInferenceEngine.async_bookkeep",
+            DynamicInferenceEngine,
+            "async_bookkeep",
             f"{_EXT_ENGINE}:failing_bookkeep",
             "a request whose logits row is not finite fails alone, without a token",
             wraps=True,

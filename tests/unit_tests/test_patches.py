@@ -274,7 +274,10 @@ def megatron_core_writes(source: str) -> List[str]:
     Counted: a write to a megatron-core module or class (any name bound to a megatron-core
     object, and anything reached from it), to an object handed in as an argument (the caller's:
     a megatron-core module's submodule, a controller), or to an attribute's attribute of
-    ``self`` (a submodule, not the object itself).
+    ``self`` (a submodule, not the object itself). Not counted: a line that says, in a comment
+    starting ``# not megatron-core state:``, which data object it writes and why (a request's
+    status, set as megatron-core's own engine sets it), so each such write is declared where a
+    reviewer reads it.
 
     Args:
         source: a Python file's text.
@@ -300,7 +303,9 @@ def megatron_core_writes(source: str) -> List[str]:
             visit(child, arguments)
 
     visit(tree, set())
-    return [f"{line}: {code}" for line, code in sorted(found)]
+    lines = source.splitlines()
+    declared = {i + 1 for i, text in enumerate(lines) if "# not megatron-core state:" in text}
+    return [f"{line}: {code}" for line, code in sorted(found) if line not in declared]
 
 
 def test_the_write_scan_sees_every_kind_of_write():
@@ -320,9 +325,11 @@ def test_the_write_scan_sees_every_kind_of_write():
         object.__setattr__(ModuleSpec, "z", 2)
         vars(alias)["w"] = 3
 
-        def hook(rotary_pos_emb, owner):
+        def hook(rotary_pos_emb, owner, request):
             rotary_pos_emb.get_cached_cos_sin = len
             setattr(owner, "step", len)
+            request.status = 1  # not megatron-core state: the caller's request
+            request.other = 2  # an undeclared write to an argument still counts
 
         class Mine:
             def __init__(self):
@@ -342,6 +349,7 @@ def test_the_write_scan_sees_every_kind_of_write():
         "vars(alias)['w'] = 3",
         "rotary_pos_emb.get_cached_cos_sin = len",
         "setattr(owner, 'step', len)",
+        "request.other = 2",
         "self.child.attr = 2",
     ]
 

@@ -124,7 +124,7 @@ def checked_add_request(original: Callable) -> Callable:
         if reason is not None:
             # megatron-core's own convention for a request that can never run: its
             # _add_request routes a FAILED request to the failed ones, not the queue.
-            request.status = Status.FAILED
+            request.status = Status.FAILED  # not megatron-core state: the caller's request
             _add_error(request, reason)
         return original(self, request)
 
