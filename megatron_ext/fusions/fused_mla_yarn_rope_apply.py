@@ -106,6 +106,9 @@ class _FusedMLARoPEQ(torch.autograd.Function):
         position_ids,
     ):
         """Rotate ``t`` in place and return it. Args: as :func:`fused_apply_mla_rope_for_q`."""
+        # Decided before the write: afterwards the creation metadata still answers the same, but
+        # a refusal must never arrive once t is rotated.
+        behind_autograd = internals.autograd_refuses_in_place(t)
         mla_rope_q_fwd_(
             t,
             cos,
@@ -119,7 +122,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             remove_interleaving=remove_interleaving,
             position_ids=position_ids,
         )
-        if internals.autograd_refuses_in_place(t):
+        if behind_autograd:
             # A view autograd cannot rebase onto this Function: Transformer Engine's linears
             # return their output as a view made inside their own Function. Rotate behind
             # autograd's back as megatron-core does; the version bump still makes a backward
@@ -183,9 +186,9 @@ def fused_apply_mla_rope_for_q(
 
     The RoPE elements are read as interleaved (even, odd) pairs and written as
     [rotated even | rotated odd], or interleaved again with ``remove_interleaving``. A leaf that
-    requires grad (which no in-place op may modify; megatron-core rotates its data behind
-    autograd's back) gets a rotated copy: megatron-core's output and leaf gradient, the leaf
-    unchanged. A view autograd refuses to modify in place (one made inside a custom
+    requires grad, or a view of one (which no in-place op may modify; megatron-core rotates its
+    data behind autograd's back), gets a rotated copy: megatron-core's output and leaf gradient,
+    the leaf unchanged. A view autograd refuses to modify in place (one made inside a custom
     Function, such as Transformer Engine's linear layers return) is rotated in place with autograd
     told only of the version change, as megatron-core does. The backward rotates the incoming
     gradient in place only when autograd hands it over exclusively; otherwise (a caller's
@@ -219,7 +222,8 @@ def fused_apply_mla_rope_for_q(
             position.
 
     Returns:
-        torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad).
+        torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad or a
+        view of one).
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
@@ -244,9 +248,12 @@ def fused_apply_mla_rope_for_q(
         return t
     if t.device.type not in EXCLUSIVE_GRADIENT_REFERENCES:
         internals.calibrate_gradient_ownership(t.device)
-    if t.is_leaf:
-        # No in-place op may modify a leaf that requires grad; megatron-core rotates its data
-        # behind autograd's back. Rotating a copy gives the same output and leaf gradient.
+    base = t._base
+    if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
+        # No in-place op may modify a leaf that requires grad, or a view of one (autograd refuses
+        # it, after the write); megatron-core rotates their data behind autograd's back. Rotating
+        # a copy gives the same output and leaf gradient, and leaves the caller's leaf as it was.
+        # (A view made inside a custom Function has a base that does not require grad.)
         t = t.clone()
     return _FusedMLARoPEQ.apply(
         t,

@@ -1100,6 +1100,38 @@ def test_q_leaf_that_requires_grad_rotates_a_copy():
     assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda leaf: leaf[1:],  # a slice
+        lambda leaf: leaf.view(leaf.shape),
+        lambda leaf: leaf[1:][:, :1],  # a view of a view: its base is still the leaf
+    ],
+    ids=["slice", "view", "view-of-view"],
+)
+def test_q_view_of_a_leaf_that_requires_grad_rotates_a_copy(view):
+    """Autograd refuses to modify a view of a leaf in place, and it did so only after the kernel
+    had rotated the leaf's data. Now: megatron-core's output and leaf gradient, the leaf as the
+    caller left it, no error."""
+    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=11)
+    leaf = t.clone().requires_grad_(True)
+    q = view(leaf)
+    weight = randn(q.shape, torch.float32, DEVICE, _gen(12))
+    with pinned_kernel_config(2, 1):
+        out = fused_apply_mla_rope_for_q(q, cos, sin, case.qk_head_dim, case.emb_dim)
+        assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
+        (out * weight).sum().backward()
+        expected = view(t).clone()
+        mla_rope_q_fwd_(expected, cos, sin, case.qk_head_dim, case.emb_dim)
+        expected_grad = torch.zeros_like(t)
+        rotated = weight.clone()
+        mla_rope_q_bwd_(rotated, cos, sin, case.qk_head_dim, case.emb_dim)
+        view(expected_grad).copy_(rotated)
+    assert_bitwise_equal(out.detach(), expected, "view: output vs the kernel in place")
+    assert_bitwise_equal(leaf.grad, expected_grad, "view: leaf gradient vs the backward kernel")
+    assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
+
+
 @pytest.mark.parametrize("which", ["q", "kv"])
 def test_double_backward_is_refused_before_returning(which):
     case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=13)
