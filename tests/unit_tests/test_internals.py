@@ -181,24 +181,14 @@ def test_a_count_failing_in_the_backward_makes_it_copy(monkeypatch, never_in_pla
 # --------------------------------------------------------------------------------------------------
 
 
-class _ViewingFunction(torch.autograd.Function):
-    """Returns its output as a view made inside the Function, as Transformer Engine's linears do."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return (x * 1.0).view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def test_creation_meta_on_this_torch():
+    """(A view made inside a custom Function: test_fused_mla_yarn_rope_apply.py.)"""
     assert internals.autograd_refuses_in_place is internals._refuses_by_creation_meta
-    leaf = torch.ones(2, 3, requires_grad=True)
-    assert internals.autograd_refuses_in_place(_ViewingFunction.apply(leaf))
-    assert not internals.autograd_refuses_in_place((leaf * 1).view(3, 2))
-    assert not internals.autograd_refuses_in_place(leaf * 1)  # not a view
+    activation = torch.ones(2, 3, requires_grad=True) * 1
+    first_row, _ = activation.unbind(0)  # a view made by a multi-output op
+    assert internals.autograd_refuses_in_place(first_row)
+    assert not internals.autograd_refuses_in_place(activation.view(3, 2))
+    assert not internals.autograd_refuses_in_place(activation)  # not a view
 
 
 def test_unknown_creation_meta_counts_as_refused(monkeypatch):
