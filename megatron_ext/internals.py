@@ -20,8 +20,9 @@ caller takes the safe path:
 - Triton's ``CudaLauncher``, ``driver.active.utils.launch`` and ``knobs.runtime`` hook chains:
   the direct kernel launch (:func:`bind_triton_launcher`). Fallback: Triton's JIT launch.
 
-Tested on CPython 3.11, torch 2.13 (CPU and CUDA) and Triton 3.6 to 3.9. Where a check happens at
-run time (the gradient calibration, the direct launch's probe in
+Tested on CPython 3.11 with torch 2.13 (CPU, Triton 3.9's interpreter) and on CPython 3.12 with
+torch 2.11 and Triton 3.6 (CUDA, H200); the launcher conventions are known for Triton 3.6 to 3.9.
+Where a check happens at run time (the gradient calibration, the direct launch's probe in
 :mod:`megatron_ext.fusions.direct_launch`), any answer other than the expected one selects the
 fallback for the rest of the process, with a warning.
 """
