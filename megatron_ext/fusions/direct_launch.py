@@ -4,108 +4,51 @@
 
 ``kernel[grid](...)`` costs ~17 us of host time per call (argument binding, specialisation key,
 cache lookup); calling the C launcher of the ``CompiledKernel`` it returned costs ~8 us. That
-launcher's calling convention is internal to Triton, and two are known:
+launcher's calling convention is internal to Triton: :mod:`megatron_ext.internals` reads it from
+the launcher's structure and binds it (:func:`megatron_ext.internals.bind_triton_launcher`).
 
-- ``generated`` (Triton 3.6): each compiled kernel has a generated C module; its ``launch`` takes
-  grid, stream, function, flags, scratch, metadata and hooks, then every kernel argument.
-- ``generic`` (Triton 3.7 to 3.9): one C function, ``driver.utils.launch``, takes the same head,
-  the launcher's argument annotations and packed signature, and a tuple of the kernel arguments.
-
-Which one a compiled kernel has is read from its launcher's structure, not from Triton's version.
-Before the first direct launch of a process on a device, :func:`verified` launches a probe kernel
-both ways and compares what they wrote (pointers, 32- and 64-bit integers, a None pointer and
-constexprs among the arguments); any difference or error switches the direct launch off for the
-process, with a warning, and every launch takes Triton's JIT path. It is also skipped under the
-interpreter, while Triton launch hooks are set (profilers see every launch), for kernels that need
-scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
+Before the first direct launch of a process on a device, :func:`verified` checks the current
+device and stream internals against torch's public calls and launches a probe kernel both ways,
+comparing what they wrote (pointers, 32- and 64-bit integers, a None pointer and constexprs among
+the arguments); any difference or error switches the direct launch off for the process, with a
+warning, and every launch takes Triton's JIT path. It is also skipped under the interpreter,
+while Triton launch hooks are set (profilers see every launch), for kernels whose convention is
+unknown or that need scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
 """
 
 import os
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from megatron_ext import internals
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+from megatron_ext.internals import DirectLaunch
 
 ENABLED = not INTERPRETED and os.environ.get("MEGATRON_EXT_DIRECT_LAUNCH", "1") != "0"
-
-# (grid x, grid y, grid z, raw stream, kernel arguments in signature order, constexprs included)
-DirectLaunch = Callable[[int, int, int, int, tuple], None]
 
 # Device index -> whether the probe launched directly wrote what the JIT launch wrote.
 _VERIFIED: Dict[int, bool] = {}
 
-
-def _hook_active(hook) -> bool:
-    # Triton keeps its launch hooks as HookChain objects (a list of calls, often empty).
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def hooks_set() -> bool:
-    """Whether a profiler or tool registered Triton launch hooks (the direct launch skips them)."""
-    runtime = triton.knobs.runtime
-    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
-
-
-def _generic_launch():
-    """The active driver's shared C launch function (Triton 3.7+), or None."""
-    try:
-        return triton.runtime.driver.active.utils.launch
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def convention(launcher) -> Optional[str]:
-    """``"generic"``, ``"generated"`` or None (unknown: launch through the JIT)."""
-    if type(launcher).__name__ != "CudaLauncher" or not callable(getattr(launcher, "launch", None)):
-        return None
-    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
-        return None
-    if getattr(launcher, "gsan_enabled", False):
-        return None
-    generic = (hasattr(launcher, "arg_annotations"), hasattr(launcher, "kernel_signature"))
-    if not any(generic):
-        return "generated"
-    # A launcher wrapped for tensor descriptors rewrites its arguments: not ours to skip.
-    return "generic" if all(generic) and launcher.launch is _generic_launch() else None
+# Whether a profiler or tool registered Triton launch hooks (the direct launch then skips itself).
+hooks_set = internals.triton_launch_hooks_set
 
 
 def bind(compiled) -> Optional[DirectLaunch]:
-    """The direct launch of ``compiled`` (what ``kernel[grid](...)`` returned), or None."""
+    """The direct launch of ``compiled`` (what ``kernel[grid](...)`` returned), or None.
+
+    Args:
+        compiled: Triton's compiled kernel, or None.
+
+    Returns:
+        Optional[DirectLaunch]: None when disabled or when the launcher's convention is unknown.
+    """
     if not ENABLED or compiled is None:
         return None
-    try:
-        launcher = compiled.run  # loads the module on first use
-        kind = convention(launcher)
-        if kind is None:
-            return None
-        c_launch, function, packed = launcher.launch, compiled.function, compiled.packed_metadata
-        cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-        if kind == "generic":
-            annotations, signature = launcher.arg_annotations, launcher.kernel_signature
-    except AttributeError:
-        return None
-
-    if kind == "generated":
-
-        def launch(gx, gy, gz, stream, args, _keep=compiled):
-            c_launch(
-                gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None, None,
-                None, *args,
-            )  # fmt: skip
-
-    else:
-
-        def launch(gx, gy, gz, stream, args, _keep=compiled):
-            c_launch(
-                gx, gy, gz, stream, function, cooperative, pdl, packed, None, None, None, None,
-                None, annotations, signature, args,
-            )  # fmt: skip
-
-    return launch
+    return internals.bind_triton_launcher(compiled)
 
 
 @triton.jit
@@ -124,14 +67,18 @@ _PROBE_DIRECT = (2**35 + 7, 2**36 + 9)
 
 
 def _probe(device: torch.device) -> Optional[str]:
-    """Launch the probe through the JIT and directly; what went wrong, or None."""
+    """Check the stream internals, then launch the probe through the JIT and directly; what went
+    wrong, or None."""
+    stream_mismatch = internals.check_cuda_current(device.index)
+    if stream_mismatch is not None:
+        return stream_mismatch
     block, n, shift, guard = 64, 50, 3, -12345
     out = torch.full((2, block + 8), guard, dtype=torch.int64, device=device)
     compiled = _probe_kernel[(1,)](out[0], None, *_PROBE_JIT, n, BLOCK=block, SHIFT=shift)
     launch = bind(compiled)
     if launch is None:
         return f"unknown launcher {type(getattr(compiled, 'run', None)).__name__}"
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = internals.cuda_current_raw_stream(device.index)
     launch(1, 1, 1, stream, (out[1].data_ptr(), None, *_PROBE_DIRECT, n, block, shift))
     idx = torch.arange(block + 8, dtype=torch.int64, device=device)
     expected = torch.full_like(out, guard)

@@ -14,8 +14,8 @@ config. What differs, and why:
   ``head_num % BLOCK_H != 0``, Megatron-LM #7103); the in-place kernels are race-free
   (megatron-core's query backward is not, PR #5963).
 * Autograd is told about the in-place write (#5412), a gradient shared with another branch is
-  never overwritten (:func:`_owns`), overlapping inputs, double backward and torch.func are
-  refused with clear errors.
+  never overwritten (:func:`megatron_ext.internals.owns_gradient`), overlapping inputs, double
+  backward and torch.func are refused with clear errors.
 * Host cost: everything but the data pointers is checked once per call shape and the compiled
   kernel is launched directly (:mod:`megatron_ext.fusions.mla_rope.launch`).
 * Keyword-only extras of upstream Megatron-LM main: ``inverse``, ``remove_interleaving``,
@@ -25,11 +25,11 @@ Graph safety: every function here can be captured in a CUDA graph once its call 
 seen outside capture (the first call of a shape tunes the launch config).
 """
 
-import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from megatron_ext import internals
 from megatron_ext.fusions.mla_rope import checks
 from megatron_ext.fusions.mla_rope.launch import (  # noqa: F401 (re-exported)
     AUTOTUNE_CONFIGS,
@@ -47,6 +47,8 @@ from megatron_ext.fusions.mla_rope.ops import (  # noqa: F401 (re-exported)
     mla_rope_q_bwd_,
     mla_rope_q_fwd_,
 )
+from megatron_ext.internals import EXCLUSIVE_GRADIENT_REFERENCES
+from megatron_ext.internals import is_functorch_wrapped_tensor as _is_functorch_wrapped
 
 __all__ = [
     "KernelConfig",
@@ -75,9 +77,6 @@ def _refuse_functorch(*tensors) -> None:
             )
 
 
-_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-
-
 def _refuse_double_backward(*grads) -> None:
     """The backward kernels are not differentiable: refuse a graph of the backward
     (``create_graph=True``) before returning a gradient whose own derivative would be wrong."""
@@ -86,73 +85,6 @@ def _refuse_double_backward(*grads) -> None:
             "megatron_ext's MLA RoPE backward is not differentiable: a backward with "
             "create_graph=True (double backward, gradient penalties) through it is not supported"
         )
-
-
-def _owns(grad: torch.Tensor, python_refs: int) -> bool:
-    """Whether a gradient handed to a backward is ours alone to overwrite.
-
-    Only when it has no more Python, tensor and storage references than an exclusively held
-    gradient has on this device (:func:`_calibrate_ownership`): a stashing hook, a caller's
-    ``backward(g)``, a second branch or a live view each add one. Also: torch-allocated storage
-    (wrapped NumPy/DLPack memory is not resizable), contiguous, not requiring grad.
-    """
-    exclusive = _EXCLUSIVE_REFS.get(grad.device.type)
-    if exclusive is None or grad.requires_grad or grad._base is not None:
-        return False
-    if python_refs > exclusive[0] or grad._use_count() > exclusive[1]:
-        return False
-    if not grad.is_contiguous():
-        return False
-    storage = grad.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) <= exclusive[2] and storage.resizable()
-
-
-class _ExclusiveRefsProbe(torch.autograd.Function):
-    """Counts the references to a gradient that autograd hands over exclusively."""
-
-    seen: List[Tuple[int, int, int]] = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 1
-
-    @staticmethod
-    def backward(ctx, grad):
-        python_refs = sys.getrefcount(grad)  # counted as _FusedMLARoPEQ.backward counts
-        storage = grad.untyped_storage()
-        storage_uses = torch._C._storage_Use_Count(storage._cdata)
-        _ExclusiveRefsProbe.seen.append((python_refs, grad._use_count(), storage_uses))
-        return grad
-
-
-# Device type -> (Python refs, tensor uses, storage uses) of an exclusively held gradient.
-_EXCLUSIVE_REFS: Dict[str, Tuple[int, int, int]] = {}
-
-
-def _calibrate_ownership(device: torch.device) -> None:
-    """Measure what an exclusively held gradient looks like on ``device``'s type, once.
-
-    The counts depend on the interpreter, torch and the autograd engine's thread for the device.
-    Not measured during CUDA-graph capture (the probe's backward would be captured); until then
-    the backward copies.
-    """
-    if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
-        return
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
-    with torch.enable_grad():
-        x = torch.zeros(2, device=device, requires_grad=True)
-        (_ExclusiveRefsProbe.apply(x) * 2).sum().backward()
-    _EXCLUSIVE_REFS[device.type] = _ExclusiveRefsProbe.seen.pop()
-
-
-def _autograd_refuses_in_place(t: torch.Tensor) -> bool:
-    """Whether autograd forbids modifying ``t`` in place: a view made inside a custom Function,
-    by a multi-output op, or under no-grad or inference mode."""
-    return (
-        t._is_view()
-        and torch._C._autograd._get_creation_meta(t) != torch._C._autograd.CreationMeta.DEFAULT
-    )
 
 
 class _FusedMLARoPEQ(torch.autograd.Function):
@@ -174,6 +106,9 @@ class _FusedMLARoPEQ(torch.autograd.Function):
         position_ids,
     ):
         """Rotate ``t`` in place and return it. Args: as :func:`fused_apply_mla_rope_for_q`."""
+        # Decided before the write: afterwards the creation metadata still answers the same, but
+        # a refusal must never arrive once t is rotated.
+        behind_autograd = internals.autograd_refuses_in_place(t)
         mla_rope_q_fwd_(
             t,
             cos,
@@ -187,7 +122,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             remove_interleaving=remove_interleaving,
             position_ids=position_ids,
         )
-        if _autograd_refuses_in_place(t):
+        if behind_autograd:
             # A view autograd cannot rebase onto this Function: Transformer Engine's linears
             # return their output as a view made inside their own Function. Rotate behind
             # autograd's back as megatron-core does; the version bump still makes a backward
@@ -204,14 +139,14 @@ class _FusedMLARoPEQ(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """Rotate ``grad`` back: in place when :func:`_owns` says it is ours, else into a new
-        tensor."""
+        """Rotate ``grad`` back: in place when :func:`megatron_ext.internals.owns_gradient` says
+        it is ours, else into a new tensor."""
         _refuse_double_backward(grad)
         cos, sin, cu_seqlens_q, position_ids = ctx.saved_tensors
         qk_head_dim, emb_dim, cp_rank, cp_size, inverse, keep = ctx.args
-        python_refs = sys.getrefcount(grad)  # first, as in _ExclusiveRefsProbe.backward
+        python_refs = internals.python_references(grad)  # first, as the calibration's probe
         # Not ours: rotated into a new tensor by one kernel that only reads grad.
-        rotate = mla_rope_q_bwd_ if _owns(grad, python_refs) else mla_rope_q_bwd
+        rotate = mla_rope_q_bwd_ if internals.owns_gradient(grad, python_refs) else mla_rope_q_bwd
         token = PINNED.set(ctx.config)
         try:
             grad = rotate(
@@ -251,13 +186,13 @@ def fused_apply_mla_rope_for_q(
 
     The RoPE elements are read as interleaved (even, odd) pairs and written as
     [rotated even | rotated odd], or interleaved again with ``remove_interleaving``. A leaf that
-    requires grad (which no in-place op may modify; megatron-core rotates its data behind
-    autograd's back) gets a rotated copy: megatron-core's output and leaf gradient, the leaf
-    unchanged. A view autograd refuses to modify in place (one made inside a custom Function, such
-    as Transformer Engine's linear layers return) is rotated in place with autograd told only of
-    the version change, as megatron-core does. The backward rotates the incoming gradient in place
-    only when autograd hands it over exclusively; otherwise (a caller's ``backward(g)``, a second
-    branch) one kernel reads it and writes the result into a new tensor.
+    requires grad, or a view of one (which no in-place op may modify; megatron-core rotates its
+    data behind autograd's back), gets a rotated copy: megatron-core's output and leaf gradient,
+    the leaf unchanged. A view autograd refuses to modify in place (one made inside a custom
+    Function, such as Transformer Engine's linear layers return) is rotated in place with autograd
+    told only of the version change, as megatron-core does. The backward rotates the incoming
+    gradient in place only when autograd hands it over exclusively; otherwise (a caller's
+    ``backward(g)``, a second branch) one kernel reads it and writes the result into a new tensor.
 
     Not checked, since each needs a device-to-host sync: that ``cu_seqlens_q`` is non-decreasing,
     that cos/sin cover every position, and that with ``cp_size > 1`` every sequence length is a
@@ -287,7 +222,8 @@ def fused_apply_mla_rope_for_q(
             position.
 
     Returns:
-        torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad).
+        torch.Tensor: ``t``, modified in place (a rotated copy for a leaf that requires grad or a
+        view of one).
     """
     if rotary_interleaved:
         checks.check_flags(rotary_interleaved)
@@ -310,11 +246,14 @@ def fused_apply_mla_rope_for_q(
         )
         torch.autograd.graph.increment_version(t)
         return t
-    if t.device.type not in _EXCLUSIVE_REFS:
-        _calibrate_ownership(t.device)
-    if t.is_leaf:
-        # No in-place op may modify a leaf that requires grad; megatron-core rotates its data
-        # behind autograd's back. Rotating a copy gives the same output and leaf gradient.
+    if t.device.type not in EXCLUSIVE_GRADIENT_REFERENCES:
+        internals.calibrate_gradient_ownership(t.device)
+    base = t._base
+    if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
+        # No in-place op may modify a leaf that requires grad, or a view of one (autograd refuses
+        # it, after the write); megatron-core rotates their data behind autograd's back. Rotating
+        # a copy gives the same output and leaf gradient, and leaves the caller's leaf as it was.
+        # (A view made inside a custom Function has a base that does not require grad.)
         t = t.clone()
     return _FusedMLARoPEQ.apply(
         t,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
@@ -219,8 +220,8 @@ def sample_top_k_candidates(
         tuple(p % 16 == 0 for p in pointers),
     )
     direct = _DIRECT.get(key)
-    if direct and not direct_launch.hooks_set() and torch._C._cuda_getDevice() == index:
-        stream = torch._C._cuda_getCurrentRawStream(index)
+    if direct and not direct_launch.hooks_set() and internals.cuda_current_device() == index:
+        stream = internals.cuda_current_raw_stream(index)
         direct(rows, 1, 1, stream, (*pointers, cap, *strides, tiny, block))
         return out
     with torch.cuda.device(index):

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 import torch
 import triton
 
+from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
@@ -206,11 +207,11 @@ class CachedLaunch:
         direct = self.direct
         if (
             direct
-            and torch._C._cuda_getDevice() == self.device_index
+            and internals.cuda_current_device() == self.device_index
             and not direct_launch.hooks_set()
         ):
             gx, gy, gz = self.grid
-            stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+            stream = internals.cuda_current_raw_stream(self.device_index)
             direct(
                 gx,
                 gy,

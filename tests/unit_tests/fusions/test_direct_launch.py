@@ -1,6 +1,6 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""The direct C launch: which launchers it recognises, what it passes them, and its probe."""
+"""The direct C launch: when it is bound, and its probe."""
 
 import types
 import warnings
@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 
+from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -16,98 +17,15 @@ HAVE_CUDA = torch.cuda.is_available()
 KNOWN_TRITON = triton.__version__.split(".")[:2] in (["3", "6"], ["3", "7"], ["3", "8"], ["3", "9"])
 
 
-class _Launcher:
-    """A stand-in with the attributes of Triton's ``CudaLauncher`` that the direct launch reads."""
-
-    def __init__(self, generic, scratch=0, gsan=False):
-        self.calls = _Calls()
-        self.global_scratch_size = scratch
-        self.profile_scratch_size = 0
-        self.launch_cooperative_grid = 0
-        self.launch_pdl = 1
-        if gsan:
-            self.gsan_enabled = True
-        if generic:
-            self.arg_annotations = ["annotations"]
-            self.kernel_signature = b"sig"
-
-        # An attribute, as Triton's is: the driver's shared function is compared by identity.
-        self.launch = self.calls.append_args
-
-
-_Launcher.__name__ = "CudaLauncher"
-
-
-class _Calls(list):
-    def append_args(self, *args):
-        self.append(args)
-
-
-def _compiled(launcher):
-    return types.SimpleNamespace(run=launcher, function=1234, packed_metadata=(4, 1, 0))
-
-
-@pytest.fixture
-def generic_utils(monkeypatch):
-    """Make a generic launcher's ``launch`` the active driver's shared launch function."""
-
-    def install(launcher):
-        monkeypatch.setattr(direct_launch, "_generic_launch", lambda: launcher.launch)
-
-    return install
-
-
-def test_convention_is_read_from_the_launcher(generic_utils):
-    generated = _Launcher(generic=False)
-    assert direct_launch.convention(generated) == "generated"
-    generic = _Launcher(generic=True)
-    generic_utils(generic)
-    assert direct_launch.convention(generic) == "generic"
-    # A launcher wrapped for tensor descriptors, scratch memory, GSan, anything else: the JIT path.
-    assert direct_launch.convention(_Launcher(generic=True)) is None
-    assert direct_launch.convention(_Launcher(generic=False, scratch=64)) is None
-    assert direct_launch.convention(_Launcher(generic=False, gsan=True)) is None
-    assert direct_launch.convention(object()) is None
-
-
-def test_generated_convention_arguments(monkeypatch):
+def test_bind_refuses_when_disabled_or_given_nothing(monkeypatch):
+    """The calling conventions themselves are tested with megatron_ext.internals."""
+    bound = object()
+    monkeypatch.setattr(internals, "bind_triton_launcher", lambda compiled: bound)
     monkeypatch.setattr(direct_launch, "ENABLED", True)
-    launcher = _Launcher(generic=False)
-    launch = direct_launch.bind(_compiled(launcher))
-    launch(6, 3, 1, 777, (11, None, 5, 7))
-    assert launcher.calls == [
-        (6, 3, 1, 777, 1234, 0, 1, None, None, (4, 1, 0), None, None, None, 11, None, 5, 7)
-    ]
-
-
-def test_generic_convention_arguments(monkeypatch, generic_utils):
-    monkeypatch.setattr(direct_launch, "ENABLED", True)
-    launcher = _Launcher(generic=True)
-    generic_utils(launcher)
-    launch = direct_launch.bind(_compiled(launcher))
-    launch(6, 3, 1, 777, (11, None, 5, 7))
-    head = (6, 3, 1, 777, 1234, 0, 1, (4, 1, 0), None, None, None, None, None)
-    assert launcher.calls == [head + (["annotations"], b"sig", (11, None, 5, 7))]
-
-
-def test_bind_refuses_when_disabled_or_unknown(monkeypatch):
-    monkeypatch.setattr(direct_launch, "ENABLED", True)
+    assert direct_launch.bind(types.SimpleNamespace()) is bound
     assert direct_launch.bind(None) is None
-    assert direct_launch.bind(types.SimpleNamespace(run=object())) is None
-    assert direct_launch.bind(types.SimpleNamespace()) is None
     monkeypatch.setattr(direct_launch, "ENABLED", False)
-    assert direct_launch.bind(_compiled(_Launcher(generic=False))) is None
-
-
-def test_launch_hooks_are_detected(monkeypatch):
-    runtime = triton.knobs.runtime
-    monkeypatch.setattr(runtime, "launch_enter_hook", types.SimpleNamespace(calls=[]))
-    monkeypatch.setattr(runtime, "launch_exit_hook", None)
-    assert not direct_launch.hooks_set()  # an empty hook chain, as Triton keeps by default
-    monkeypatch.setattr(runtime, "launch_exit_hook", types.SimpleNamespace(calls=[print]))
-    assert direct_launch.hooks_set()
-    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *a: None)
-    assert direct_launch.hooks_set()
+    assert direct_launch.bind(types.SimpleNamespace()) is None
 
 
 def test_verified_is_false_when_disabled(monkeypatch):

@@ -37,6 +37,7 @@ from mla_rope_testlib import (
     warm_ours_q,
 )
 
+from megatron_ext import internals
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     KernelConfig,
@@ -320,29 +321,6 @@ def test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch):
     assert torch.equal(x.grad, rope.mla_rope_q_bwd(weight, cos, sin, 8, 16))
 
 
-def test_owns():
-    rope._calibrate_ownership(DEVICE)
-    refs = rope._EXCLUSIVE_REFS[DEVICE.type][0]
-
-    def fresh(*shape, **kwargs):
-        return torch.randn(*shape, **kwargs).to(DEVICE)
-
-    assert rope._owns(fresh(4, 6), refs)
-    assert not rope._owns(fresh(4, 6), refs + 1)  # another Python reference
-    held = fresh(4, 6)
-    other = held.view(4, 6)  # another tensor on the same storage
-    assert not rope._owns(held, refs) and not rope._owns(other, refs)
-    del other
-    assert rope._owns(held, refs)
-    assert not rope._owns(fresh(4, 6).t(), refs)  # not contiguous
-    assert not rope._owns(fresh(4, 6).requires_grad_(True), refs)
-    assert not rope._owns(fresh(6).expand(4, 6), refs)
-    if DEVICE.type == "cpu":
-        import numpy as np
-
-        assert not rope._owns(torch.from_numpy(np.zeros((4, 6), dtype=np.float32)), refs)
-
-
 def test_forward_without_autograd_bumps_the_version():
     """Without grad to record the drop-in launches directly, still as an in-place op."""
     _, t, cos, sin = _q_inputs("sbhd", 2, "fp32", "fp32", seed=47)
@@ -356,7 +334,6 @@ def test_forward_without_autograd_bumps_the_version():
 @pytest.mark.gpu
 def test_gpu_gradient_ownership(monkeypatch):
     """The ownership tests above, on the GPU: CUDA backward runs on autograd's device thread."""
-    test_owns()
     test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch)
     test_backward_leaves_a_gradient_shared_with_another_branch_alone(monkeypatch)
     test_backward_leaves_the_callers_gradient_alone()
@@ -1123,6 +1100,38 @@ def test_q_leaf_that_requires_grad_rotates_a_copy():
     assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda leaf: leaf[1:],  # a slice
+        lambda leaf: leaf.view(leaf.shape),
+        lambda leaf: leaf[1:][:, :1],  # a view of a view: its base is still the leaf
+    ],
+    ids=["slice", "view", "view-of-view"],
+)
+def test_q_view_of_a_leaf_that_requires_grad_rotates_a_copy(view):
+    """Autograd refuses to modify a view of a leaf in place, and it did so only after the kernel
+    had rotated the leaf's data. Now: megatron-core's output and leaf gradient, the leaf as the
+    caller left it, no error."""
+    case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=11)
+    leaf = t.clone().requires_grad_(True)
+    q = view(leaf)
+    weight = randn(q.shape, torch.float32, DEVICE, _gen(12))
+    with pinned_kernel_config(2, 1):
+        out = fused_apply_mla_rope_for_q(q, cos, sin, case.qk_head_dim, case.emb_dim)
+        assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
+        (out * weight).sum().backward()
+        expected = view(t).clone()
+        mla_rope_q_fwd_(expected, cos, sin, case.qk_head_dim, case.emb_dim)
+        expected_grad = torch.zeros_like(t)
+        rotated = weight.clone()
+        mla_rope_q_bwd_(rotated, cos, sin, case.qk_head_dim, case.emb_dim)
+        view(expected_grad).copy_(rotated)
+    assert_bitwise_equal(out.detach(), expected, "view: output vs the kernel in place")
+    assert_bitwise_equal(leaf.grad, expected_grad, "view: leaf gradient vs the backward kernel")
+    assert_bitwise_equal(leaf.detach(), t, "leaf: values left as they were")
+
+
 @pytest.mark.parametrize("which", ["q", "kv"])
 def test_double_backward_is_refused_before_returning(which):
     case, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=13)
@@ -1217,9 +1226,9 @@ def test_query_made_as_a_view_inside_a_custom_function():
         return q, out.detach(), leaf.grad
 
     q, out, grad = run(_ViewingLinear.apply)
-    assert rope._autograd_refuses_in_place(q)
+    assert internals.autograd_refuses_in_place(q)
     plain_q, plain_out, plain_grad = run(lambda leaf: leaf * 1.0)
-    assert not rope._autograd_refuses_in_place(plain_q)
+    assert not internals.autograd_refuses_in_place(plain_q)
     assert q.data_ptr() == out.data_ptr(), "rotated in place"
     assert_bitwise_equal(out, plain_out, "output")
     assert_bitwise_equal(grad, plain_grad, "gradient")

@@ -5,6 +5,7 @@
 import pytest
 import torch
 
+from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
 from megatron_ext.fusions.mla_rope import kernels, launch, ops, plans
@@ -217,8 +218,8 @@ def test_interpreter_and_disabled_direct_launch_take_the_jit_path(monkeypatch):
 
 def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
     """Pointers as ints (None stays None), then the scalars, then the constexprs."""
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 777, raising=False)
+    monkeypatch.setattr(internals, "cuda_current_device", lambda: 0)
+    monkeypatch.setattr(internals, "cuda_current_raw_stream", lambda i: 777)
     monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
     names = kernels.mla_rope_q_fwd_kernel.arg_names[5:]
     # Handed over out of order: the plan names them, the kernel's signature orders them.
