@@ -104,9 +104,10 @@ step() {  # step NAME LOGFILE CMD...
 }
 
 if [ -z "$skip_unit" ]; then
-  # pytest-xdist, where installed, overlaps the Triton compiles of the many kernel configs.
+  # pytest-xdist, where installed, overlaps the Triton compiles of the many kernel configs
+  # (GPU_SUITE_WORKERS processes, 6 by default).
   xdist=""
-  python3 -c 'import xdist' 2>/dev/null && xdist="-n 6"
+  python3 -c 'import xdist' 2>/dev/null && xdist="-n ${GPU_SUITE_WORKERS:-6}"
   for i in $(seq 1 "$repeat_unit"); do
     tag=""
     [ "$repeat_unit" -gt 1 ] && tag=" (run $i of $repeat_unit)"
