@@ -4,8 +4,8 @@
 
 On the CPU the probe runs both kernels in the Triton interpreter, which never contracts products
 into FMAs: there it must find the unfused pairing (where the interpreter's ``tl.fma`` rounds once).
-On the GPU it must find a pairing for every kernel kind and dtype pair, and that pairing must be the
-only candidate with megatron-core's bits on a fresh input (what the bitwise tests then rely on).
+On the GPU it must find a pairing for every kernel kind and dtype pair, and that pairing must have
+megatron-core's bits on a fresh input too (what the bitwise tests then rely on).
 """
 
 import pytest
@@ -42,7 +42,8 @@ HEADS, NOPE, EMB, K, V = 4, 16, 64, 16, 16
 def _run_both(kind, x_dtype, table_dtype, fma, seed):
     """(ours at ``fma``, megatron-core at BLOCK_H=1) on a fresh input of another shape."""
     g = torch.Generator().manual_seed(seed)
-    case = make_case("sbhd", HEADS, DEVICE, NOPE, EMB, seq_len=5, batch=3, generator=g)
+    seq_len, batch = (64, 4) if HAVE_CUDA else (5, 3)  # the interpreter is slow
+    case = make_case("sbhd", HEADS, DEVICE, NOPE, EMB, seq_len=seq_len, batch=batch, generator=g)
     cos, sin = make_tables(case.table_rows, EMB, DTYPES[table_dtype], DEVICE, generator=g)
     x_dt = DTYPES[x_dtype]
     with pairing.forced_pairing(fma), pinned_kernel_config(4, 1):
@@ -104,7 +105,7 @@ GPU_DTYPE_PAIRS += [("fp16", "fp32"), ("fp32", "bf16")]
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtypes", GPU_DTYPE_PAIRS, ids=lambda d: f"x{d[0]}-cs{d[1]}")
 @pytest.mark.parametrize("kind", pairing.KINDS)
-def test_gpu_probe_finds_the_one_pairing_with_megatron_cores_bits(kind, dtypes, capsys):
+def test_gpu_probe_finds_a_pairing_with_megatron_cores_bits(kind, dtypes, capsys):
     x_dtype, table_dtype = (DTYPES[d] for d in dtypes)
     found = probe_pairing(kind, x_dtype, table_dtype, DEVICE)
     assert found is not None, (
@@ -120,9 +121,11 @@ def test_gpu_probe_finds_the_one_pairing_with_megatron_cores_bits(kind, dtypes, 
             theirs.view(torch.int16 if theirs.element_size() == 2 else torch.int32),
         ):
             matching.append(candidate)
-    assert matching[:1] == [
-        found
-    ], f"on a fresh input megatron-core's bits are those of {matching}, the probe chose {found}"
+    # Where the output dtype rounds the candidates' differences away (bf16 output of fp32
+    # arithmetic, say) several candidates have megatron-core's bits; the probe's must be one.
+    assert (
+        found in matching
+    ), f"on a fresh input megatron-core's bits are those of {matching}, the probe chose {found}"
     with capsys.disabled():
         print(
             f"\n[pairing] triton {triton.__version__} {kind} {dtypes}: {found}; "
