@@ -41,7 +41,8 @@ from megatron_ext.fusions.mla_paged_latent_attention import (  # noqa: E402
 )
 
 SCALE = 1 / math.sqrt(192)
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
+# As the unit tests (test_mla_paged_latent_attention.py), where the bounds are justified.
+TOLERANCE = {torch.float32: 6e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
 POSITIONS = 300
 
 

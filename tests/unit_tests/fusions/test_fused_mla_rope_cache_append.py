@@ -283,9 +283,8 @@ def test_gpu_graph_replay_equals_eager_bitwise(config, yarn, dtype):
         graph.replay()
         eager = fused_mla_rope_cache_append(*args[:5], start.clone(), *args[6:])
         expected = start.unsqueeze(0)
-        megatron_core_append(
-            config, yarn, kv_latent, k_pos_emb, expected, (positions, block_idx, block_offset), True
-        )
+        index = (positions, block_idx, block_offset)
+        megatron_core_append(config, yarn, POSITIONS, kv_latent, k_pos_emb, expected, index, True)
         torch.cuda.synchronize()
         assert_bitwise_equal(cache, eager, "replay vs eager")
         assert_bitwise_equal(cache, expected[0], "replay vs megatron-core")
