@@ -229,3 +229,55 @@ def yarn_rotary_embedding(config):
         mscale=config.mscale,
         mscale_all_dim=config.mscale_all_dim,
     )
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid, then launches."""
+
+    def __init__(self, launches, kernel):
+        self.launches, self.kernel = launches, kernel
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+def record_launches(monkeypatch, module, *kernels: str) -> list:
+    """Record the launches of ``module``'s kernels (by attribute name); returns the list."""
+    launches = []
+    for name in kernels:
+        monkeypatch.setattr(module, name, _Recorder(launches, getattr(module, name)))
+    return launches
+
+
+def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kwargs):
+    """Run the paged attention on ``step`` into a poisoned, guarded output and assert that it
+    matches :func:`attention_reference` within ``tolerance``, writes nothing outside the output
+    and leaves every bit of the cache buffer (guards included) as it was.
+
+    Returns:
+        torch.Tensor: the output.
+    """
+    from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+
+    tokens, heads, _ = step.query.shape
+    out, out_buffer = guarded_tensor(
+        (tokens, heads, step.latent_dim), step.query.dtype, step.query.device, POISON
+    )
+    cache_before = step.cache_buffer.clone()
+    returned = mla_paged_latent_attention(
+        step.query,
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        softmax_scale,
+        rope_dim=step.rope_dim,
+        out=out,
+        **kwargs,
+    )
+    assert returned.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.double(), attention_reference(step, softmax_scale), **tolerance)
+    assert guards_intact(out_buffer), "a write outside the output"
+    assert torch.equal(step.cache_buffer, cache_before), "the cache changed"
+    return out

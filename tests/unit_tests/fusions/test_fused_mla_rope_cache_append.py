@@ -19,6 +19,7 @@ from mla_latent_cache_testlib import (
     guards_intact,
     megatron_core_append,
     mla_rope_config,
+    record_launches,
     yarn_rotary_embedding,
 )
 from mla_rope_testlib import assert_bitwise_equal
@@ -160,27 +161,13 @@ def test_no_tokens_is_no_launch(yarn, monkeypatch):
     kv_latent, k_pos_emb, cache, (positions, block_idx, block_offset) = make_tokens(
         "decode", torch.float32, seed=5
     )
-    launches = []
-    monkeypatch.setattr(
-        append, "_rope_cache_append_kernel", _Recorder(launches, append._rope_cache_append_kernel)
-    )
+    launches = record_launches(monkeypatch, append, "_rope_cache_append_kernel")
     tables = yarn.get_cached_cos_sin(POSITIONS, dtype=torch.float32)
     before = cache.clone()
     fused_mla_rope_cache_append(
         kv_latent[:0], k_pos_emb[:0], *tables, positions[:0], cache, block_idx[:0], block_offset[:0]
     )
     assert launches == [] and torch.equal(cache, before)
-
-
-class _Recorder:
-    """Stands in for the kernel: records launches."""
-
-    def __init__(self, launches, kernel):
-        self.launches, self.kernel = launches, kernel
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
 
 
 def _bad_inputs():
@@ -234,10 +221,7 @@ def _bad_inputs():
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
 def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
     name, kwargs, error, match = case
-    launches = []
-    monkeypatch.setattr(
-        append, "_rope_cache_append_kernel", _Recorder(launches, append._rope_cache_append_kernel)
-    )
+    launches = record_launches(monkeypatch, append, "_rope_cache_append_kernel")
     before = kwargs["kv_cache"].clone()
     with pytest.raises(error, match=match):
         fused_mla_rope_cache_append(**kwargs)

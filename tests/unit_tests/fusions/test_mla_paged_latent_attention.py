@@ -15,11 +15,10 @@ import pytest
 import torch
 from mla_latent_cache_testlib import (
     GUARD,
-    POISON,
     attention_reference,
     build_step,
-    guarded_tensor,
-    guards_intact,
+    check_attention_step,
+    record_launches,
 )
 
 from megatron_ext.fusions import mla_paged_latent_attention as attention
@@ -41,30 +40,9 @@ FP32_TOLERANCE = dict(rtol=1e-5, atol=6e-5)
 
 
 def run_and_check(step, *, tolerance=FP32_TOLERANCE, **kwargs):
-    """Run the kernel into a poisoned, guarded output; check it, the guards and the cache."""
-    tokens, heads, _ = step.query.shape
-    out, out_buffer = guarded_tensor(
-        (tokens, heads, step.latent_dim), step.query.dtype, step.query.device, POISON
-    )
-    cache_before = step.cache_buffer.clone()
-    returned = mla_paged_latent_attention(
-        step.query,
-        step.kv_cache,
-        step.block_table,
-        step.cu_query_lengths,
-        step.kv_lengths,
-        SCALE,
-        rope_dim=step.rope_dim,
-        out=out,
-        **kwargs,
-    )
-    assert returned.data_ptr() == out.data_ptr()
-    expected = attention_reference(step, SCALE)
-    torch.testing.assert_close(out.double(), expected, **tolerance)
-    assert guards_intact(out_buffer), "a write outside the output"
-    # Attention only reads the cache: its rows, unused ones and its guards keep their bits.
-    assert torch.equal(step.cache_buffer, cache_before)
-    return out
+    """The kernel against float64, with its output poisoned and guarded and the cache checked
+    bit for bit afterwards (attention only reads it)."""
+    return check_attention_step(step, SCALE, tolerance, **kwargs)
 
 
 # (cached tokens, new tokens) per request.
@@ -207,21 +185,9 @@ def test_no_tokens_is_no_launch(monkeypatch):
 
 
 def _record_launches(monkeypatch):
-    launches = []
-    for name in ("_latent_attention_kernel", "_combine_splits_kernel"):
-        monkeypatch.setattr(attention, name, _Recorder(launches, getattr(attention, name)))
-    return launches
-
-
-class _Recorder:
-    """Stands in for a kernel: records launches."""
-
-    def __init__(self, launches, kernel):
-        self.launches, self.kernel = launches, kernel
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
+    return record_launches(
+        monkeypatch, attention, "_latent_attention_kernel", "_combine_splits_kernel"
+    )
 
 
 def _bad_inputs():
