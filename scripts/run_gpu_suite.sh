@@ -165,6 +165,12 @@ if [ -z "$skip_san" ]; then
         compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 tests/unit_tests/fusions/sanitize_top_k_sampling.py
     done
+    step "compute-sanitizer memcheck, MLA latent cache" sanitizer_mla_latent_cache_memcheck.log \
+      compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 tests/unit_tests/fusions/sanitize_mla_latent_cache.py
+    step "compute-sanitizer racecheck, MLA latent cache" sanitizer_mla_latent_cache_racecheck.log \
+      compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 tests/unit_tests/fusions/sanitize_mla_latent_cache.py --quick
   else
     names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
   fi

@@ -1,0 +1,560 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Paged attention over MLA's latent cache, in the absorbed form, in Triton.
+
+With ``cache_mla_latents`` each cached token is one row ``[latent (kv_lora_rank) | rope(k_pe)]``
+(576 wide for DeepSeek-V3) shared by every head. Absorbing the key up-projection into the query
+(``q_nope @ W_UK``) makes the row the key of every head, and its first ``kv_lora_rank`` columns the
+value (projected by ``W_UV`` afterwards), so attention reads the cache as it is: multi-query
+attention with one 576-wide key head and a 512-wide value. :func:`mla_paged_latent_attention`
+computes it for one step of megatron-core's dynamic batching: prefill, chunked prefill (new tokens
+behind earlier cached ones), decode and any mix of them in one batch, with causal masking among
+a request's new tokens. It reads only the cache rows each token attends to, through the block
+table; nothing decompresses the cache.
+
+Kernel design:
+
+* Stage 1 (:func:`_latent_attention_kernel`), grid ``(query tiles, head tiles, kv splits)``. A
+  query tile is up to ``BLOCK_Q`` consecutive new tokens of one request times ``BLOCK_H`` heads
+  (rows of one ``tl.dot``); its program walks the request's cache rows ``BLOCK_N`` at a time
+  (each row's block looked up in the block table, so any block size works), with an online
+  softmax in fp32. The number of query tiles is bounded by static sizes
+  (``tokens // BLOCK_Q + requests + 1``: each request's tiles start at
+  ``cu_query_lengths[r] // BLOCK_Q + r``); a program finds its request by counting those starts,
+  and idle programs (past a request's last token) return at once.
+* Split-KV: with few query tiles (decode) the rows each tile attends to are split across
+  ``num_kv_splits`` programs, each writing a partial output and its log-sum-exp to an fp32
+  workspace; stage 2 (:func:`_combine_splits_kernel`, one program per token and head tile)
+  combines them in split order. The split count comes from static sizes only (tokens, heads,
+  the block table's width and the GPU's SM count), never from the lengths.
+
+Graph safety: no host synchronisation, no ``.item()``, grids and the split count from shapes
+only; the lengths, block ids and positions are read on the device. The same inputs give the same
+bits on every launch (no atomics; the splits are combined in a fixed order), so a CUDA-graph
+replay equals an eager call. The first call of a shape compiles: make it outside capture.
+"""
+
+import functools
+from contextlib import nullcontext
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from megatron_ext.fusions.latent_cache_checks import (
+    FLOAT_DTYPES,
+    check_disjoint,
+    check_index_vector,
+    check_no_self_overlap,
+    check_paged_cache,
+    check_runnable,
+    check_unit_last_stride,
+)
+from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, check_int, check_tensor
+
+__all__ = ["MAX_KV_SPLITS", "default_num_kv_splits", "mla_paged_latent_attention"]
+
+# Upper bound of the split count (stage 2 combines at most this many partials per token).
+MAX_KV_SPLITS = 64
+# A split attends to at least this many rows of the longest context the block table can hold, so
+# the partials' traffic stays small against the rows read.
+MIN_KEYS_PER_SPLIT = 256
+# block-table starts counted per vector load in the request lookup.
+SEQ_BLOCK = 128
+# Heads per query tile: the smallest row count of a tensor-core dot at one token per tile.
+BLOCK_H = 16
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _first_tile(cu_q, request, BLOCK_Q: tl.constexpr):
+    """Index of the first query tile of ``request`` (tiles of BLOCK_Q tokens, per request)."""
+    if BLOCK_Q == 1:
+        return cu_q
+    else:
+        return cu_q // BLOCK_Q + request
+
+
+@triton.jit
+def _tile_request(tile, cu_q_ptr, num_requests, BLOCK_Q: tl.constexpr, SEQ_BLOCK: tl.constexpr):
+    """The request holding query tile ``tile``; ``num_requests`` for the tiles past the last.
+
+    The first tiles are non-decreasing in the request, so the request is the number of requests
+    1..num_requests (the last an end marker) whose first tile is at or before ``tile``.
+    """
+    request = tl.full((), 0, dtype=tl.int32)
+    for start in range(1, num_requests + 1, SEQ_BLOCK):
+        idx = start + tl.arange(0, SEQ_BLOCK)
+        valid = idx <= num_requests
+        cu_q = tl.load(cu_q_ptr + idx, mask=valid, other=0).to(tl.int64)
+        first = _first_tile(cu_q, idx.to(tl.int64), BLOCK_Q)
+        request += tl.sum((valid & (first <= tile)).to(tl.int32), axis=0)
+    return request
+
+
+# Sizes that change from step to step: not specialised (no recompiles when one happens to be 1 or
+# a multiple of 16).
+_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_blocks"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SIZES)
+def _latent_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    cu_q_ptr,
+    kv_len_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    num_tokens,
+    num_heads,
+    num_requests,
+    num_blocks,
+    block_size,
+    max_blocks,
+    q_stride_t,
+    q_stride_h,
+    cache_stride_b,
+    cache_stride_o,
+    table_stride,
+    out_stride_s,
+    out_stride_t,
+    out_stride_h,
+    lse_stride_s,
+    lse_stride_t,
+    LATENT_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
+    ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
+    rows = tl.arange(0, ROWS)
+    heads = head_tile * BLOCK_H + rows % BLOCK_H
+    head_ok = heads < num_heads
+    lat = tl.arange(0, LATENT_DIM)
+    rope = tl.arange(0, ROPE_DIM)
+
+    request = _tile_request(tile, cu_q_ptr, num_requests, BLOCK_Q, SEQ_BLOCK)
+    q_start = tl.load(cu_q_ptr + request).to(tl.int64)
+    tile_start = (tile - _first_tile(q_start, request.to(tl.int64), BLOCK_Q)) * BLOCK_Q
+    local = tile_start + rows // BLOCK_H
+    tokens = q_start + local
+
+    if request == num_requests:
+        # Tokens past the last request (CUDA-graph padding) get zeros, so no row of the output is
+        # left as it was. With split-KV, stage 2 writes them.
+        if NUM_SPLITS == 1:
+            pad = head_ok & (tokens >= 0) & (tokens < num_tokens)
+            out_rows = out_ptr + tokens * out_stride_t + heads * out_stride_h
+            zeros = tl.zeros((ROWS, LATENT_DIM), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_rows[:, None] + lat[None, :], zeros, mask=pad[:, None])
+        return
+
+    q_len = tl.load(cu_q_ptr + request + 1).to(tl.int64) - q_start
+    if tile_start >= q_len:
+        return  # an idle tile: past the request's last new token
+    kv_len = tl.load(kv_len_ptr + request).to(tl.int64)
+    row_ok = (local < q_len) & (tokens < num_tokens) & head_ok
+    # New token `local` of the request sits at position kv_len - q_len + local and attends to the
+    # cached positions up to it (the step's own rows are in the cache already).
+    positions = kv_len - q_len + local
+    capacity = tl.minimum(kv_len, max_blocks * block_size)
+    row_end = tl.minimum(positions + 1, capacity)
+    tile_end = tl.max(tl.where(row_ok, row_end, 0), axis=0)
+    chunk = tl.cdiv(tl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, tile_end)
+
+    q_rows = q_ptr + tokens * q_stride_t + heads * q_stride_h
+    q_lat = tl.load(q_rows[:, None] + lat[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + LATENT_DIM + rope[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
+    table_row = block_table_ptr + request.to(tl.int64) * table_stride
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        in_range = keys < hi
+        block = tl.load(table_row + keys // block_size, mask=in_range, other=-1).to(tl.int64)
+        # A block id outside the cache (-1 padding in a row the lengths say is used) is skipped,
+        # never read out of bounds.
+        ok = in_range & (block >= 0) & (block < num_blocks)
+        kv_rows = cache_ptr + tl.where(
+            ok, block * cache_stride_b + (keys % block_size) * cache_stride_o, 0
+        )
+        k_lat = tl.load(kv_rows[:, None] + lat[None, :], mask=ok[:, None], other=0.0)
+        k_rope = tl.load(kv_rows[:, None] + LATENT_DIM + rope[None, :], mask=ok[:, None], other=0.0)
+        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        attend = ok[None, :] & (keys[None, :] < row_end[:, None])
+        scores = tl.where(attend, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # Rows with nothing attended yet keep m = -inf; subtract 0 there instead (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc += tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    attended = l_i > 0
+    o = acc / tl.where(attended, l_i, 1.0)[:, None]
+    out_rows = out_ptr + split * out_stride_s + tokens * out_stride_t + heads * out_stride_h
+    tl.store(out_rows[:, None] + lat[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS > 1:
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(attended, m_fin + tl.log2(tl.where(attended, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * lse_stride_s + tokens * lse_stride_t + heads, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_heads", "num_requests"])
+def _combine_splits_kernel(
+    partial_ptr,
+    lse_ptr,
+    cu_q_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    num_requests,
+    partial_stride_s,
+    partial_stride_t,
+    partial_stride_h,
+    lse_stride_s,
+    lse_stride_t,
+    out_stride_t,
+    out_stride_h,
+    LATENT_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    lat = tl.arange(0, LATENT_DIM)
+    out_rows = out_ptr + token * out_stride_t + heads * out_stride_h
+    # Every token before the last request's end was written by stage 1 (for every split); the
+    # ones after it are padding and get zeros.
+    if token < tl.load(cu_q_ptr + num_requests):
+        # Pointers advance split by split: no index product that could overflow 32 bits.
+        lse_rows = lse_ptr + token * lse_stride_t + heads
+        lse_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        for _ in range(NUM_SPLITS):
+            lse_max = tl.maximum(lse_max, tl.load(lse_rows, mask=head_ok, other=float("-inf")))
+            lse_rows += lse_stride_s
+        lse_use = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        lse_rows = lse_ptr + token * lse_stride_t + heads
+        part_rows = partial_ptr + token * partial_stride_t + heads[:, None] * partial_stride_h
+        part_rows += lat[None, :]
+        total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, LATENT_DIM), dtype=tl.float32)
+        for _ in range(NUM_SPLITS):
+            weight = tl.exp2(tl.load(lse_rows, mask=head_ok, other=float("-inf")) - lse_use)
+            part = tl.load(part_rows, mask=head_ok[:, None] & (weight > 0)[:, None], other=0.0)
+            total += weight
+            acc += weight[:, None] * part
+            lse_rows += lse_stride_s
+            part_rows += partial_stride_s
+        o = acc / tl.where(total > 0, total, 1.0)[:, None]
+    else:
+        o = tl.zeros((BLOCK_H, LATENT_DIM), dtype=tl.float32)
+    tl.store(
+        out_rows[:, None] + lat[None, :], o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None]
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    """Programs that fill the device: two per SM on a GPU; a few in the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_kv_splits(
+    query_tiles: int, head_tiles: int, max_context: int, device: torch.device
+) -> int:
+    """The split count for a launch, from static sizes only (graph-safe).
+
+    One split when the query tiles alone fill the device; otherwise enough splits to fill it,
+    each covering at least ``MIN_KEYS_PER_SPLIT`` rows of the longest context the block table
+    holds, at most ``MAX_KV_SPLITS``.
+
+    Args:
+        query_tiles: query tiles of the launch (at most one per token).
+        head_tiles: head tiles of the launch.
+        max_context: the longest context the block table can hold (its width times the block
+            size).
+        device: the device the kernels run on.
+
+    Returns:
+        int: the split count, >= 1.
+    """
+    programs = max(1, query_tiles * head_tiles)
+    target = _target_programs(device)
+    if programs >= target:
+        return 1
+    by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(MAX_KV_SPLITS, triton.cdiv(target, programs), by_length))
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16; got {value}")
+
+
+def _check(
+    query,
+    kv_cache,
+    block_table,
+    cu_query_lengths,
+    kv_lengths,
+    softmax_scale,
+    rope_dim,
+    max_query_len,
+    num_kv_splits,
+    out,
+) -> Tuple[int, int, int]:
+    """Check every argument; return (tokens, heads, latent_dim)."""
+    function = "mla_paged_latent_attention"
+    check_tensor("query", query, FLOAT_DTYPES)
+    check_runnable(function, "query", query)
+    device = query.device
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [tokens, heads, latent_dim + rope_dim] (squeeze megatron-core's batch "
+            f"dimension of 1); got shape {tuple(query.shape)}"
+        )
+    check_unit_last_stride("query", query)
+    tokens, heads, width = query.shape
+    check_int("rope_dim", rope_dim, 1)
+    _check_pow2("rope_dim", rope_dim)
+    latent_dim = width - rope_dim
+    if latent_dim < 1:
+        raise ValueError(f"query's width {width} leaves no latent part beside rope_dim={rope_dim}")
+    _check_pow2(f"the latent width (query width {width} - rope_dim {rope_dim})", latent_dim)
+    _, _, cache_width = check_paged_cache("kv_cache", kv_cache, device)
+    if kv_cache.dtype != query.dtype:
+        raise TypeError(f"kv_cache is {kv_cache.dtype}, query {query.dtype}: they must match")
+    if cache_width != width:
+        raise ValueError(f"kv_cache rows are {cache_width} wide, query rows {width}")
+    check_tensor("block_table", block_table, INDEX_DTYPES)
+    check_device("block_table", block_table, device)
+    if block_table.dim() != 2:
+        raise ValueError(
+            "block_table must be [requests, max_blocks_per_request]; got "
+            f"{tuple(block_table.shape)}"
+        )
+    check_unit_last_stride("block_table", block_table)
+    requests = block_table.shape[0]
+    check_index_vector("cu_query_lengths", cu_query_lengths, requests + 1, device)
+    check_index_vector("kv_lengths", kv_lengths, requests, device)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not (0 < softmax_scale < float("inf")):
+        raise ValueError(f"softmax_scale must be positive and finite; got {softmax_scale}")
+    if max_query_len is not None:
+        check_int("max_query_len", max_query_len, 1)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, 1)
+        if num_kv_splits > MAX_KV_SPLITS:
+            raise ValueError(f"num_kv_splits must be <= {MAX_KV_SPLITS}; got {num_kv_splits}")
+    check_tensor("out", out, (query.dtype,))
+    check_device("out", out, device)
+    if tuple(out.shape) != (tokens, heads, latent_dim):
+        raise ValueError(
+            f"out must have shape {(tokens, heads, latent_dim)}; got {tuple(out.shape)}"
+        )
+    check_unit_last_stride("out", out)
+    check_no_self_overlap("out", out)
+    check_disjoint(
+        "out",
+        out,
+        (
+            ("query", query),
+            ("kv_cache", kv_cache),
+            ("block_table", block_table),
+            ("cu_query_lengths", cu_query_lengths),
+            ("kv_lengths", kv_lengths),
+        ),
+    )
+    return tokens, heads, latent_dim
+
+
+def mla_paged_latent_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    softmax_scale: float,
+    *,
+    rope_dim: int = 64,
+    max_query_len: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+    out: Optional[Tensor] = None,
+) -> Tensor:
+    """Absorbed MLA attention of one dynamic-batching step over the paged latent cache.
+    GRAPH-SAFE (no host synchronisation; grids and the split count from static sizes; idle
+    programs exit early).
+
+    Request ``r`` has the new tokens ``cu_query_lengths[r]:cu_query_lengths[r + 1]`` of
+    ``query`` and ``kv_lengths[r]`` cached rows including them (append first:
+    :func:`megatron_ext.fusions.fused_mla_rope_cache_append.fused_mla_rope_cache_append`); its
+    row ``n`` is ``kv_cache[block_table[r, n // block_size], n % block_size]``. New token ``i`` of
+    the request is at position ``kv_lengths[r] - q_len + i`` and attends to rows ``0..position``
+    with keys the whole rows and values their first ``latent_dim`` columns:
+    ``out = softmax(scale * q . k) @ v``, accumulated in fp32. Tokens past
+    ``cu_query_lengths[-1]`` get zeros; a row's block id outside the cache is skipped. Not
+    checked (each needs a host sync): that ``cu_query_lengths`` is non-decreasing and that the
+    lengths match the block table.
+
+    In megatron-core's ``DynamicInferenceContext`` terms: ``kv_cache`` is
+    ``memory_buffer[layer]`` (``key_value_cache(layer)[0]``), ``block_table``,
+    ``cu_query_lengths`` and ``kv_lengths`` the attention metadata's ``block_table``,
+    ``cu_query_seq_lengths`` and ``kv_seq_lengths`` (padded requests have length 0), and
+    ``max_query_len`` its ``max_seqlen_q``.
+
+    Args:
+        query (Tensor): [tokens, heads, latent_dim + rope_dim], ``[q_nope @ W_UK | rope(q_pe)]``
+            per head; fp32, fp16 or bf16, unit last stride. ``heads`` may be a tensor-parallel
+            shard (any count >= 1).
+        kv_cache (Tensor): [num_blocks, block_size, latent_dim + rope_dim] in query's dtype, unit
+            last stride; any block size.
+        block_table (Tensor): [requests, max_blocks] int32/int64, unit last stride.
+        cu_query_lengths (Tensor): [requests + 1] int32/int64 cumulative new-token counts.
+        kv_lengths (Tensor): [requests] int32/int64 cached rows per request, the new ones
+            included.
+        softmax_scale (float): the logits' scale (MLA's is ``mscale**2 / sqrt(qk_head_dim +
+            qk_pos_emb_head_dim)``, the unabsorbed head size's).
+        rope_dim (int): the RoPE columns at the end of each row; it and the latent width
+            (``kv_lora_rank``) must be powers of two >= 16.
+        max_query_len (Optional[int]): a static bound on the new tokens per request (1 in
+            decode-only steps); it picks the tile shape, so any value is correct. None: tokens.
+        num_kv_splits (Optional[int]): split-KV count, 1 to ``MAX_KV_SPLITS``; None picks one
+            from static sizes (:func:`default_num_kv_splits`).
+        out (Optional[Tensor]): [tokens, heads, latent_dim] in query's dtype, unit last stride,
+            to write to (a new tensor if None).
+
+    Returns:
+        Tensor: ``out``, [tokens, heads, latent_dim].
+
+    Raises:
+        TypeError, ValueError: for arguments of other types, dtypes, shapes, devices or layouts,
+            widths the kernels do not take, or an ``out`` that overlaps an input, before any
+            launch.
+    """
+    if out is None and isinstance(query, Tensor) and query.dim() == 3:
+        width = query.shape[2] - rope_dim if isinstance(rope_dim, int) else 0
+        out = torch.empty((*query.shape[:2], max(width, 0)), dtype=query.dtype, device=query.device)
+    tokens, heads, latent_dim = _check(
+        query,
+        kv_cache,
+        block_table,
+        cu_query_lengths,
+        kv_lengths,
+        softmax_scale,
+        rope_dim,
+        max_query_len,
+        num_kv_splits,
+        out,
+    )
+    if tokens == 0 or heads == 0:
+        return out
+    requests, max_blocks = block_table.shape
+    fp32 = query.dtype == torch.float32
+    decode = max_query_len == 1
+    # Rows of one dot: BLOCK_Q tokens x BLOCK_H heads, at least 16 (a tensor-core tile) and at
+    # most what keeps the fp32 accumulator [rows, latent_dim] in registers.
+    block_h = BLOCK_H if decode else min(BLOCK_H, triton.next_power_of_2(heads))
+    max_rows = 32 if fp32 else 64
+    bound = tokens if max_query_len is None else max_query_len
+    block_q = (
+        1 if decode else min(max(triton.next_power_of_2(bound), 16 // block_h), max_rows // block_h)
+    )
+    block_n = 16 if fp32 else 32
+    head_tiles = triton.cdiv(heads, block_h)
+    query_tiles = tokens // block_q + requests + 1
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(
+            triton.cdiv(tokens, block_q), head_tiles, max_blocks * kv_cache.shape[1], query.device
+        )
+    if num_kv_splits == 1:
+        partial, lse = out, out  # stage 1 writes the output; lse is not used
+        partial_strides = (0, out.stride(0), out.stride(1))
+        lse_strides = (0, 0)
+    else:
+        partial = torch.empty(
+            (num_kv_splits, tokens, heads, latent_dim), dtype=torch.float32, device=query.device
+        )
+        lse = torch.empty((num_kv_splits, tokens, heads), dtype=torch.float32, device=query.device)
+        partial_strides = partial.stride()[:3]
+        lse_strides = lse.stride()[:2]
+    rows = block_q * block_h
+    warps = 8 if rows * latent_dim > 16 * 512 else 4
+    with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
+        _latent_attention_kernel[(query_tiles, head_tiles, num_kv_splits)](
+            query,
+            kv_cache,
+            block_table,
+            cu_query_lengths,
+            kv_lengths,
+            partial,
+            lse,
+            float(softmax_scale) * LOG2E,
+            tokens,
+            heads,
+            requests,
+            kv_cache.shape[0],
+            kv_cache.shape[1],
+            max_blocks,
+            query.stride(0),
+            query.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            *partial_strides,
+            *lse_strides,
+            LATENT_DIM=latent_dim,
+            ROPE_DIM=rope_dim,
+            BLOCK_Q=block_q,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_kv_splits,
+            SEQ_BLOCK=SEQ_BLOCK,
+            # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
+            DOT_PRECISION="ieee" if fp32 else "tf32",
+            num_warps=warps,
+            num_stages=2,
+        )
+        if num_kv_splits > 1:
+            combine_h = min(BLOCK_H, triton.next_power_of_2(heads))
+            _combine_splits_kernel[(tokens, triton.cdiv(heads, combine_h))](
+                partial,
+                lse,
+                cu_query_lengths,
+                out,
+                tokens,
+                heads,
+                requests,
+                *partial_strides,
+                *lse_strides,
+                out.stride(0),
+                out.stride(1),
+                LATENT_DIM=latent_dim,
+                BLOCK_H=combine_h,
+                NUM_SPLITS=num_kv_splits,
+                num_warps=4,
+            )
+    return out

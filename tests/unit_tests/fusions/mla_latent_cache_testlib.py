@@ -1,0 +1,283 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Shared helpers for the tests of the paged MLA latent-cache kernels: dynamic-batching steps
+laid out as megatron-core's ``DynamicInferenceContext`` lays them out (shuffled blocks, padded
+requests and tokens), guard regions, and float64 references that gather the pages explicitly.
+
+Import by file name (pytest puts this folder on sys.path; so does running a script from it).
+"""
+
+import types
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+# What the guard elements around a cache or an output hold: no kernel writes it.
+GUARD = 1234.5
+# What an output holds before a call: a row the kernel forgot stays NaN.
+POISON = float("nan")
+GUARD_ELEMENTS = 97
+
+
+def guarded_tensor(shape: Sequence[int], dtype, device, fill: float) -> Tuple[torch.Tensor, ...]:
+    """A contiguous tensor filled with ``fill`` inside a buffer whose guard elements hold GUARD.
+
+    Returns:
+        (view, buffer).
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    buffer = torch.full((2 * GUARD_ELEMENTS + numel,), GUARD, dtype=dtype, device=device)
+    view = buffer[GUARD_ELEMENTS : GUARD_ELEMENTS + numel].view(*shape)
+    view.fill_(fill)
+    return view, buffer
+
+
+def guards_intact(buffer: torch.Tensor) -> bool:
+    """Whether both guard regions of a buffer from :func:`guarded_tensor` still hold GUARD."""
+    head, tail = buffer[:GUARD_ELEMENTS], buffer[-GUARD_ELEMENTS:]
+    return bool((head == GUARD).all()) and bool((tail == GUARD).all())
+
+
+@dataclass
+class Step:
+    """One dynamic-batching step's attention inputs over one layer's paged latent cache."""
+
+    query: torch.Tensor  # [tokens, heads, latent + rope]
+    kv_cache: torch.Tensor  # [blocks, block_size, latent + rope], a view into cache_buffer
+    cache_buffer: torch.Tensor
+    block_table: torch.Tensor  # [requests (padded), max blocks]
+    cu_query_lengths: torch.Tensor  # [requests + 1]
+    kv_lengths: torch.Tensor  # [requests]
+    requests: List[Tuple[int, int]]  # (cached before the step, new) per real request
+    latent_dim: int
+    rope_dim: int
+
+
+def build_step(
+    requests: Sequence[Tuple[int, int]],
+    *,
+    heads: int,
+    latent_dim: int = 32,
+    rope_dim: int = 16,
+    block_size: int = 16,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+    padding_requests: int = 0,
+    padding_tokens: int = 0,
+    spare_blocks: int = 3,
+    index_dtype=torch.int32,
+) -> Step:
+    """A step with ``requests`` = [(cached tokens, new tokens), ...].
+
+    Blocks are handed out in a shuffled order among ``spare_blocks`` unused ones, so a request's
+    pages are neither contiguous nor ordered; the block table has one unused (-1) column more than
+    the longest request needs; padded requests (length 0, table row -1) and padded tokens follow
+    the real ones, as megatron-core pads them for CUDA graphs. Every cache row holds random values
+    (rows no request owns too), and the query random values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    width = latent_dim + rope_dim
+    blocks = [-(-(cached + new) // block_size) for cached, new in requests]
+    num_blocks = sum(blocks) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    rows = len(requests) + padding_requests
+    table = torch.full((rows, max(blocks, default=0) + 1), -1, dtype=index_dtype)
+    used = 0
+    for r, count in enumerate(blocks):
+        table[r, :count] = order[used : used + count].to(index_dtype)
+        used += count
+    new_counts = [new for _, new in requests] + [0] * padding_requests
+    kv = [cached + new for cached, new in requests] + [0] * padding_requests
+    cu = torch.zeros(rows + 1, dtype=index_dtype)
+    cu[1:] = torch.tensor(new_counts, dtype=torch.int64).cumsum(0).to(index_dtype)
+    tokens = sum(new_counts) + padding_tokens
+    cache = torch.randn(num_blocks, block_size, width, generator=gen).to(dtype)
+    buffer = torch.full((2 * GUARD_ELEMENTS + cache.numel(),), GUARD, dtype=dtype)
+    view = buffer[GUARD_ELEMENTS : GUARD_ELEMENTS + cache.numel()].view(cache.shape)
+    view.copy_(cache)
+    buffer = buffer.to(device)
+    query = torch.randn(tokens, heads, width, generator=gen).to(dtype)
+    return Step(
+        query=query.to(device),
+        kv_cache=buffer[GUARD_ELEMENTS : GUARD_ELEMENTS + cache.numel()].view(cache.shape),
+        cache_buffer=buffer,
+        block_table=table.to(device),
+        cu_query_lengths=cu.to(device),
+        kv_lengths=torch.tensor(kv, dtype=index_dtype, device=device),
+        requests=list(requests),
+        latent_dim=latent_dim,
+        rope_dim=rope_dim,
+    )
+
+
+def attention_reference(step: Step, softmax_scale: float, query=None) -> torch.Tensor:
+    """The step's attention in float64, each request's cache rows gathered page by page.
+
+    Follows the kernel's contract for metadata the host cannot check: a row whose block id lies
+    outside the cache is left out, and a request's context is cut at the block table's capacity.
+    Tokens past the last request get zeros.
+    """
+    query = step.query if query is None else query
+    cache = step.kv_cache.double()
+    blocks, block_size, _ = cache.shape
+    table = step.block_table.long()
+    cu = step.cu_query_lengths.long().tolist()
+    kv_lengths = step.kv_lengths.long().tolist()
+    tokens, heads, _ = query.shape
+    out = torch.zeros(tokens, heads, step.latent_dim, dtype=torch.float64, device=query.device)
+    for r in range(table.shape[0]):
+        start, end = cu[r], cu[r + 1]
+        if end <= start:
+            continue
+        keys = torch.arange(min(kv_lengths[r], table.shape[1] * block_size), device=cache.device)
+        ids = table[r, keys // block_size]
+        present = (ids >= 0) & (ids < blocks)
+        rows = cache[ids.clamp(0, blocks - 1), keys % block_size]  # [keys, width], page by page
+        q = query[start:end].double()
+        scores = torch.einsum("qhd,nd->qhn", q, rows) * softmax_scale
+        positions = kv_lengths[r] - (end - start) + torch.arange(end - start, device=cache.device)
+        attend = present[None, :] & (keys[None, :] <= positions[:, None])  # [new tokens, keys]
+        scores = scores.masked_fill(~attend[:, None, :], float("-inf"))
+        weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)  # a token attending to nothing
+        out[start:end] = torch.einsum("qhn,nd->qhd", weights, rows[:, : step.latent_dim])
+    return out
+
+
+class _ContextStandIn:
+    """The tensors megatron-core's ``DynamicInferenceContext`` methods read (0.16 on the context
+    itself, 0.19 on its ``gpu_view``), for calling those methods unbound."""
+
+    def __init__(self, memory_buffer, positions, block_idx, block_offset, decode_only):
+        self.cache_mla_latent = True
+        self.layer_map = {0: 0}
+        self.memory_buffer = memory_buffer
+        self.padded_active_token_count = positions.shape[0]
+        self.token_to_position_in_request = positions
+        self.token_to_block_idx = block_idx
+        self.token_to_local_position_within_kv_block = block_offset
+        self.gpu_view = types.SimpleNamespace(
+            token_to_position_in_request=positions,
+            token_to_block_idx=block_idx,
+            token_to_local_position_within_kv_block=block_offset,
+        )
+        self._decode_only = decode_only
+
+    def is_decode_only(self) -> bool:
+        return self._decode_only
+
+
+def megatron_core_append(
+    config, yarn, rotary_seq_len, kv_latent, k_pos_emb, memory_buffer, index, decode_only
+) -> None:
+    """What megatron-core's MLASelfAttention does with cache_mla_latents in a dynamic step:
+    rotate ``k_pos_emb`` through the context (``DynamicInferenceContext.apply_rotary_emb_key``),
+    concatenate, append by indexed assignment (``append_key_value_cache``), into
+    ``memory_buffer`` ([layers=1, blocks, block_size, width]).
+
+    Args: megatron-core's MLA config and ``YarnRotaryEmbedding``, the rotary sequence length,
+    [tokens, 1, width] inputs, the buffer, (positions, block_idx, block_offset) and whether the
+    step is decode-only (megatron-core's two branches of the key RoPE).
+    """
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    positions, block_idx, block_offset = index
+    context = _ContextStandIn(memory_buffer, positions, block_idx, block_offset, decode_only)
+    rotary_pos_emb, mscale = yarn(rotary_seq_len)
+    k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
+    k_pos_emb = DynamicInferenceContext.apply_rotary_emb_key(
+        context, k_pos_emb.clone(), rotary_pos_emb, config=config, cp_group=object(), mscale=mscale
+    )
+    kv_cached = torch.cat([kv_latent, k_pos_emb.squeeze(1)], dim=-1)
+    DynamicInferenceContext.append_key_value_cache(context, 1, kv_cached, None)
+
+
+def mla_rope_config(latent_dim: int = 512, rope_dim: int = 64):
+    """A megatron-core MLA config with DeepSeek-V3's RoPE: yarn, factor 40, mscale 1 and
+    mscale_all_dim 0 (so cos/sin carry an mscale of 1.37, not 1)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=1,
+        hidden_size=128,
+        num_attention_heads=2,
+        kv_lora_rank=latent_dim,
+        qk_pos_emb_head_dim=rope_dim,
+        rope_type="yarn",
+        apply_rope_fusion=False,
+        rotary_scaling_factor=40.0,
+        original_max_position_embeddings=64,
+    )
+
+
+def yarn_rotary_embedding(config):
+    """megatron-core's ``YarnRotaryEmbedding`` as ``MLASelfAttention`` builds it from ``config``."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    return YarnRotaryEmbedding(
+        config.qk_pos_emb_head_dim,
+        rotary_base=config.rotary_base,
+        scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast,
+        beta_slow=config.beta_slow,
+        mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim,
+    )
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's grid, then launches."""
+
+    def __init__(self, launches, kernel):
+        self.launches, self.kernel = launches, kernel
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+def record_launches(monkeypatch, module, *kernels: str) -> list:
+    """Record the launches of ``module``'s kernels (by attribute name); returns the list."""
+    launches = []
+    for name in kernels:
+        monkeypatch.setattr(module, name, _Recorder(launches, getattr(module, name)))
+    return launches
+
+
+def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kwargs):
+    """Run the paged attention on ``step`` into a poisoned, guarded output and assert that it
+    matches :func:`attention_reference` within ``tolerance``, writes nothing outside the output
+    and leaves every bit of the cache buffer (guards included) as it was.
+
+    Returns:
+        torch.Tensor: the output.
+    """
+    from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+
+    tokens, heads, _ = step.query.shape
+    out, out_buffer = guarded_tensor(
+        (tokens, heads, step.latent_dim), step.query.dtype, step.query.device, POISON
+    )
+    cache_before = step.cache_buffer.clone()
+    returned = mla_paged_latent_attention(
+        step.query,
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        softmax_scale,
+        rope_dim=step.rope_dim,
+        out=out,
+        **kwargs,
+    )
+    assert returned.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out.double(), attention_reference(step, softmax_scale), **tolerance)
+    assert guards_intact(out_buffer), "a write outside the output"
+    assert torch.equal(step.cache_buffer, cache_before), "the cache changed"
+    return out

@@ -1,0 +1,146 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Run the paged MLA latent-cache kernels on small shapes, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python tests/unit_tests/fusions/sanitize_mla_latent_cache.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 \\
+        python tests/unit_tests/fusions/sanitize_mla_latent_cache.py --quick
+
+The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of the tables among
+the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 40 and 128 heads; block
+sizes 16 and 64; decode with and without split-KV, a mixed prefill/chunked/decode step; padded
+requests and tokens; a -1 block id where the lengths say a row is used). PyTorch's caching
+allocator is disabled so that every tensor is its own allocation and an out-of-bounds access is
+one memcheck can see. Exits non-zero if an appended row differs from megatron-core's or an
+attention output from float64 by more than the unit tests allow.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+# Before torch initialises CUDA: one cudaMalloc per tensor, no slack shared with neighbours.
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402
+from mla_latent_cache_testlib import (  # noqa: E402
+    build_step,
+    check_attention_step,
+    megatron_core_append,
+    mla_rope_config,
+    yarn_rotary_embedding,
+)
+
+from megatron_ext.fusions.fused_mla_rope_cache_append import (  # noqa: E402
+    fused_mla_rope_cache_append,
+)
+
+SCALE = 1 / math.sqrt(192)
+# As the unit tests (test_mla_paged_latent_attention.py), where the bounds are justified.
+TOLERANCE = {torch.float32: 6e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
+POSITIONS = 300
+
+
+def check_append(config, yarn, tokens: int, dtype: torch.dtype, seed: int) -> bool:
+    gen = torch.Generator().manual_seed(seed)
+    blocks, block_size = tokens // 16 + 3, 16
+    rows = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    positions = torch.randint(0, POSITIONS, (tokens,), generator=gen)
+    block_idx, block_offset = rows // block_size, rows % block_size
+    kv_latent = torch.randn(tokens, 1, 512, generator=gen).to(dtype).cuda()
+    k_pos_emb = torch.randn(tokens, 1, 64, generator=gen).to(dtype).cuda()
+    cache = torch.randn(blocks, block_size, 576, generator=gen).to(dtype).cuda()
+    index = [t.cuda() for t in (positions, block_idx, block_offset)]
+    expected = cache.clone().unsqueeze(0)
+    megatron_core_append(config, yarn, POSITIONS, kv_latent, k_pos_emb, expected, index, False)
+    # Then the same tokens again with some rows outside the cache and positions off the tables:
+    # nothing may be written out of bounds (memcheck) and the valid rows must stay equal.
+    cos, sin = yarn.get_cached_cos_sin(POSITIONS, dtype=dtype)
+    fused_mla_rope_cache_append(kv_latent, k_pos_emb, cos, sin, index[0], cache, *index[1:])
+    same = torch.equal(cache, expected[0])
+    bad_block, bad_positions = index[1].clone(), index[0].clone()
+    bad_block[::3] = -1
+    bad_block[1::7] = blocks
+    bad_positions[::5] = POSITIONS + 11
+    fused_mla_rope_cache_append(
+        kv_latent, k_pos_emb, cos, sin, bad_positions, cache.clone(), bad_block, index[2]
+    )
+    torch.cuda.synchronize()
+    return same
+
+
+def check_attention(requests, heads, block_size, dtype, splits, seed) -> bool:
+    step = build_step(
+        requests,
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=block_size,
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+        padding_requests=2,
+        padding_tokens=3,
+    )
+    if step.block_table.shape[1] > 2:
+        step.block_table[0, 1] = -1  # inconsistent metadata: skipped, never read out of bounds
+    decode = all(new == 1 for _, new in requests)
+    tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    try:
+        check_attention_step(
+            step, SCALE, tolerance, max_query_len=1 if decode else None, num_kv_splits=splits
+        )
+    except AssertionError as error:
+        print(error)
+        return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (for racecheck)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    config = mla_rope_config()
+    yarn = yarn_rotary_embedding(config)
+    dtypes = (
+        (torch.bfloat16, torch.float32)
+        if args.quick
+        else (
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+        )
+    )
+    decode = [(0, 1), (700, 1), (63, 1), (64, 1)]
+    mixed = [(100, 1), (0, 70), (65, 9), (0, 1)]
+    attention_cases = [
+        (decode, 1, 16, 1),
+        (decode, 40, 64, None),
+        (mixed, 40, 16, 1),
+        (mixed, 128, 64, 2),
+    ]
+    if args.quick:
+        attention_cases = attention_cases[1:3]
+    failures = checks = 0
+    for dtype in dtypes:
+        for tokens in (1, 37) if args.quick else (1, 37, 300):
+            checks += 1
+            if not check_append(config, yarn, tokens, dtype, seed=tokens):
+                failures += 1
+                print(f"BAD append tokens={tokens} {dtype}")
+        for requests, heads, block_size, splits in attention_cases:
+            checks += 1
+            if not check_attention(requests, heads, block_size, dtype, splits, seed=heads):
+                failures += 1
+                print(f"BAD attention heads={heads} block={block_size} splits={splits} {dtype}")
+    print(f"{checks} checks, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

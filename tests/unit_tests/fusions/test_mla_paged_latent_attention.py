@@ -1,0 +1,410 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of the paged latent-cache MLA attention (megatron_ext.fusions.mla_paged_latent_attention).
+
+Without a GPU the kernels run in the Triton interpreter (tests/conftest.py) in fp32, mostly with
+small widths (a 32-wide latent and 16 RoPE columns; the kernels take any power-of-two widths) and
+once with DeepSeek-V3's 512 + 64, against a float64 reference that gathers each request's pages
+explicitly. Tests marked ``gpu`` add bf16, 512 + 64 everywhere, up to 128 heads and 4k contexts,
+and CUDA-graph replay.
+"""
+
+import math
+
+import pytest
+import torch
+from mla_latent_cache_testlib import (
+    GUARD,
+    attention_reference,
+    build_step,
+    check_attention_step,
+    record_launches,
+)
+
+from megatron_ext.fusions import mla_paged_latent_attention as attention
+from megatron_ext.fusions.mla_paged_latent_attention import (
+    MAX_KV_SPLITS,
+    default_num_kv_splits,
+    mla_paged_latent_attention,
+)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
+# DeepSeek-V3's scale: mscale**2 / sqrt(qk_head_dim + qk_pos_emb_head_dim) (yarn factor 40).
+SCALE = (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192)
+# fp32: on the GPU each logit is one fp32 FMA chain over 576 products, whose rounding error grows
+# as sqrt(576) * 2**-24 times the logit's size (|q||k| ~ 24 here), so the scaled logits and the
+# softmax weights move by up to ~1e-5 relative and the outputs (|out| <= ~4) by a few 1e-5
+# absolute: measured on an H200 <= 2.6e-5 over contexts to 4k and 128 heads, in the interpreter
+# (blocked BLAS dots) <= 3e-6 on the same inputs.
+FP32_TOLERANCE = dict(rtol=1e-5, atol=6e-5)
+
+
+def run_and_check(step, *, tolerance=FP32_TOLERANCE, **kwargs):
+    """The kernel against float64, with its output poisoned and guarded and the cache checked
+    bit for bit afterwards (attention only reads it)."""
+    return check_attention_step(step, SCALE, tolerance, **kwargs)
+
+
+# (cached tokens, new tokens) per request.
+DECODE = [(0, 1), (15, 1), (16, 1), (40, 1), (7, 1)]
+PREFILL = [(0, 37), (0, 1), (0, 16)]
+CHUNKED = [(21, 11), (32, 5), (3, 30)]
+MIXED = [(40, 1), (0, 19), (17, 9), (0, 1), (63, 1), (5, 3)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads", [1, 3, 16])
+def test_decode_matches_float64(heads, splits, block_size):
+    step = build_step(
+        DECODE, heads=heads, block_size=block_size, seed=heads + splits, device=DEVICE
+    )
+    run_and_check(step, max_query_len=1, num_kv_splits=splits)
+
+
+@pytest.mark.parametrize(
+    "requests,kind",
+    [(PREFILL, "prefill"), (CHUNKED, "chunked prefill"), (MIXED, "mixed prefill and decode")],
+)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_prefill_chunked_and_mixed_steps_match_float64(requests, kind, splits):
+    step = build_step(requests, heads=5, block_size=16, seed=len(kind), device=DEVICE)
+    run_and_check(step, num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("padding_tokens", [5, 6])
+def test_padded_requests_and_tokens_get_zeros_and_nothing_else_is_written(padding_tokens):
+    # As megatron-core pads a CUDA-graph step: requests of length 0 (table rows of -1) and tokens
+    # past the last request. The padded rows must come out zero, not as the poison left there.
+    # 34 real tokens in tiles of 8: 5 padding tokens end inside the last full tile of 8 (the
+    # one tile more than tokens // 8 + requests that the grid has for them), 6 past it.
+    step = build_step(
+        MIXED,
+        heads=3,
+        block_size=16,
+        seed=5,
+        padding_requests=3,
+        padding_tokens=padding_tokens,
+        device=DEVICE,
+    )
+    for splits in (1, 4):
+        out = run_and_check(step, num_kv_splits=splits)
+        pad = out[-padding_tokens:]
+        assert torch.equal(pad, torch.zeros_like(pad))
+
+
+def test_deepseek_v3_widths_and_a_non_power_of_two_head_shard():
+    # 512 + 64 columns, 40 heads (a partial head tile), a chunked prefill beside two decodes.
+    step = build_step(
+        [(70, 1), (30, 4), (0, 1)],
+        heads=40,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        seed=3,
+        device=DEVICE,
+    )
+    run_and_check(step, num_kv_splits=2)
+
+
+def test_block_size_256_and_int64_metadata():
+    step = build_step(
+        [(300, 1), (250, 7), (0, 2)],
+        heads=2,
+        block_size=256,
+        seed=4,
+        index_dtype=torch.int64,
+        device=DEVICE,
+    )
+    run_and_check(step, num_kv_splits=2)
+
+
+@pytest.mark.parametrize("max_query_len", [1, 2, 64, None])
+def test_max_query_len_only_picks_the_tile_shape(max_query_len):
+    # A bound below the real query lengths (1 and 2 here) gives tiles of one or a few tokens and
+    # still the right answer.
+    step = build_step(CHUNKED, heads=4, block_size=16, seed=6, device=DEVICE)
+    run_and_check(step, max_query_len=max_query_len, num_kv_splits=1)
+
+
+def test_strided_query_and_output():
+    step = build_step(MIXED, heads=3, block_size=16, seed=7, device=DEVICE)
+    wide = torch.randn(*step.query.shape[:2], step.query.shape[2] + 8, device=DEVICE)
+    wide[..., 3 : 3 + step.query.shape[2]] = step.query
+    query = wide[..., 3 : 3 + step.query.shape[2]]
+    out_wide = torch.full((*query.shape[:2], step.latent_dim + 5), GUARD, device=DEVICE)
+    out = out_wide[..., :-5]
+    args = (step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, SCALE)
+    mla_paged_latent_attention(query, *args, rope_dim=step.rope_dim, out=out, num_kv_splits=2)
+    torch.testing.assert_close(out.double(), attention_reference(step, SCALE), **FP32_TOLERANCE)
+    assert (out_wide[..., -5:] == GUARD).all()
+
+
+def test_inconsistent_metadata_never_reads_out_of_bounds():
+    # The host cannot check the values without a sync: a -1 or too large block id where the
+    # lengths say a row is used, and a length past the table's capacity. Those rows are skipped
+    # and the context cut at the capacity (the reference follows the same rule).
+    step = build_step([(40, 1), (20, 5)], heads=2, block_size=16, seed=8, device=DEVICE)
+    step.block_table[0, 1] = -1
+    step.block_table[1, 0] = step.kv_cache.shape[0]
+    step.kv_lengths[0] = 1000
+    run_and_check(step, num_kv_splits=2)
+
+
+def test_same_bits_on_every_launch():
+    step = build_step(MIXED, heads=3, block_size=16, seed=9, device=DEVICE)
+    args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+    first = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=3)
+    again = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=3)
+    assert torch.equal(first, again)
+
+
+def test_default_split_count_comes_from_static_sizes():
+    cpu = torch.device("cpu")  # the interpreter's target is 4 programs
+    assert default_num_kv_splits(8, 1, 4096, cpu) == 1  # the tiles fill the target
+    assert default_num_kv_splits(1, 1, 4096, cpu) == 4
+    assert default_num_kv_splits(1, 1, 300, cpu) == 1  # too short a context to split
+    assert 1 <= default_num_kv_splits(1, 1, 10**9, cpu) <= MAX_KV_SPLITS
+    step = build_step(DECODE, heads=2, seed=10, device=DEVICE)
+    run_and_check(step, max_query_len=1)  # the default split count, whatever it is
+
+
+def test_no_tokens_is_no_launch(monkeypatch):
+    step = build_step([(3, 1)], heads=2, seed=11, device=DEVICE)
+    launches = _record_launches(monkeypatch)
+    out = mla_paged_latent_attention(
+        step.query[:0],
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        SCALE,
+        rope_dim=16,
+    )
+    assert out.shape == (0, 2, 32) and launches == []
+
+
+def _record_launches(monkeypatch):
+    return record_launches(
+        monkeypatch, attention, "_latent_attention_kernel", "_combine_splits_kernel"
+    )
+
+
+def _bad_inputs():
+    step = build_step([(5, 2), (0, 3)], heads=2, seed=12, device=DEVICE)
+    q, cache, table, cu, kv = (
+        step.query,
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+    )
+    good = dict(
+        query=q,
+        kv_cache=cache,
+        block_table=table,
+        cu_query_lengths=cu,
+        kv_lengths=kv,
+        softmax_scale=SCALE,
+        rope_dim=16,
+    )
+    out = torch.empty(q.shape[0], 2, 32, device=DEVICE)
+    yield "query list", dict(good, query=q.tolist()), TypeError, "query must be a torch.Tensor"
+    yield "int query", dict(good, query=q.long()), TypeError, "query must have dtype"
+    yield "4-d query", dict(good, query=q.unsqueeze(1)), ValueError, "query must be"
+    yield "query last stride", dict(
+        good, query=q.transpose(1, 2).contiguous().transpose(1, 2)
+    ), ValueError, "query must have unit stride"
+    yield "rope_dim not a power of two", dict(good, rope_dim=12), ValueError, "rope_dim must be"
+    yield "latent width not a power of two", dict(
+        good,
+        query=torch.zeros(5, 2, 40, device=DEVICE),
+        kv_cache=torch.zeros(4, 16, 40, device=DEVICE),
+    ), ValueError, "latent width"
+    yield "cache dtype", dict(good, kv_cache=cache.half()), TypeError, "kv_cache is torch.float16"
+    yield "cache width", dict(good, kv_cache=cache[..., :40]), ValueError, "kv_cache rows are 40"
+    yield "2-d cache", dict(good, kv_cache=cache[0]), ValueError, "kv_cache must be"
+    yield "float table", dict(good, block_table=table.float()), TypeError, "block_table must"
+    yield "1-d table", dict(good, block_table=table[0]), ValueError, "block_table must be"
+    yield "short cu", dict(good, cu_query_lengths=cu[:-1]), ValueError, "cu_query_lengths must"
+    yield "strided kv", dict(
+        good, kv_lengths=torch.zeros(4, dtype=torch.int32, device=DEVICE)[::2]
+    ), ValueError, "kv_lengths must be contiguous"
+    yield "tensor scale", dict(good, softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"
+    yield "negative scale", dict(good, softmax_scale=-1.0), ValueError, "softmax_scale must be"
+    yield "nan scale", dict(good, softmax_scale=float("nan")), ValueError, "softmax_scale must be"
+    yield "max_query_len 0", dict(good, max_query_len=0), ValueError, "max_query_len must be"
+    yield "too many splits", dict(
+        good, num_kv_splits=MAX_KV_SPLITS + 1
+    ), ValueError, "num_kv_splits must be"
+    yield "out dtype", dict(good, out=out.half()), TypeError, "out must have dtype"
+    yield "out shape", dict(good, out=out[:, :1]), ValueError, "out must have shape"
+    yield "expanded out", dict(
+        good, out=torch.zeros(1, 2, 32, device=DEVICE).expand(q.shape[0], 2, 32)
+    ), ValueError, "share memory"
+    yield "out inside the query", dict(good, out=q[..., :32]), ValueError, "out overlaps query"
+    yield "out inside the cache", dict(
+        good, out=step.cache_buffer[: out.numel()].view(out.shape)
+    ), ValueError, "out overlaps kv_cache"
+    yield "table on the meta device", dict(
+        good, block_table=table.to("meta")
+    ), ValueError, "block_table is on meta"
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
+def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
+    _, kwargs, error, match = case
+    launches = _record_launches(monkeypatch)
+    with pytest.raises(error, match=match):
+        mla_paged_latent_attention(**kwargs)
+    assert launches == []
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    from megatron_ext.fusions import latent_cache_checks
+
+    monkeypatch.setattr(latent_cache_checks, "INTERPRETED", False)
+    step = build_step([(3, 1)], heads=1, seed=13)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        mla_paged_latent_attention(
+            step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, 1.0
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: bf16, DeepSeek-V3 widths, large head counts and contexts, CUDA graphs.
+# --------------------------------------------------------------------------------------------------
+
+# bf16 inputs are exact in the float64 reference; the kernel rounds the softmax weights to bf16
+# for the value product (2**-9 relative each) and the output to bf16 (2**-9 relative), so an
+# output of magnitude <= ~3 is within about 1e-2 (measured on an H200: <= 4e-3).
+BF16_TOLERANCE = dict(rtol=1.6e-2, atol=1.6e-2)
+GPU_DTYPES = {"bf16": (torch.bfloat16, BF16_TOLERANCE), "fp32": (torch.float32, FP32_TOLERANCE)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_DTYPES), ids=str)
+@pytest.mark.parametrize("heads", [1, 16, 40, 128])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(0, 1), (1000, 1), (63, 1), (64, 1), (2047, 1)],
+        [(0, 300), (0, 1), (0, 65)],
+        [(500, 37), (64, 64), (1, 200)],
+        [(2000, 1), (0, 129), (300, 17), (0, 1), (4000, 1), (77, 3)],
+    ],
+    ids=["decode", "prefill", "chunked", "mixed"],
+)
+def test_gpu_step_kinds_match_float64(requests, block_size, heads, dtype):
+    torch_dtype, tolerance = GPU_DTYPES[dtype]
+    step = build_step(
+        requests,
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=block_size,
+        dtype=torch_dtype,
+        device=DEVICE,
+        seed=heads + block_size,
+        padding_requests=2,
+        padding_tokens=5,
+    )
+    decode_only = all(new == 1 for _, new in requests)
+    run_and_check(step, tolerance=tolerance, max_query_len=1 if decode_only else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_DTYPES), ids=str)
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("batch", [1, 16, 64, 128])
+def test_gpu_decode_batches_with_contexts_to_4k(batch, heads, dtype):
+    torch_dtype, tolerance = GPU_DTYPES[dtype]
+    gen = torch.Generator().manual_seed(batch * heads)
+    contexts = torch.randint(0, 4096, (batch,), generator=gen).tolist()
+    contexts[0] = 4095  # one request at the full 4k
+    step = build_step(
+        [(c, 1) for c in contexts],
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=torch_dtype,
+        device=DEVICE,
+        seed=batch,
+    )
+    run_and_check(step, tolerance=tolerance, max_query_len=1)
+
+
+def _graph_replays_equal_eager(step, max_query_len, num_kv_splits, refresh, tolerance):
+    """Capture one call on static buffers, change the step's contents in place (``refresh``),
+    replay, and compare with an eager call on the same contents, bitwise."""
+    args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+    kwargs = dict(rope_dim=step.rope_dim, max_query_len=max_query_len, num_kv_splits=num_kv_splits)
+    out = torch.empty(*step.query.shape[:2], step.latent_dim, dtype=step.query.dtype, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_paged_latent_attention(*args, SCALE, out=out, **kwargs)  # compiles outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_paged_latent_attention(*args, SCALE, out=out, **kwargs)
+    for round_ in range(3):
+        refresh(round_)
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = mla_paged_latent_attention(*args, SCALE, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"replay {round_} differs from eager"
+        torch.testing.assert_close(out.double(), attention_reference(step, SCALE), **tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_graph_replay_with_changing_lengths_equals_eager_bitwise(dtype):
+    # A decode graph (split-KV) and a mixed-step graph (one split), replayed while the requests'
+    # lengths, block tables and queries change underneath, as the engine's graphs are.
+    gen = torch.Generator().manual_seed(1)
+    tolerance = GPU_DTYPES["bf16" if dtype == torch.bfloat16 else "fp32"][1]
+    decode = build_step(
+        [(3000, 1)] * 8 + [(0, 1)] * 4,
+        heads=16,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=dtype,
+        device=DEVICE,
+        seed=2,
+    )
+
+    def refresh_decode(round_):
+        lengths = torch.randint(1, 3002, (8,), generator=gen, dtype=torch.int32)
+        decode.kv_lengths[:8].copy_(lengths.to(DEVICE))
+        decode.query.copy_(torch.randn(decode.query.shape, generator=gen).to(dtype))
+
+    _graph_replays_equal_eager(decode, 1, None, refresh_decode, tolerance)
+    # Every request has room for 300 cached + 64 new rows; the rounds move the 130 new tokens
+    # between the requests and the cached counts with them.
+    mixed = build_step(
+        [(300, 64), (300, 64), (300, 1), (300, 1)],
+        heads=40,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=dtype,
+        device=DEVICE,
+        seed=3,
+        padding_tokens=4,
+    )
+
+    def refresh_mixed(round_):
+        new = torch.tensor([(30, 98, 1, 1), (1, 1, 64, 64), (64, 1, 1, 64)][round_])
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), new.cumsum(0)])
+        mixed.cu_query_lengths.copy_(cu.to(torch.int32).to(DEVICE))
+        cached = torch.tensor([250, 7, 300, 0])
+        mixed.kv_lengths.copy_((cached + new).to(torch.int32).to(DEVICE))
+        mixed.query.copy_(torch.randn(mixed.query.shape, generator=gen).to(dtype))
+
+    _graph_replays_equal_eager(mixed, None, 1, refresh_mixed, tolerance)
