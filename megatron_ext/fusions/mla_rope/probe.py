@@ -136,6 +136,7 @@ def _mcore(name: str):
 
 
 _COMMON = dict(batch_size=1, seq_num=None, cp_rank=0, cp_size=1, BLOCK_H=1)
+_KV_COMMON = dict(_COMMON, emb_dim=EMB, k_dim=NOPE, v_dim=NOPE, head_num=HEADS, cu_seqlens_kv=None)
 
 
 def _mcore_q(name, x, cos, sin):
@@ -167,11 +168,6 @@ def _mcore_kv_fwd(kv, emb, cos, sin):
         value,
         cos,
         sin,
-        emb_dim=EMB,
-        k_dim=NOPE,
-        v_dim=NOPE,
-        head_num=HEADS,
-        cu_seqlens_kv=None,
         stride_kv_seq=flat.stride(0),
         stride_kv_nheads=flat.stride(1),
         stride_emb_seq=EMB,
@@ -179,7 +175,7 @@ def _mcore_kv_fwd(kv, emb, cos, sin):
         stride_k_nheads=key.stride(1),
         stride_v_seq=value.stride(0),
         stride_v_nheads=value.stride(1),
-        **_COMMON,
+        **_KV_COMMON,
     )
     return key
 
@@ -196,11 +192,6 @@ def _mcore_kv_bwd(dkey, dvalue, cos, sin):
         d_emb,
         cos,
         sin,
-        emb_dim=EMB,
-        k_dim=NOPE,
-        v_dim=NOPE,
-        head_num=HEADS,
-        cu_seqlens_kv=None,
         stride_dk_seq=dk.stride(0),
         stride_dk_nheads=dk.stride(1),
         stride_dv_seq=dv.stride(0),
@@ -208,7 +199,7 @@ def _mcore_kv_bwd(dkey, dvalue, cos, sin):
         stride_dkv_seq=d_kv.stride(0),
         stride_dkv_nheads=d_kv.stride(1),
         stride_demb_seq=EMB,
-        **_COMMON,
+        **_KV_COMMON,
     )
     return d_emb
 
