@@ -61,6 +61,7 @@ __all__ = [
     "REQUIRED_METADATA_LABELS",
     "SamplingPlan",
     "StaticSlicesControllerBase",
+    "non_finite_codes",
 ]
 
 # Metadata labels the graph-safe region reads.
@@ -99,6 +100,44 @@ def _scaled_scores(logits: Tensor, temperature: Tensor) -> Tensor:
     if logits.dtype == torch.float64:
         logits = logits.float()
     return logits / temperature.unsqueeze(1).float()
+
+
+def non_finite_codes(
+    row_max: Tensor,
+    temperature: Optional[Tensor] = None,
+    greedy_rows: Optional[Tensor] = None,
+    *,
+    out: Tensor,
+) -> Tensor:
+    """Each row's :data:`NON_FINITE_REASONS` code (0 when its scores are finite), from its
+    largest logit. GRAPH-SAFE.
+
+    Args:
+        row_max (Tensor): ``[rows]`` each row's largest logit; NaN where the row holds one
+            (``argmax``, ``amax`` and ``topk`` all take a NaN as the maximum), -inf where every
+            entry is -inf.
+        temperature (Optional[Tensor]): ``[rows]`` the temperatures the rows are scaled by;
+            None when no row is scaled (greedy rows only).
+        greedy_rows (Optional[Tensor]): ``[rows]`` bool, the rows that are not scaled (their
+            temperature may be 0); None when every row is scaled.
+        out (Tensor): ``[rows]`` uint8 destination.
+
+    Returns:
+        Tensor: ``out``.
+    """
+    if temperature is None:
+        return torch.mul(torch.isfinite(row_max).logical_not_(), 2, out=out)
+    # The largest scaled score is the row maximum scaled (the division is monotonic).
+    scaled_max = row_max.float() / temperature.float()
+    if greedy_rows is not None:
+        scaled_max = torch.where(greedy_rows, row_max.float(), scaled_max)
+    # 2 where the logits are not finite (their scaled maximum then is not either), 1 where only
+    # the scaling overflowed.
+    return torch.add(
+        torch.isfinite(scaled_max).logical_not_().to(torch.uint8),
+        torch.isfinite(row_max).logical_not_(),
+        out=out,
+    )
 
 
 class StaticSlicesControllerBase(TextGenerationController):
@@ -427,7 +466,7 @@ class StaticSlicesControllerBase(TextGenerationController):
             # argmax takes a NaN as the maximum, so the value it picked is the row's maximum in
             # every case that matters: NaN, +inf, or -inf for a row that is all -inf.
             row_max = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            torch.mul(torch.isfinite(row_max).logical_not_(), 2, out=non_finite)
+            non_finite_codes(row_max, out=non_finite)
         else:
             temperature = meta["temperature"][:rows]
             sampled, row_max = self._sample_rows(logits, temperature, top_k, top_p, plan)
@@ -436,17 +475,8 @@ class StaticSlicesControllerBase(TextGenerationController):
                 torch.where(greedy_rows, torch.argmax(logits, dim=-1), sampled, out=tokens)
             else:
                 tokens.copy_(sampled)
-            # The largest scaled score is the row maximum scaled (the division is monotonic);
-            # greedy rows are not scaled (their temperature may be 0).
-            scaled_max = row_max.float() / temperature.float()
-            if plan.greedy:
-                scaled_max = torch.where(greedy_rows, row_max.float(), scaled_max)
-            # 2 where the logits are not finite (their scaled maximum then is not either), 1
-            # where only the scaling overflowed.
-            torch.add(
-                torch.isfinite(scaled_max).logical_not_().to(torch.uint8),
-                torch.isfinite(row_max).logical_not_(),
-                out=non_finite,
+            non_finite_codes(
+                row_max, temperature, greedy_rows if plan.greedy else None, out=non_finite
             )
 
         if plan.log_probs:
@@ -704,7 +734,8 @@ class StaticSlicesControllerBase(TextGenerationController):
 
         Args:
             host (Dict[str, Tensor]): from :meth:`fetch_step_outputs` or
-                :meth:`run_sampling_step`.
+                :meth:`run_sampling_step`, or any host ``non_finite`` codes with the rows'
+                ``request_ids``.
             count (int): rows that belong to active requests.
 
         Returns:

@@ -10,12 +10,16 @@ legacy (non-overlapped) scheduling mode without speculative decoding, reads the 
 host slices (exact for the active rows, no synchronisation), and leaves log-probs and bookkeeping
 to upstream.
 
-Every other step runs upstream's sampler unchanged, including steps of a controller whose region
-is not graphed (``cuda_graph_sampling=False``, or a context off CUDA): run eagerly, the region
+Every other step runs upstream's sampler, including steps of a controller whose region is not
+graphed (``cuda_graph_sampling=False``, or a context off CUDA): run eagerly, the region
 launches its kernels one by one (sampling, plus the termination mask, the request-id copies and
 the plan check that only the 0.16 step and the public ``run_sampling_step`` read), after a copy
 of the logits into its static buffer; upstream's bucketed sampler does less launch work for the
-same tokens, so an eager step of this controller is megatron-core's step.
+same tokens, so an eager step of this controller is megatron-core's step, with one addition in
+legacy scheduling: the rows' ``non_finite`` codes are computed on the device first (the region's
+classification) and read with upstream's copy of the tokens, and those requests fail alone as
+after a graphed step, where upstream's greedy rule took a NaN's index as the token and its
+``multinomial`` raised for the whole step.
 """
 
 from typing import Dict, Optional, Tuple
@@ -29,6 +33,7 @@ from megatron_ext.inference.engines.dynamic_engine import FAILED_REQUESTS_KEY
 from megatron_ext.inference.text_generation_controllers.static_slices_controller_base import (
     SamplingPlan,
     StaticSlicesControllerBase,
+    non_finite_codes,
 )
 
 __all__ = ["StaticSlicesTextGenerationController"]
@@ -44,6 +49,9 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
     # Whether the region sampled this step (its outputs are then read back in one copy), and the
     # requests that step found without finite scores (request id -> reason), until bookkeeping.
     _region_sampled = False
+    # Whether megatron-core's sampler sampled this step with the rows' ``non_finite`` codes
+    # computed (they travel to the host with its tokens).
+    _eager_flagged = False
     _step_failed: Optional[Dict[int, str]] = None
 
     def _expected_logits_shape(self) -> Tuple[int, torch.dtype]:
@@ -127,30 +135,96 @@ class StaticSlicesTextGenerationController(StaticSlicesControllerBase):
 
     def _dynamic_step_sample_logits(self) -> None:
         """Sample with the graph-safe region's CUDA graph (see ``region_samples_this_step``);
-        megatron-core's sampler otherwise."""
+        megatron-core's sampler otherwise, on rows whose scores were classified first (see
+        ``_sample_flagged_rows``) in legacy scheduling, where the step's bookkeeping reads the
+        flags."""
         self._region_sampled = False
+        self._eager_flagged = False
         if not self.region_samples_this_step():
-            return super()._dynamic_step_sample_logits()
+            context = self.inference_wrapped_model.inference_context
+            if context.config.async_sched_mode != AsyncScheduleMode.LEGACY:
+                return super()._dynamic_step_sample_logits()
+            return self._sample_flagged_rows()
         plan = self.sampling_plan()
         # Upstream computes log-probs itself (raw or processed, per its config).
         plan = SamplingPlan(**{**plan.__dict__, "log_probs": False})
         self.run_graph_safe_step(self._region_rows(), plan)
         self._region_sampled = True
 
+    def _sample_flagged_rows(self) -> None:
+        """megatron-core's sampler on this step's rows after their ``non_finite`` codes are
+        computed on the device (:func:`non_finite_codes`, the region's classification).
+
+        megatron-core's ``multinomial`` raises on a row without a distribution, failing the whole
+        step, and its greedy argmax returns the NaN's or inf's index: the sampler reads a copy of
+        the rows (this controller's, never megatron-core's logits buffer, which its log-prob
+        passes read afterwards) in which the flagged rows are zeros; their tokens are discarded
+        (the requests fail, ``_transfer_samples_to_cpu``). The call is megatron-core's
+        ``_dynamic_step_sample_logits`` minus its row gather, done here already (that method
+        samples ``_all_logits_cuda`` itself, with no way to pass it other rows). Device-only:
+        the plan flags below read pinned host metadata.
+        """
+        context = self.inference_wrapped_model.inference_context
+        n = self._active_request_count()
+        flat = self._all_logits_cuda.squeeze(0)
+        # The rows megatron-core's sampler would read: a view of its buffer, or (one logit row
+        # per token) a gathered copy this method owns.
+        owned = not context.config.materialize_only_last_token_logits
+        if owned:
+            rows = flat.index_select(0, context.gpu_view.active_request_last_token_idxs[:n])
+        else:
+            rows = flat[:n]
+        if n:
+            view = context.gpu_view
+            greedy = context.active_request_metadata["top_k"][:n] == 1
+            scaled, mixed = bool(not greedy.all()), bool(greedy.any())
+            codes = non_finite_codes(
+                rows.amax(dim=-1),
+                view.temperature[:n] if scaled else None,
+                view.top_k[:n] == 1 if scaled and mixed else None,
+                out=self._step_out["non_finite"][:n],
+            )
+            flagged = codes.bool().unsqueeze(1)
+            rows = rows.masked_fill_(flagged, 0) if owned else rows.masked_fill(flagged, 0)
+        no_top_k, no_top_p = self._active_requests_sampling_filter_flags(n)
+        self._sampling.sample_kernel(
+            rows,
+            n,
+            context,
+            no_top_k=no_top_k,
+            no_top_p=no_top_p,
+            output=self._sampled_tokens_cuda[:n],
+        )
+        self._eager_flagged = True
+
     def _transfer_samples_to_cpu(self, active_request_count: int) -> tuple:
         """megatron-core's one copy of the sampled tokens to the host; after a step the region
         sampled, the copy of the region's packed outputs instead (the tokens and the per-row
-        ``non_finite`` codes in one copy), and the requests whose scores were not finite noted
+        ``non_finite`` codes in one copy). The requests whose scores were not finite are noted
         for the bookkeeping (or refused, before it changes anything, where the engine cannot
-        fail them alone)."""
-        if not self._region_sampled:
-            return super()._transfer_samples_to_cpu(active_request_count)
-        self._region_sampled = False
-        host = self.fetch_step_outputs()
-        failed = self.non_finite_requests(host, active_request_count)
+        fail them alone), after either kind of step."""
+        n = active_request_count
+        if self._region_sampled:
+            self._region_sampled = False
+            host = self.fetch_step_outputs()
+            samples = host["tokens"][:n].clone(), None
+        elif self._eager_flagged:
+            self._eager_flagged = False
+            host = self._step_out_host.views
+            # Queued on the stream before megatron-core's blocking copy of the tokens, whose
+            # synchronisation therefore covers it: no synchronisation of its own.
+            host["non_finite"][:n].copy_(self._step_out["non_finite"][:n], non_blocking=True)
+            samples = super()._transfer_samples_to_cpu(n)
+            context = self.inference_wrapped_model.inference_context
+            # The active rows' ids, on the host in 0.19.
+            ids = context.request_ids[context.paused_request_count : context.total_request_count]
+            host = {"non_finite": host["non_finite"], "request_ids": ids}
+        else:
+            return super()._transfer_samples_to_cpu(n)
+        failed = self.non_finite_requests(host, n)
         self._refuse_unless_failable(failed)
         self._step_failed = failed
-        return host["tokens"][:active_request_count].clone(), None
+        return samples
 
     def _apply_stop_word_finished_ids(
         self, active_request_ids: Tensor, active_request_mask: Tensor

@@ -24,6 +24,7 @@ from megatron.core.inference.sampling_params import SamplingParams
 import megatron_ext.inference as inference_switch
 from megatron_ext.fusions.fused_top_k_sampling import sample_top_k_candidates
 from megatron_ext.inference.contexts.dynamic_context import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.inference.engines.dynamic_engine import FAILED_REQUESTS_KEY
 from megatron_ext.inference.text_generation_controllers import (
     static_slices_controller_base as controller_base,
 )
@@ -1057,6 +1058,8 @@ def _poison(stack, kind: str, mark: int) -> None:
             logits[rows, 3] = float("nan")
         elif kind == "inf":
             logits[rows, 3] = float("inf")
+        elif kind == "zeros":  # what the eager 0.19 step samples in place of a flagged row
+            logits[rows] = 0
         else:
             logits[rows] = float("-inf")
         return logits
@@ -1098,6 +1101,94 @@ def test_engine_fails_a_request_whose_logits_are_not_finite_alone(mode, kind):
     sample_with_the_region_every_step(stack.controller)
     with pytest.raises(ValueError, match=r"no token can be sampled for requests 3: its logits"):
         run_engine_records(build_engine(stack), requests)
+
+
+_EAGER_SAMPLING = {"greedy": dict(top_k=1), "top_k": dict(top_k=4)}
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.16's eager step is the region (tested above)",
+)
+@pytest.mark.parametrize("kind", ["nan", "inf", "all_neg_inf"])
+@pytest.mark.parametrize("mode", list(_EAGER_SAMPLING))
+def test_eager_0_19_step_fails_a_request_whose_logits_are_not_finite_alone(mode, kind):
+    """0.19, region not graphed (megatron-core's own sampler samples every step): greedy took
+    the NaN's or inf's index as the token and top-k's multinomial raised for the whole step. Now
+    the request fails alone with the reason and no token, the others finish (greedy: with the
+    tokens they have without it), and without the engine's patch the step refuses, naming it."""
+    mark = VOCAB - 1  # random_requests' prompts never hold it
+    requests = dict(enumerate(random_requests(8, seed=43, **_EAGER_SAMPLING[mode])))
+    prompt, params = requests[3]
+    requests[3] = ([*prompt, mark], params)
+
+    def stack():
+        built = make_stack()
+        assert not built.controller.region_samples_this_step()
+        _poison(built, kind, mark)
+        return built
+
+    with inference_flag():
+        records = run_engine_records(build_engine(stack()), requests)
+        clean = run_engine_records(
+            build_engine(stack()), {k: v for k, v in requests.items() if k != 3}
+        )
+    assert "logits row is not finite" in failure_reason(records[3])
+    assert records[3].generated_tokens == []
+    for request_id, request in clean.items():
+        assert completed(records[request_id]), request_id
+        assert all(0 <= token < VOCAB - 1 for token in records[request_id].generated_tokens)
+        if mode == "greedy":  # sampled rows draw other noise beside another row
+            assert records[request_id].generated_tokens == request.generated_tokens
+    with pytest.raises(ValueError, match=r"no token can be sampled for requests 3: its logits"):
+        run_engine_records(build_engine(stack()), requests)
+
+
+@pytest.mark.skipif(not UPSTREAM_HAS_ACTIVE_SLICES, reason="megatron-core 0.19's eager step")
+@pytest.mark.parametrize("materialize", [True, False], ids=["last_token_logits", "all_logits"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "all_neg_inf"])
+def test_eager_0_19_step_samples_the_other_rows_as_megatron_core(kind, materialize):
+    """One eager step with greedy and top-k rows (several sampling buckets): every other row's
+    token is bit for bit megatron-core's own sampler's on the same logits with the flagged row
+    zeroed (the row megatron-core's sampler reads in its place), drawn from the same generator;
+    only the flagged request is reported."""
+    mark = VOCAB - 1
+    rng = random.Random(3)
+    sampling = [dict(top_k=1), dict(top_k=4), dict(top_k=8, temperature=0.7), dict(top_k=4)] * 2
+    requests = {
+        k: (
+            [rng.randrange(VOCAB - 1) for _ in range(4)] + ([mark] if k == 3 else []),
+            SamplingParams(num_tokens_to_generate=8, termination_id=-1, **params),
+        )
+        for k, params in enumerate(sampling)
+    }
+
+    def first_step(extension: bool, poison: str):
+        stack = make_stack(extension=extension, materialize_only_last_token_logits=materialize)
+        _poison(stack, poison, mark)
+        controller, seen = stack.controller, []
+        bookkeeping = controller._dynamic_step_context_bookkeeping
+
+        def record():
+            result = bookkeeping()
+            seen.append(result)
+            return result
+
+        controller._dynamic_step_context_bookkeeping = record
+        engine = build_engine(stack)
+        add_to_engine(engine, requests)
+        engine.step_modern()
+        return seen[0]
+
+    with inference_flag():
+        ours = first_step(True, kind)
+    stock = first_step(False, "zeros")
+    ids = ours["active_request_ids"].tolist()
+    assert ids == stock["active_request_ids"].tolist() and sorted(ids) == list(requests)
+    assert FAILED_REQUESTS_KEY not in stock
+    assert ours[FAILED_REQUESTS_KEY] == {3: controller_base.NON_FINITE_REASONS[2]}
+    good = [row for row, request_id in enumerate(ids) if request_id != 3]
+    assert torch.equal(ours["sample"][good], stock["sample"][good])
 
 
 # Requests refused where they enter (each used to stall megatron-core's queue: every later step
