@@ -305,8 +305,9 @@ def mla_rope_kv_fwd(
         plan = plans.plan_kv_fwd(
             kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu, cp_rank, cp_size, keep, pos
         )
-        fma = probe.pairing_for("kv_fwd", k_pos_emb.dtype, cos.dtype, kv.device, False)
-        plan = plan.with_pairing(fma)
+        plan = plan.with_pairing(
+            probe.pairing_for("kv_fwd", k_pos_emb.dtype, cos.dtype, kv.device, False)
+        )
     key_out, value_out = (kv.new_empty(shape) for shape in plan.outputs)
     tensors = (kv, k_pos_emb, key_out, value_out, cos, sin, cu, contiguous(pos))
     if launch is None:
