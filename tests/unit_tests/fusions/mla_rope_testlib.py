@@ -293,12 +293,16 @@ def compute_dtype(x_dtype: torch.dtype, table_dtype: torch.dtype) -> torch.dtype
     return torch.bfloat16
 
 
-def kernel_pairing(kind: str, x_dtype, table_dtype, inverse: bool = False) -> pairing.Pairing:
-    """The FMA pairing the kernels launch with where no probe runs (the interpreter, CPU tensors):
-    the forced one, the inverse rotation's fixed one, or the default."""
-    if inverse:
-        return pairing.forced() or pairing.inverse_pairing(x_dtype, table_dtype, kind == "q_bwd")
-    return pairing.forced() or pairing.DEFAULTS[kind]
+def kernel_pairing(
+    kind: str, x_dtype, table_dtype, inverse: bool = False, device=None
+) -> pairing.Pairing:
+    """The FMA pairing the kernels launch with on ``device``: what the product's launches use (on a
+    GPU the probed one, which follows the installed Triton; in the interpreter and on CPU tensors
+    the forced one, the inverse rotation's fixed one, or the default)."""
+    from megatron_ext.fusions.mla_rope import probe
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return probe.pairing_for(kind, x_dtype, table_dtype, device, inverse)
 
 
 def _pair(a, b, c, d, subtract: bool, fuse: int, ct):
@@ -337,7 +341,7 @@ def q_forward_reference(
     if inverse:
         sl, sr = -sl, -sr
     if exact_model:
-        fma = kernel_pairing("q_fwd", t.dtype, cos.dtype, inverse)
+        fma = kernel_pairing("q_fwd", t.dtype, cos.dtype, inverse, t.device)
         left = _pair(x1, cl, x2, sl, True, fma.first, ct)
         right = _pair(x2, cr, x1, sr, False, fma.second, ct)
     else:
@@ -366,7 +370,7 @@ def q_backward_reference(
         sl, sr = -sl, -sr
     if exact_model:
         g1, g2 = _rotate_bwd(
-            g_l, g_r, cl, cr, sl, sr, kernel_pairing("q_bwd", g.dtype, cos.dtype, inverse), ct
+            g_l, g_r, cl, cr, sl, sr, kernel_pairing("q_bwd", g.dtype, cos.dtype, inverse, g.device), ct
         )
     else:
         g1 = g_l * cl + g_r * sr
@@ -386,7 +390,7 @@ def kv_forward_reference(
     x1, x2 = _split_pairs(emb, True)
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
-        fma = kernel_pairing("kv_fwd", k_pos_emb.dtype, cos.dtype)
+        fma = kernel_pairing("kv_fwd", k_pos_emb.dtype, cos.dtype, device=k_pos_emb.device)
         left = _pair(x1, cl, x2, sl, True, fma.first, ct)
         right = _pair(x2, cr, x1, sr, False, fma.second, ct)
     else:
@@ -420,7 +424,7 @@ def kv_backward_reference(
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
         g1, g2 = _rotate_bwd(
-            g_l, g_r, cl, cr, sl, sr, kernel_pairing("kv_bwd", dkey.dtype, cos.dtype), ct
+            g_l, g_r, cl, cr, sl, sr, kernel_pairing("kv_bwd", dkey.dtype, cos.dtype, device=dkey.device), ct
         )
     else:
         g1 = g_l * cl + g_r * sr
@@ -616,7 +620,7 @@ def parallel_compile(threads: int = 8) -> Iterator[None]:
 def plan_ours_q(kernel, case: Case, x, cos, sin, inverse=False, keep=False):
     """megatron_ext's launch plan of a query kernel for these inputs, and its pointer arguments
     (the copying kernel's output left out: the caller allocates it)."""
-    from megatron_ext.fusions.mla_rope import plans
+    from megatron_ext.fusions.mla_rope import kernels, plans
 
     plan = plans.plan_q(
         kernel,
@@ -633,6 +637,10 @@ def plan_ours_q(kernel, case: Case, x, cos, sin, inverse=False, keep=False):
         case.position_ids,
         "t",
     )
+    # The pairing the product's launch takes (probed on a GPU), so that a launch at any config
+    # through this plan has the public call's bits.
+    kind = "q_fwd" if kernel is kernels.mla_rope_q_fwd_kernel else "q_bwd"
+    plan = plan.with_pairing(kernel_pairing(kind, x.dtype, cos.dtype, inverse, x.device))
     return plan, (cos, sin, case.cu_seqlens, plans.contiguous(case.position_ids))
 
 
