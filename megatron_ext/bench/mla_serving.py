@@ -197,10 +197,17 @@ def _attention_sets(step: cases.PagedStep, nbytes: int) -> List[tuple]:
     return sets
 
 
+_FLASHINFER_PLANNED: List[bool] = []
+
+
 def _flashinfer_row(
     step: cases.PagedStep, heads: int, sets: List[tuple], ours_out: torch.Tensor, quick: bool
 ) -> Tuple[Dict[str, Any], Optional[Tuple[Callable[..., Any], List[tuple]]]]:
     """FlashInfer planned on the step: (what the row reports, the contender to time or None)."""
+    if not _FLASHINFER_PLANNED:
+        # Its first plan compiles its MLA module with nvcc unless a prebuilt one is installed.
+        print("    FlashInfer: first plan (may JIT-compile for minutes)", flush=True)
+        _FLASHINFER_PLANNED.append(True)
     try:
         peer = cases.FlashInferMLA(step, heads, cases.SOFTMAX_SCALE, step.max_query_len > 1)
         fi_sets = [peer.inputs(cache, query) for cache, query, _ in sets]

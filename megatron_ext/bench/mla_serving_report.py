@@ -50,6 +50,13 @@ def _missed(value: float, target: float, unit: str) -> str:
     return f"missed by {target - value:.1f}{unit}"
 
 
+def _peer_missing(flashinfer: str) -> str:
+    """Why a FlashInfer comparison has no row: not installed, or it failed where it ran."""
+    if flashinfer.startswith("not installed"):
+        return f"not measured: FlashInfer {flashinfer}"
+    return f"not measured: {flashinfer} failed in these rows (the table says why)"
+
+
 def _decode_verdicts(decode: List[Dict[str, Any]], flashinfer: str) -> List[Dict[str, str]]:
     region = [r for r in decode if in_decode_target(r)]
     target = (
@@ -73,7 +80,7 @@ def _decode_verdicts(decode: List[Dict[str, Any]], flashinfer: str) -> List[Dict
     ]
     measured = [r for r in region if _fi_measured(r)]
     if not measured:
-        out.append({"target": peer, "status": f"not measured: {flashinfer}", "worst": ""})
+        out.append({"target": peer, "status": _peer_missing(flashinfer), "worst": ""})
         return out
     slowest = max(measured, key=lambda r: r["ours"]["gpu_us"] / r["flashinfer"]["gpu_us"])
     ratio = slowest["ours"]["gpu_us"] / slowest["flashinfer"]["gpu_us"]
@@ -97,7 +104,7 @@ def _eager_verdict(rows: List[Dict[str, Any]], flashinfer: str) -> Dict[str, str
     )
     measured = [r for r in rows if r["section"] in ("decode", "prefill") and _fi_measured(r)]
     if not measured:
-        return {"target": target, "status": f"not measured: {flashinfer}", "worst": ""}
+        return {"target": target, "status": _peer_missing(flashinfer), "worst": ""}
 
     def excess(r):
         return r["ours"]["eager_us"] - r["flashinfer"]["eager_us"] - r["flashinfer"]["host_us"]
@@ -173,7 +180,7 @@ def verdicts(result: Dict[str, Any]) -> List[Dict[str, str]]:
         "not measured") and ``worst`` (the row that decides it).
     """
     rows = result["rows"]
-    flashinfer = result.get("flashinfer", "FlashInfer not installed")
+    flashinfer = result.get("flashinfer", "not installed")
     out = []
     sections = {r["section"] for r in rows}
     if "decode" in sections:

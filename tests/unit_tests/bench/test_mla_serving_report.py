@@ -97,9 +97,18 @@ def test_without_flashinfer_the_peer_targets_are_not_measured():
     result = result_of([decode_row(16, 4096, 85.0)])
     for words in ("FlashInfer's speed", "eager row behind FlashInfer"):
         status = by_target(result, words)["status"]
-        assert status == "not measured: not installed (ModuleNotFoundError)"
+        assert status == "not measured: FlashInfer not installed (ModuleNotFoundError)"
     text = report.tables(result)
     assert "FlashInfer: not installed" in text
+
+
+def test_flashinfer_failing_in_every_row_is_said():
+    row = decode_row(16, 4096, 85.0)
+    row["flashinfer"] = {"error": "failed: RuntimeError: no kernel for 16 heads"}
+    result = result_of([row], "flashinfer 0.7")
+    status = by_target(result, "FlashInfer's speed")["status"]
+    assert status == "not measured: flashinfer 0.7 failed in these rows (the table says why)"
+    assert "FlashInfer: failed: RuntimeError: no kernel for 16 heads" in report.tables(result)
 
 
 def test_flashinfer_speed_met_and_missed():
