@@ -159,3 +159,38 @@ def test_rows_pick_the_sections(fake_gpu, monkeypatch, tmp_path, capsys):
     assert [r["section"] for r in result["rows"]] == ["rope_append"]
     assert not (tmp_path / "mla_serving.png").exists()  # no decode rows, no plot
     assert "FlashInfer: not installed" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
+    # One small row per section, timed for real: graph capture, eager and host timing, FlashInfer
+    # where installed; the append rows bitwise equal to megatron-core's, FlashInfer close to ours.
+    monkeypatch.setattr(cases, "PREFILL_CASES", {"chunk": [(64, 64)], "mixed": [(32, 16), (90, 1)]})
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (16, 1024))
+    argv = [
+        "--quick",
+        "--batch",
+        "16",
+        "--context",
+        "4096",
+        "--heads",
+        "16",
+        "--out",
+        str(tmp_path),
+    ]
+    assert mla_serving.main(argv) == 0
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    assert [r["section"] for r in result["rows"]] == ["decode"] + ["prefill"] * 2 + [
+        "rope_append"
+    ] * 2
+    for row in result["rows"]:
+        for who in ("ours", "mcore"):
+            if who in row:
+                assert row[who]["gpu_method"] == "graph", row[who]["gpu_method"]
+                assert 0 < row[who]["gpu_us"] <= row[who]["eager_us"] * 1.5, row[who]
+        fi = row.get("flashinfer")
+        if isinstance(fi, dict) and "max_abs_diff" in fi:
+            assert fi["max_abs_diff"] < 0.05, f"FlashInfer differs from ours: {fi}"
+    assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
+    assert 1.0 < result["copy_ceiling"]["tb_per_s"] < 20.0
+    assert "=== verdicts" in capsys.readouterr().out
