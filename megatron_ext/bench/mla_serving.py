@@ -52,6 +52,8 @@ import json
 import math
 import os
 import platform
+import sys
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -247,55 +249,45 @@ def attention_row(
     return row
 
 
-def decode_rows(args, ceiling: Dict[str, float], flashinfer: bool) -> List[Dict[str, Any]]:
-    """The decode section's rows."""
+def decode_row(
+    batch: int, context: int, heads: int, ceiling: Dict[str, float], quick: bool, flashinfer: bool
+) -> Dict[str, Any]:
+    """One decode row: ``batch`` requests of ``context`` rows each."""
     from megatron_ext.fusions.mla_paged_latent_attention import default_num_kv_splits
 
-    rows = []
-    grid = decode_grid(args)
-    for i, (batch, context, heads) in enumerate(grid):
-        print(
-            f"[decode {i + 1}/{len(grid)}] batch {batch}, context {context}, {heads} heads",
-            flush=True,
-        )
-        row = attention_row(cases.decode_requests(batch, context), heads, args.quick, flashinfer)
-        blocks = -(-context // cases.BLOCK_SIZE)
-        splits = default_num_kv_splits(
-            batch, -(-heads // cases.HEAD_TILE), blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
-        )
-        row.update(section="decode", batch=batch, context=context, splits=splits)
-        row["ours_pct_ceiling"] = pct_of_ceiling(
-            row["bytes"]["minimum"], row["ours"]["gpu_us"], ceiling["tb_per_s"]
-        )
-        us, pct = row["ours"]["gpu_us"], row["ours_pct_ceiling"]
-        print(f"    ours {us:.1f} us, {pct:.1f}% of the ceiling", flush=True)
-        rows.append(row)
-        _free()
-    return rows
+    row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
+    blocks = -(-context // cases.BLOCK_SIZE)
+    splits = default_num_kv_splits(
+        batch, -(-heads // cases.HEAD_TILE), blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
+    )
+    row.update(section="decode", batch=batch, context=context, splits=splits)
+    row["ours_pct_ceiling"] = pct_of_ceiling(
+        row["bytes"]["minimum"], row["ours"]["gpu_us"], ceiling["tb_per_s"]
+    )
+    return row
 
 
-def prefill_rows(args, peak: Dict[str, float], flashinfer: bool) -> List[Dict[str, Any]]:
-    """The chunked-prefill / mixed section's rows."""
-    rows = []
-    heads_list = args.heads or cases.PREFILL_HEADS
-    for case, requests in cases.PREFILL_CASES.items():
-        for heads in heads_list:
-            print(f"[prefill] {case}, {heads} heads", flush=True)
-            row = attention_row(requests, heads, args.quick, flashinfer)
-            flops = cases.step_flops(requests, heads)
-            tflops = flops / row["ours"]["gpu_us"] / 1e6
-            row.update(
-                section="prefill",
-                case=case,
-                tokens=sum(new for _, new in requests),
-                flops=flops,
-                ours_tflops=tflops,
-                ours_pct_peak=100 * tflops / peak["tflops"],
-            )
-            print(f"    ours {row['ours']['gpu_us']:.1f} us, {tflops:.1f} TFLOP/s", flush=True)
-            rows.append(row)
-            _free()
-    return rows
+def prefill_row(
+    case: str,
+    requests: List[Tuple[int, int]],
+    heads: int,
+    peak: Dict[str, float],
+    quick: bool,
+    flashinfer: bool,
+) -> Dict[str, Any]:
+    """One chunked-prefill or mixed row."""
+    row = attention_row(requests, heads, quick, flashinfer)
+    flops = cases.step_flops(requests, heads)
+    tflops = flops / row["ours"]["gpu_us"] / 1e6
+    row.update(
+        section="prefill",
+        case=case,
+        tokens=sum(new for _, new in requests),
+        flops=flops,
+        ours_tflops=tflops,
+        ours_pct_peak=100 * tflops / peak["tflops"],
+    )
+    return row
 
 
 def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str, Any]:
@@ -333,15 +325,58 @@ def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str,
     }
 
 
-def append_rows(args, ceiling: Dict[str, float]) -> List[Dict[str, Any]]:
-    """The key RoPE + append section's rows."""
+def _progress(row: Dict[str, Any]) -> str:
+    ours = row["ours"]["gpu_us"]
+    if row["section"] == "decode":
+        return f"ours {ours:.1f} us, {row['ours_pct_ceiling']:.1f}% of the copy ceiling"
+    if row["section"] == "prefill":
+        return f"ours {ours:.1f} us, {row['ours_tflops']:.1f} TFLOP/s"
+    return f"ours {ours:.2f} us, megatron-core {row['mcore']['gpu_us']:.2f} us"
+
+
+def row_jobs(
+    args: argparse.Namespace,
+    ceiling: Dict[str, float],
+    peak: Dict[str, float],
+    flashinfer: bool,
+) -> List[Tuple[str, Callable[[], Dict[str, Any]]]]:
+    """(label, the function that measures it) of every row of the sections asked for."""
+    jobs: List[Tuple[str, Callable[[], Dict[str, Any]]]] = []
+    quick = args.quick
+    if "decode" in args.rows:
+        for b, c, h in decode_grid(args):
+            label = f"decode: batch {b}, context {c}, {h} heads"
+            jobs.append((label, functools.partial(decode_row, b, c, h, ceiling, quick, flashinfer)))
+    if "prefill" in args.rows:
+        for case, requests in cases.PREFILL_CASES.items():
+            for h in args.heads or cases.PREFILL_HEADS:
+                make = functools.partial(prefill_row, case, requests, h, peak, quick, flashinfer)
+                jobs.append((f"prefill: {case}, {h} heads", make))
+    if "rope_append" in args.rows:
+        for tokens in cases.APPEND_TOKENS:
+            make = functools.partial(append_row, tokens, ceiling, quick)
+            jobs.append((f"rope_append: {tokens} tokens", make))
+    return jobs
+
+
+def run_rows(
+    jobs: List[Tuple[str, Callable[[], Dict[str, Any]]]], failed: List[Dict[str, str]]
+) -> List[Dict[str, Any]]:
+    """Measure each row in turn, printing progress; a row that raises is recorded in ``failed``
+    (with its traceback printed) and the others still run. Each row's tensors are freed before
+    the next row allocates its own."""
     rows = []
-    for tokens in cases.APPEND_TOKENS:
-        print(f"[rope_append] {tokens} tokens", flush=True)
-        row = append_row(tokens, ceiling, args.quick)
-        mc, ours = row["mcore"]["gpu_us"], row["ours"]["gpu_us"]
-        print(f"    ours {ours:.2f} us, megatron-core {mc:.2f} us", flush=True)
-        rows.append(row)
+    for i, (label, make) in enumerate(jobs):
+        print(f"[{i + 1}/{len(jobs)}] {label}", flush=True)
+        try:
+            row = make()
+        except Exception as error:  # reported in the tables and the exit status
+            traceback.print_exc(file=sys.stdout)
+            failed.append({"row": label, "error": f"{type(error).__name__}: {error}"[:500]})
+            print(f"    FAILED: {failed[-1]['error']}", flush=True)
+        else:
+            print(f"    {_progress(row)}", flush=True)
+            rows.append(row)
         _free()
     return rows
 
@@ -378,13 +413,8 @@ def bench_gpu(args: argparse.Namespace) -> int:
     print(f"copy ceiling: {ceiling['tb_per_s']:.3f} TB/s", flush=True)
     peak = matmul_peak(args.quick)
     print(f"bf16 matmul peak: {peak['tflops']:.0f} TFLOP/s", flush=True)
-    rows: List[Dict[str, Any]] = []
-    if "decode" in args.rows:
-        rows += decode_rows(args, ceiling, available)
-    if "prefill" in args.rows:
-        rows += prefill_rows(args, peak, available)
-    if "rope_append" in args.rows:
-        rows += append_rows(args, ceiling)
+    failed: List[Dict[str, str]] = []
+    rows = run_rows(row_jobs(args, ceiling, peak, available), failed)
     result: Dict[str, Any] = {
         "benchmark": "mla_serving",
         **_versions(),
@@ -395,15 +425,19 @@ def bench_gpu(args: argparse.Namespace) -> int:
         "matmul_peak": peak,
         "quick": args.quick,
         "rows": rows,
+        "failed_rows": failed,
     }
     result["verdicts"] = verdicts(result)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mla_serving.json"), "w") as f:
             json.dump(result, f, indent=2)
-        plot_decode(result, os.path.join(args.out, "mla_serving.png"))
+        try:
+            plot_decode(result, os.path.join(args.out, "mla_serving.png"))
+        except Exception as error:  # the tables matter more than the plot
+            print(f"no plot: {type(error).__name__}: {error}")
     print(tables(result))
-    return 0
+    return 1 if failed else 0
 
 
 def check_interpreted() -> int:

@@ -314,7 +314,12 @@ def tables(result: Dict[str, Any]) -> str:
     )
     for method in methods:
         lines.append(f"note: some gpu times are not from a graph: {method}")
+    failed = result.get("failed_rows", [])
+    for f in failed:
+        lines.append(f"FAILED row: {f['row']}: {f['error']}")
     lines.append("=== verdicts (issue 35's targets)")
+    if failed:
+        lines.append(f"({len(failed)} rows failed, listed above; the verdicts judge the others)")
     for v in result["verdicts"]:
         worst = f" [worst: {v['worst']}]" if v["worst"] else ""
         lines.append(f"- {v['target']}: {v['status']}{worst}")

@@ -194,3 +194,22 @@ def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
     assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
     assert 1.0 < result["copy_ceiling"]["tb_per_s"] < 20.0
     assert "=== verdicts" in capsys.readouterr().out
+
+
+def test_a_failing_row_is_reported_and_the_others_still_run(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (2, 3))
+    real = mla_serving.append_row
+
+    def append_row(tokens, ceiling, quick):
+        if tokens == 2:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return real(tokens, ceiling, quick)
+
+    monkeypatch.setattr(mla_serving, "append_row", append_row)
+    args = mla_serving.parse_args(["--rows", "rope_append", "--out", str(tmp_path)])
+    assert mla_serving.bench_gpu(args) == 1
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    assert [r["tokens"] for r in result["rows"]] == [3]
+    assert result["failed_rows"] == [
+        {"row": "rope_append: 2 tokens", "error": "RuntimeError: CUDA out of memory (a stand-in)"}
+    ]
