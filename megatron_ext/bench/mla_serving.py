@@ -22,10 +22,9 @@ token shared by the heads; pages shuffled so that no request's are contiguous):
 * ``rope_append``: megatron_ext's ``fused_mla_rope_cache_append``
   (:mod:`megatron_ext.fusions.fused_mla_rope_cache_append`) against megatron-core's path as its
   ``MLASelfAttention`` runs it: its own ``DynamicInferenceContext.apply_rotary_emb_key`` (yarn
-  frequencies from its
-  ``YarnRotaryEmbedding``, decode-only branch up to 256 tokens), ``torch.cat`` and
-  ``append_key_value_cache`` (indexed assignment), called unbound on the tensors they read; 1 to
-  4096 tokens; the written rows compared bitwise.
+  frequencies from its ``YarnRotaryEmbedding``, decode-only branch up to 256 tokens),
+  ``torch.cat`` and ``append_key_value_cache`` (indexed assignment), called unbound on the
+  tensors they read; 1 to 4096 tokens; the written rows compared bitwise.
 * FlashInfer's ``BatchMLAPagedAttentionWrapper`` on copies of the same cache contents (its run
   takes the 512 and 64 parts apart), planned outside the timing, output compared with ours,
   where ``import flashinfer`` works; otherwise each row says so and the verdicts say the peer
@@ -39,7 +38,8 @@ the verdicts against issue 35's targets (decode >= 80% of the ceiling at context
 >= 16, and at least FlashInfer's speed there; RoPE+append >= 85% of the ceiling from 1024 tokens
 and >= 3x megatron-core at 1-256 tokens; no eager row behind FlashInfer by more than its launch
 cost) with the worst rows named. Writes ``mla_serving.json`` and ``mla_serving.png`` (where
-matplotlib is installed) to ``--out``.
+matplotlib is installed) to ``--out``. A row that fails is reported (traceback, ``failed_rows``)
+and the others still run; the exit status is then 1.
 
 Without a GPU it says so and checks the two kernels in the Triton interpreter instead (fp32):
 the attention against a float64 reference on a small decode and a small mixed step, the fused
