@@ -433,9 +433,12 @@ def bench_gpu(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "mla_serving.json"), "w") as f:
             json.dump(result, f, indent=2)
         try:
-            plot_decode(result, os.path.join(args.out, "mla_serving.png"))
+            plotted = plot_decode(result, os.path.join(args.out, "mla_serving.png"))
         except Exception as error:  # the tables matter more than the plot
             print(f"no plot: {type(error).__name__}: {error}")
+        else:
+            if plotted is None and any(r["section"] == "decode" for r in rows):
+                print("no plot: matplotlib is not installed")
     print(tables(result))
     return 1 if failed else 0
 
