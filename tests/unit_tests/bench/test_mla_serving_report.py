@@ -183,3 +183,12 @@ def test_plot_written_only_with_decode_rows(tmp_path):
     path = report.plot_decode(result_of(rows), str(tmp_path / "p.png"))
     assert path and (tmp_path / "p.png").stat().st_size > 0
     assert report.plot_decode(result_of([append_row(1, 1.0, 4.0)]), str(tmp_path / "q.png")) is None
+
+
+def test_decode_table_counts_the_kernels_head_tile_passes():
+    row = decode_row(16, 4096, 50.0, heads=128)
+    nbytes = row["bytes"]
+    expected = 50.0 * nbytes["kernel"] / nbytes["minimum"]  # 8 passes over the rows
+    assert 370.0 < expected < 390.0
+    line = [x for x in report.tables(result_of([row])).splitlines() if x.startswith("   16 ")][0]
+    assert f" 50.0%*{expected:5.1f}% " in line, line
