@@ -220,7 +220,7 @@ def _decode_table(rows: List[Dict[str, Any]], tb_per_s: float) -> List[str]:
         "as the kernel reads them (over 100: the L2 served repeats); x: ours / FlashInfer GPU "
         "time (< 1: ours faster); diff: max |ours - FlashInfer|",
         f"{'batch':>5} {'ctx':>6} {'heads':>5} {'MB':>8} {'splits':>6} | {'gpu us':>9} "
-        f"{'%ceil':>6} {'kern%':>6} {'eager':>8} {'host':>6} | {'FI gpu':>9} {'%ceil':>6} "
+        f"{'%ceil':>6} {'kern%':>7} {'eager':>8} {'host':>6} | {'FI gpu':>9} {'%ceil':>6} "
         f"{'eager':>8} {'host':>6} {'x':>7} {'diff':>8}",
     ]
     for r in rows:
@@ -230,7 +230,7 @@ def _decode_table(rows: List[Dict[str, Any]], tb_per_s: float) -> List[str]:
         lines.append(
             f"{r['batch']:>5} {r['context']:>6} {r['heads']:>5} {nbytes / 1e6:8.1f} "
             f"{r.get('splits', '-'):>6} | {r['ours']['gpu_us']:9.1f} "
-            f"{r['ours_pct_ceiling']:5.1f}%{mark}{kernel:5.1f}% {_us(r['ours'], 'eager_us'):>8} "
+            f"{r['ours_pct_ceiling']:5.1f}%{mark}{kernel:6.1f}% {_us(r['ours'], 'eager_us'):>8} "
             f"{_us(r['ours'], 'host_us'):>6} | "
             f"{_fi_cells(r, lambda us, n=nbytes: f'{pct_of_ceiling(n, us, tb_per_s):5.1f}%')}"
         )

@@ -191,4 +191,4 @@ def test_decode_table_counts_the_kernels_head_tile_passes():
     expected = 50.0 * nbytes["kernel"] / nbytes["minimum"]  # 8 passes over the rows
     assert 370.0 < expected < 390.0
     line = [x for x in report.tables(result_of([row])).splitlines() if x.startswith("   16 ")][0]
-    assert f" 50.0%*{expected:5.1f}% " in line, line
+    assert f" 50.0%*{expected:6.1f}% " in line, line
