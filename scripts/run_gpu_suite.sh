@@ -20,7 +20,7 @@
 #   --repeat-unit N    run the GPU unit tests N times in a row (a race shows as a flaky failure)
 #   --unit-paths P     run only these test paths (default: tests/unit_tests), e.g. while iterating
 #                      on one component: "tests/unit_tests/inference tests/unit_tests/testing"
-#   --bench NAME       rope, inference or all (default): which benchmarks to run
+#   --bench NAME       rope, inference, mla-serving or all (default): which benchmarks to run
 #   --megatron-lm DIR  also run megatron-core's own unit tests from this Megatron-LM checkout (at
 #                      the installed release's tag) stock and with megatron_ext swapped in
 #                      (scripts/run_megatron_core_tests.py; MEGATRON_LM_TEST_FILES picks files)
@@ -149,6 +149,10 @@ if [ -z "$skip_bench" ]; then
     step "benchmark inference" bench_inference.log \
       python3 -m megatron_ext.bench inference --out "$results" $quick
   fi
+  if [ "$bench" = all ] || [ "$bench" = mla-serving ]; then
+    step "benchmark mla-serving" bench_mla_serving.log \
+      python3 -m megatron_ext.bench mla-serving --out "$results" $quick
+  fi
 fi
 
 if [ -z "$skip_san" ]; then
@@ -192,7 +196,7 @@ fi
   if [ -f "$results/megatron_core_tests.log" ]; then
     echo; sed -n '/^| test file/,$p' "$results/megatron_core_tests.log"
   fi
-  for log in bench_rope.log bench_inference.log; do
+  for log in bench_rope.log bench_inference.log bench_mla_serving.log; do
     if [ -f "$results/$log" ]; then
       echo; echo '```'; sed -n '/^=== table/,$p' "$results/$log" | tail -n +2; echo '```'
     fi

@@ -6,8 +6,8 @@ Each benchmark times megatron-core's own code and megatron_ext's in the same pro
 table last. Without a GPU it says so and runs a small correctness check instead of timing.
 
 The report goes to ``--out`` (default ``results/bench`` under the current directory): each
-benchmark's JSON (and, on a GPU, the RoPE plot ``rope.png``), and ``report.md`` with every
-benchmark's printed output, its tables included.
+benchmark's JSON (and, on a GPU, the plots ``rope.png`` and ``mla_serving.png``), and
+``report.md`` with every benchmark's printed output, its tables included.
 """
 
 import argparse
@@ -28,6 +28,7 @@ from megatron_ext.utils import ignore_optional_dependency_warnings
 BENCHMARKS: Dict[str, str] = {
     "rope": "MLA query RoPE kernels, megatron-core's against megatron_ext's",
     "inference": "dynamic-inference bookkeeping (static slices) and static MLA generation",
+    "mla-serving": "MLA paged latent attention and RoPE+append vs the copy ceiling and FlashInfer",
 }
 DEFAULT_OUT = Path("results") / "bench"
 REPORT_NAME = "report.md"
@@ -37,14 +38,14 @@ _HELP = ("-h", "--help")
 
 
 def _parser() -> argparse.ArgumentParser:
-    listing = "\n".join(f"  {name:<10} {text}" for name, text in BENCHMARKS.items())
+    listing = "\n".join(f"  {name:<12} {text}" for name, text in BENCHMARKS.items())
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ext.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
         epilog=(
-            f"benchmarks:\n{listing}\n  {'all':<10} every benchmark above, in turn (the default)"
+            f"benchmarks:\n{listing}\n  {'all':<12} every benchmark above, in turn (the default)"
             "\n\nEach benchmark's own options: python -m megatron_ext.bench BENCHMARK --help\n"
             "(with `all`, only --out and --quick)"
         ),
@@ -89,6 +90,10 @@ def _benchmark_main(name: str) -> Callable[[List[str]], int]:
         from megatron_ext.bench import rope
 
         return rope.main
+    if name == "mla-serving":
+        from megatron_ext.bench import mla_serving
+
+        return mla_serving.main
     from megatron_ext.bench import inference
 
     return inference.main

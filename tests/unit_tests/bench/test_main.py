@@ -5,7 +5,7 @@
 import pytest
 
 from megatron_ext.bench import __main__ as bench_main
-from megatron_ext.bench import inference, rope
+from megatron_ext.bench import inference, mla_serving, rope
 
 
 def fake_benchmark(name, seen, status=0):
@@ -21,17 +21,18 @@ def fake_benchmark(name, seen, status=0):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The two benchmarks replaced by stand-ins; the list of their calls."""
+    """The benchmarks replaced by stand-ins; the list of their calls."""
     seen = []
     monkeypatch.setattr(rope, "main", fake_benchmark("rope", seen))
     monkeypatch.setattr(inference, "main", fake_benchmark("inference", seen))
+    monkeypatch.setattr(mla_serving, "main", fake_benchmark("mla-serving", seen))
     return seen
 
 
 def test_help_lists_the_benchmarks_and_how_to_get_their_options(capsys, calls):
     assert bench_main.main(["--help"]) == 0
     text = capsys.readouterr().out
-    for name in ("rope", "inference", "all"):
+    for name in ("rope", "inference", "mla-serving", "all"):
         assert f"\n  {name} " in text, text
     assert "python -m megatron_ext.bench BENCHMARK --help" in text
     assert calls == []  # nothing ran
@@ -55,7 +56,7 @@ def test_default_run_writes_the_report_to_the_default_directory(
     monkeypatch.chdir(tmp_path)
     assert bench_main.main([]) == 0
     out = tmp_path / "results" / "bench"
-    assert calls == [("rope", ["--out", str(out)]), ("inference", ["--out", str(out)])]
+    assert calls == [(name, ["--out", str(out)]) for name in ("rope", "inference", "mla-serving")]
     report = (out / "report.md").read_text()
     assert "| rope | 0 |" in report and "| inference | 0 |" in report
     assert "=== table: rope" in report and "=== table: inference" in report
@@ -74,7 +75,7 @@ def test_options_go_to_the_named_benchmark(tmp_path, calls):
 
 def test_all_takes_only_the_common_options(tmp_path, calls, capsys):
     assert bench_main.main(["all", "--quick", "--out", str(tmp_path)]) == 0
-    assert [argv for _, argv in calls] == [["--quick", "--out", str(tmp_path)]] * 2
+    assert [argv for _, argv in calls] == [["--quick", "--out", str(tmp_path)]] * 3
     with pytest.raises(SystemExit) as info:
         bench_main.main(["all", "--max-requests", "8"])
     assert info.value.code == 2

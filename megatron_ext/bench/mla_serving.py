@@ -1,0 +1,511 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""MLA serving kernels at the memory limit: megatron_ext's paged latent attention and fused key
+RoPE + cache append against the copy ceiling, FlashInfer's MLA attention and megatron-core's
+unfused path.
+
+    python -m megatron_ext.bench mla-serving [--quick] [--out DIR]
+        [--rows decode prefill rope_append] [--batch ...] [--context ...] [--heads ...]
+
+On a GPU, in bf16, over megatron-core's paged latent cache ([blocks, 64, 512 + 64], one row per
+token shared by the heads; pages shuffled so that no request's are contiguous):
+
+* ``decode``: :func:`~megatron_ext.fusions.mla_paged_latent_attention.mla_paged_latent_attention`
+  for batch {1, 16, 64, 128} x context {1k, 4k, 16k, 32k} x heads {16, 128} (``--quick``: batch
+  {1, 64, 128} x context {4k, 32k}). Bytes: the minimum a call must move, each attended cache row
+  once plus the query and the output (:func:`~megatron_ext.bench.mla_serving_cases.step_bytes`);
+  the kernel reads the rows once per tile of 16 heads, which the L2 may or may not absorb, so the
+  share of the copy ceiling is that of the minimum.
+* ``prefill``: chunked-prefill and mixed steps (a 2k chunk on 2k cached; a 512-token chunk plus 63
+  decode tokens; a 4k prefill), TFLOP/s of the attended (causal) pairs against a bf16
+  ``torch.matmul`` of 8192^3 measured in the same run.
+* ``rope_append``: megatron_ext's ``fused_mla_rope_cache_append``
+  (:mod:`megatron_ext.fusions.fused_mla_rope_cache_append`) against megatron-core's path as its
+  ``MLASelfAttention`` runs it: its own ``DynamicInferenceContext.apply_rotary_emb_key`` (yarn
+  frequencies from its ``YarnRotaryEmbedding``, decode-only branch up to 256 tokens),
+  ``torch.cat`` and ``append_key_value_cache`` (indexed assignment), called unbound on the
+  tensors they read; 1 to 4096 tokens; the written rows compared bitwise.
+* FlashInfer's ``BatchMLAPagedAttentionWrapper`` on copies of the same cache contents (its run
+  takes the 512 and 64 parts apart), planned outside the timing, output compared with ours,
+  where ``import flashinfer`` works; otherwise each row says so and the verdicts say the peer
+  was not measured.
+
+Each call: GPU time (``triton.testing.do_bench`` median of a CUDA graph of N calls, / N), eager
+time (100 calls back to back and a sync, per call) and host time (the same without the sync),
+the eager and host figures the median of rounds that alternate the contenders. The copy ceiling
+(a large ``copy_``, read + write) is measured in the same run. Printed last: a table per section,
+the verdicts against issue 35's targets (decode >= 80% of the ceiling at context >= 4k and batch
+>= 16, and at least FlashInfer's speed there; RoPE+append >= 85% of the ceiling from 1024 tokens
+and >= 3x megatron-core at 1-256 tokens; no eager row behind FlashInfer by more than its launch
+cost) with the worst rows named. Writes ``mla_serving.json`` and ``mla_serving.png`` (where
+matplotlib is installed) to ``--out``. A row that fails is reported (traceback, ``failed_rows``)
+and the others still run; the exit status is then 1.
+
+Without a GPU it says so and checks the two kernels in the Triton interpreter instead (fp32):
+the attention against a float64 reference on a small decode and a small mixed step, the fused
+append bitwise against megatron-core's unfused path.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_ext.bench import mla_serving_cases as cases
+from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
+from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
+
+__all__ = ["main", "parse_args"]
+
+SECTIONS = ("decode", "prefill", "rope_append")
+# A CUDA graph holds at least this many calls, and one call per input copy.
+MIN_GRAPH_CALLS = 10
+# Where one call's inputs are smaller, calls rotate over copies of them that together exceed this
+# (about five times the H200's L2), at most MAX_COPIES.
+ROTATE_BYTES = 256 << 20
+MAX_COPIES = 64
+HOST_ROUNDS = 5
+QUICK_HOST_ROUNDS = 3
+# Where the timed rows run (the tests run the same code on the CPU, in fp32, with fake timings).
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def _sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    """The benchmark's command line.
+
+    Args:
+        argv: the arguments (None: sys.argv).
+
+    Returns:
+        argparse.Namespace: ``out``, ``quick``, ``rows``, ``batch``, ``context``, ``heads``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.bench mla-serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", default=None, help="directory for mla_serving.json and the plot")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer decode rows and rounds (about a minute)"
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="which sections to run (default: all three)",
+    )
+    parser.add_argument("--batch", nargs="+", type=int, help="decode batches (overrides the grid)")
+    parser.add_argument(
+        "--context", nargs="+", type=int, help="decode contexts in tokens (overrides the grid)"
+    )
+    parser.add_argument("--heads", nargs="+", type=int, help="decode and prefill head counts")
+    args = parser.parse_args(argv)
+    for name in ("batch", "context", "heads"):
+        values = getattr(args, name)
+        if values is not None and min(values) < 1:
+            parser.error(f"--{name} values must be >= 1, got {values}")
+    return args
+
+
+def decode_grid(args: argparse.Namespace) -> List[Tuple[int, int, int]]:
+    """(batch, context, heads) of the decode rows, in the order they run."""
+    batches = args.batch or (cases.QUICK_DECODE_BATCHES if args.quick else cases.DECODE_BATCHES)
+    contexts = args.context or (
+        cases.QUICK_DECODE_CONTEXTS if args.quick else cases.DECODE_CONTEXTS
+    )
+    heads = args.heads or cases.DECODE_HEADS
+    return [(b, c, h) for h in heads for b in batches for c in contexts]
+
+
+def copies_for(nbytes: int) -> int:
+    """How many copies of one call's inputs to rotate over (1 when one call exceeds the L2)."""
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+
+
+def graph_us(call: Callable[..., Any], sets: Sequence[tuple], quick: bool) -> Dict[str, Any]:
+    """GPU us per call: do_bench of a CUDA graph of ``max(MIN_GRAPH_CALLS, len(sets))`` calls,
+    call ``i`` on ``sets[i % len(sets)]``, divided by the number of calls. Should the capture fail
+    (a call that synchronises), the same calls are timed eagerly and the method says so.
+
+    Args:
+        call: the call, taking one set's tensors.
+        sets: the input sets (already warmed up: the first call of a shape compiles).
+        quick: fewer do_bench repetitions.
+
+    Returns:
+        Dict[str, Any]: ``gpu_us``, ``gpu_method`` ("graph", or the eager fallback and why).
+    """
+    calls = max(MIN_GRAPH_CALLS, len(sets))
+
+    def run_all() -> None:
+        for i in range(calls):
+            call(*sets[i % len(sets)])
+
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+    except Exception as error:  # a capture that failed: time eagerly instead, say so
+        torch.cuda.synchronize()
+        method = f"eager do_bench (CUDA-graph capture failed: {type(error).__name__}: {error})"
+        return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method[:300]}
+    us = _do_bench_us(graph.replay, quick) / calls
+    del graph
+    return {"gpu_us": us, "gpu_method": "graph"}
+
+
+def _free() -> None:
+    """Give the last row's caches back before the next row allocates its own."""
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _host_rounds(quick: bool) -> int:
+    return QUICK_HOST_ROUNDS if quick else HOST_ROUNDS
+
+
+def _timed(
+    contenders: Dict[str, Tuple[Callable[..., Any], Sequence[tuple]]], quick: bool
+) -> Dict[str, Dict[str, Any]]:
+    """GPU, eager and host time of each contender (call, input sets)."""
+    out = {name: graph_us(call, sets, quick) for name, (call, sets) in contenders.items()}
+    first = {name: (lambda c=call, s=sets[0]: c(*s)) for name, (call, sets) in contenders.items()}
+    host = interleaved_host_us(first, _host_rounds(quick), _sync)
+    for name, times in host.items():
+        out[name].update(host_us=times["host_us"], eager_us=times["eager_us"])
+    return out
+
+
+def _attention_sets(step: cases.PagedStep, nbytes: int) -> List[tuple]:
+    """(cache, query, out) input sets of one step: the step's own and copies."""
+    sets = [(step.kv_cache, step.query, torch.empty_like(step.query[..., : step.latent]))]
+    for _ in range(copies_for(nbytes) - 1):
+        sets.append((step.kv_cache.clone(), step.query.clone(), torch.empty_like(sets[0][2])))
+    return sets
+
+
+_FLASHINFER_PLANNED: List[bool] = []
+
+
+def _flashinfer_row(
+    step: cases.PagedStep, heads: int, sets: List[tuple], ours_out: torch.Tensor, quick: bool
+) -> Tuple[Dict[str, Any], Optional[Tuple[Callable[..., Any], List[tuple]]]]:
+    """FlashInfer planned on the step: (what the row reports, the contender to time or None)."""
+    if not _FLASHINFER_PLANNED:
+        # Its first plan compiles its MLA module with nvcc unless a prebuilt one is installed.
+        print("    FlashInfer: first plan (may JIT-compile for minutes)", flush=True)
+        _FLASHINFER_PLANNED.append(True)
+    try:
+        peer = cases.FlashInferMLA(step, heads, cases.SOFTMAX_SCALE, step.max_query_len > 1)
+        fi_sets = [peer.inputs(cache, query) for cache, query, _ in sets]
+        peer.run(*fi_sets[0])
+        _sync()
+    except Exception as error:  # reported in the row: the benchmark goes on without the peer
+        return {"error": f"failed: {type(error).__name__}: {error}"[:300]}, None
+    diff = (fi_sets[0][4].float() - ours_out.float()).abs().max().item()
+    return {"max_abs_diff": diff}, (peer.run, fi_sets)
+
+
+def attention_row(
+    requests: List[Tuple[int, int]], heads: int, quick: bool, flashinfer: bool
+) -> Dict[str, Any]:
+    """Time one attention step: ours, and FlashInfer's where ``flashinfer``."""
+
+    step = cases.build_step(
+        requests, heads, dtype=DTYPE, device=DEVICE, seed=len(requests) * 131 + heads
+    )
+    nbytes = cases.step_bytes(requests, heads)
+    sets = _attention_sets(step, nbytes["minimum"])
+
+    ours = functools.partial(cases.paged_attention, step)
+    for s in sets[:2]:  # the first call of a shape compiles: never inside a capture
+        ours(*s)
+    _sync()
+    contenders = {"ours": (ours, sets)}
+    fi_report: Any = "not installed"
+    if flashinfer:
+        fi_report, contender = _flashinfer_row(step, heads, sets, sets[0][2], quick)
+        if contender is not None:
+            contenders["flashinfer"] = contender
+    times = _timed(contenders, quick)
+    if "flashinfer" in times:
+        fi_report.update(times["flashinfer"])
+    row = {"heads": heads, "bytes": nbytes, "ours": times["ours"], "flashinfer": fi_report}
+    return row
+
+
+def decode_row(
+    batch: int, context: int, heads: int, ceiling: Dict[str, float], quick: bool, flashinfer: bool
+) -> Dict[str, Any]:
+    """One decode row: ``batch`` requests of ``context`` rows each."""
+    from megatron_ext.fusions.mla_paged_latent_attention import default_num_kv_splits
+
+    row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
+    blocks = -(-context // cases.BLOCK_SIZE)
+    splits = default_num_kv_splits(
+        batch, -(-heads // cases.HEAD_TILE), blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
+    )
+    row.update(section="decode", batch=batch, context=context, splits=splits)
+    row["ours_pct_ceiling"] = pct_of_ceiling(
+        row["bytes"]["minimum"], row["ours"]["gpu_us"], ceiling["tb_per_s"]
+    )
+    return row
+
+
+def prefill_row(
+    case: str,
+    requests: List[Tuple[int, int]],
+    heads: int,
+    peak: Dict[str, float],
+    quick: bool,
+    flashinfer: bool,
+) -> Dict[str, Any]:
+    """One chunked-prefill or mixed row."""
+    row = attention_row(requests, heads, quick, flashinfer)
+    flops = cases.step_flops(requests, heads)
+    tflops = flops / row["ours"]["gpu_us"] / 1e6
+    row.update(
+        section="prefill",
+        case=case,
+        tokens=sum(new for _, new in requests),
+        flops=flops,
+        ours_tflops=tflops,
+        ours_pct_peak=100 * tflops / peak["tflops"],
+    )
+    return row
+
+
+def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str, Any]:
+    """Time one step's key RoPE + append: megatron-core's path and ours."""
+    step = cases.build_append(tokens, dtype=DTYPE, device=DEVICE, seed=tokens)
+    nbytes = cases.append_bytes(tokens, index_bytes=step.positions.element_size())
+    sets = [(step.kv_latent, step.k_pos_emb)]
+    sets += [
+        (step.kv_latent.clone(), step.k_pos_emb.clone()) for _ in range(copies_for(nbytes) - 1)
+    ]
+    # The rows each path writes, from the same cache and inputs, before any timing (outside
+    # decode-only steps megatron-core rotates its input in place).
+    theirs_buffer, ours_buffer = step.memory_buffer.clone(), step.memory_buffer.clone()
+    cases.megatron_core_append(step, sets[0][0], sets[0][1].clone(), theirs_buffer)
+    cases.fused_append(step, *sets[0], ours_buffer)
+    bits_equal = torch.equal(theirs_buffer.view(torch.uint8), ours_buffer.view(torch.uint8))
+    contenders = {
+        "mcore": (functools.partial(cases.megatron_core_append, step), sets),
+        "ours": (functools.partial(cases.fused_append, step), sets),
+    }
+    times = _timed(contenders, quick)
+    mc, ours = times["mcore"], times["ours"]
+    return {
+        "section": "rope_append",
+        "tokens": tokens,
+        "decode_only": step.decode_only,
+        "bytes": nbytes,
+        "mcore": mc,
+        "ours": ours,
+        "gpu_speedup": mc["gpu_us"] / ours["gpu_us"],
+        "eager_speedup": mc["eager_us"] / ours["eager_us"],
+        "ours_pct_ceiling": pct_of_ceiling(nbytes, ours["gpu_us"], ceiling["tb_per_s"]),
+        "mcore_pct_ceiling": pct_of_ceiling(nbytes, mc["gpu_us"], ceiling["tb_per_s"]),
+        "bits_equal": bits_equal,
+    }
+
+
+def _progress(row: Dict[str, Any]) -> str:
+    ours = row["ours"]["gpu_us"]
+    if row["section"] == "decode":
+        return f"ours {ours:.1f} us, {row['ours_pct_ceiling']:.1f}% of the copy ceiling"
+    if row["section"] == "prefill":
+        return f"ours {ours:.1f} us, {row['ours_tflops']:.1f} TFLOP/s"
+    return f"ours {ours:.2f} us, megatron-core {row['mcore']['gpu_us']:.2f} us"
+
+
+def row_jobs(
+    args: argparse.Namespace,
+    ceiling: Dict[str, float],
+    peak: Dict[str, float],
+    flashinfer: bool,
+) -> List[Tuple[str, Callable[[], Dict[str, Any]]]]:
+    """(label, the function that measures it) of every row of the sections asked for."""
+    jobs: List[Tuple[str, Callable[[], Dict[str, Any]]]] = []
+    quick = args.quick
+    if "decode" in args.rows:
+        for b, c, h in decode_grid(args):
+            label = f"decode: batch {b}, context {c}, {h} heads"
+            jobs.append((label, functools.partial(decode_row, b, c, h, ceiling, quick, flashinfer)))
+    if "prefill" in args.rows:
+        for case, requests in cases.PREFILL_CASES.items():
+            for h in args.heads or cases.PREFILL_HEADS:
+                make = functools.partial(prefill_row, case, requests, h, peak, quick, flashinfer)
+                jobs.append((f"prefill: {case}, {h} heads", make))
+    if "rope_append" in args.rows:
+        for tokens in cases.APPEND_TOKENS:
+            make = functools.partial(append_row, tokens, ceiling, quick)
+            jobs.append((f"rope_append: {tokens} tokens", make))
+    return jobs
+
+
+def run_rows(
+    jobs: List[Tuple[str, Callable[[], Dict[str, Any]]]], failed: List[Dict[str, str]]
+) -> List[Dict[str, Any]]:
+    """Measure each row in turn, printing progress; a row that raises is recorded in ``failed``
+    (with its traceback printed) and the others still run. Each row's tensors are freed before
+    the next row allocates its own."""
+    rows = []
+    for i, (label, make) in enumerate(jobs):
+        print(f"[{i + 1}/{len(jobs)}] {label}", flush=True)
+        try:
+            row = make()
+        except Exception as error:  # reported in the tables and the exit status
+            traceback.print_exc(file=sys.stdout)
+            failed.append({"row": label, "error": f"{type(error).__name__}: {error}"[:500]})
+            print(f"    FAILED: {failed[-1]['error']}", flush=True)
+        else:
+            print(f"    {_progress(row)}", flush=True)
+            rows.append(row)
+        _free()
+    return rows
+
+
+def matmul_peak(quick: bool) -> Dict[str, float]:
+    """Dense bf16 TFLOP/s of a torch.matmul of 8192^3."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    us = _do_bench_us(lambda: torch.matmul(a, b), quick)
+    return {"n": n, "us": us, "tflops": 2 * n**3 / us / 1e6}
+
+
+def _versions() -> Dict[str, str]:
+    import triton
+
+    from megatron_ext import MEGATRON_CORE_VERSION
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "megatron_core": str(MEGATRON_CORE_VERSION),
+        "python": platform.python_version(),
+    }
+
+
+def bench_gpu(args: argparse.Namespace) -> int:
+    """Run the sections asked for, print the tables last, write the JSON and the plot."""
+    available, fi_version = cases.flashinfer_available()
+    flashinfer = f"flashinfer {fi_version}" if available else f"not installed ({fi_version})"
+    print(f"FlashInfer: {flashinfer}", flush=True)
+    ceiling = _copy_ceiling(args.quick)
+    print(f"copy ceiling: {ceiling['tb_per_s']:.3f} TB/s", flush=True)
+    peak = matmul_peak(args.quick)
+    print(f"bf16 matmul peak: {peak['tflops']:.0f} TFLOP/s", flush=True)
+    failed: List[Dict[str, str]] = []
+    rows = run_rows(row_jobs(args, ceiling, peak, available), failed)
+    result: Dict[str, Any] = {
+        "benchmark": "mla_serving",
+        **_versions(),
+        "dtype": "bf16",
+        "block_size": cases.BLOCK_SIZE,
+        "flashinfer": flashinfer,
+        "copy_ceiling": ceiling,
+        "matmul_peak": peak,
+        "quick": args.quick,
+        "rows": rows,
+        "failed_rows": failed,
+    }
+    result["verdicts"] = verdicts(result)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mla_serving.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        try:
+            plotted = plot_decode(result, os.path.join(args.out, "mla_serving.png"))
+        except Exception as error:  # the tables matter more than the plot
+            print(f"no plot: {type(error).__name__}: {error}")
+        else:
+            if plotted is None and any(r["section"] == "decode" for r in rows):
+                print("no plot: matplotlib is not installed")
+    print(tables(result))
+    return 1 if failed else 0
+
+
+def check_interpreted() -> int:
+    """No GPU: both kernels in the Triton interpreter (fp32) on small shapes.
+
+    Returns:
+        int: 0 if both agree with their references.
+    """
+    failures = 0
+    small = dict(latent=32, rope=16, block_size=16, dtype=torch.float32, device="cpu")
+    steps = {
+        "decode": [(40, 1), (16, 1), (69, 1)],
+        "mixed (chunked prefill + decode)": [(20, 12), (33, 1)],
+    }
+    for name, requests in steps.items():
+        step = cases.build_step(requests, 4, seed=7, **small)
+        out = torch.empty_like(step.query[..., : step.latent])
+        cases.paged_attention(step, step.kv_cache, step.query, out)
+        err = (out.double() - cases.attention_reference(step, cases.SOFTMAX_SCALE)).abs().max()
+        ok = err.item() <= 1e-5
+        failures += not ok
+        print(
+            f"interpreter fp32, attention, {name} step (4 heads, latent 32 + rope 16, shuffled "
+            f"pages of 16): max |ours - float64 reference| = {err.item():.2e} "
+            f"({'within' if ok else 'MISMATCH: beyond'} 1e-5)"
+        )
+    step = cases.build_append(
+        12, latent=32, rope=16, positions=64, block_size=16, dtype=torch.float32, device="cpu"
+    )
+    theirs, ours = step.memory_buffer.clone(), step.memory_buffer.clone()
+    cases.megatron_core_append(step, step.kv_latent, step.k_pos_emb.clone(), theirs)
+    cases.fused_append(step, step.kv_latent, step.k_pos_emb, ours)
+    equal = torch.equal(theirs, ours)
+    failures += not equal
+    print(
+        "interpreter fp32, key RoPE + append (12 tokens): megatron_ext's fused kernel vs "
+        "megatron-core's apply_rotary_emb_key + torch.cat + indexed assignment: "
+        + ("bitwise equal" if equal else "MISMATCH")
+    )
+    available, version = cases.flashinfer_available()
+    print(
+        "FlashInfer: "
+        + (f"{version} importable; it needs a GPU" if available else f"not installed ({version})")
+    )
+    return 1 if failures else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the benchmark (see the module docstring).
+
+    Args:
+        argv: command-line arguments (``--help``).
+
+    Returns:
+        int: 0 on success; 1 if the no-GPU check found a mismatch.
+    """
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "No CUDA GPU: the MLA serving benchmark needs one, so no timings. Checking the paged "
+            "latent attention and the fused RoPE + append in the Triton interpreter instead."
+        )
+        return check_interpreted()
+    return bench_gpu(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

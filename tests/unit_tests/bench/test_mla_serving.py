@@ -1,0 +1,215 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The MLA serving benchmark's command line, its no-GPU check, and its GPU path run on the CPU
+(fp32, Triton interpreter) with fake timings: rows, JSON, plot and tables come out whole."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_ext.bench import __main__ as bench_main
+from megatron_ext.bench import mla_serving
+from megatron_ext.bench import mla_serving_cases as cases
+
+
+def test_help_through_the_main_job(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench_main.main(["mla-serving", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--rows" in text and "--quick" in text and "copy ceiling" in text
+
+
+def test_the_main_job_lists_it(capsys):
+    assert bench_main.main(["--help"]) == 0
+    assert "\n  mla-serving " in capsys.readouterr().out
+
+
+def test_arguments_default_to_every_section():
+    args = mla_serving.parse_args([])
+    assert args.rows == ["decode", "prefill", "rope_append"] and not args.quick
+    args = mla_serving.parse_args(["--quick", "--rows", "decode", "--out", "d"])
+    assert args.rows == ["decode"] and args.quick and args.out == "d"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--rows", "attention"], ["--batch", "0"], ["--context", "-1"], ["--heads", "x"]]
+)
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        mla_serving.parse_args(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_decode_grid_full_quick_and_overridden():
+    full = mla_serving.decode_grid(mla_serving.parse_args([]))
+    assert len(full) == 4 * 4 * 2 and (128, 32768, 128) in full and (1, 1024, 16) in full
+    quick = mla_serving.decode_grid(mla_serving.parse_args(["--quick"]))
+    assert sorted({b for b, _, _ in quick}) == [1, 64, 128]
+    assert sorted({c for _, c, _ in quick}) == [4096, 32768] and len(quick) == 12
+    chosen = mla_serving.decode_grid(
+        mla_serving.parse_args(["--batch", "16", "--context", "4096", "--heads", "128"])
+    )
+    assert chosen == [(16, 4096, 128)]
+
+
+def test_copies_exceed_the_l2_for_small_calls_only():
+    assert mla_serving.copies_for(1 << 40) == 1
+    assert mla_serving.copies_for(mla_serving.ROTATE_BYTES // 4) == 4
+    assert mla_serving.copies_for(1) == mla_serving.MAX_COPIES
+
+
+def test_no_gpu_check_passes(capsys):
+    assert mla_serving.check_interpreted() == 0
+    text = capsys.readouterr().out
+    assert text.count("within 1e-5") == 2 and "bitwise equal" in text
+    assert "FlashInfer:" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path; a GPU runs the benchmark")
+def test_main_without_a_gpu_says_so_and_checks(capsys):
+    assert mla_serving.main(["--quick"]) == 0
+    assert "No CUDA GPU" in capsys.readouterr().out
+
+
+def test_the_megatron_core_path_writes_the_rows_it_is_compared_on():
+    # The append comparison would be vacuous if megatron-core's path wrote nothing.
+    step = cases.build_append(
+        5, latent=32, rope=16, positions=64, block_size=16, dtype=torch.float32, device="cpu"
+    )
+    before = step.memory_buffer.clone()
+    cases.megatron_core_append(step, step.kv_latent, step.k_pos_emb.clone())
+    rows = step.memory_buffer[0, step.block_idx, step.block_offset]
+    assert not torch.equal(rows, before[0, step.block_idx, step.block_offset])
+    assert torch.equal(rows[:, :32], step.kv_latent[:, 0])
+
+
+class _FakeFlashInfer:
+    """Stands in for FlashInfer's wrapper: the float64 reference, from the parts it is given."""
+
+    def __init__(self, step, heads, softmax_scale, causal):
+        self.step, self.scale, self.causal = step, softmax_scale, causal
+        self.latent = step.latent
+
+    inputs = cases.FlashInferMLA.inputs
+
+    def run(self, q_nope, q_pe, ckv, kpe, out):
+        query = torch.cat([q_nope, q_pe], -1)
+        kv_cache = torch.cat([ckv, kpe], -1)
+        step = cases.PagedStep(**{**vars(self.step), "query": query, "kv_cache": kv_cache})
+        return out.copy_(cases.attention_reference(step, self.scale))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The GPU path on the CPU in fp32 (kernels in the Triton interpreter), with fake timings:
+    each GPU time the next integer, host 2 us, eager 3 us + the contender's index."""
+    monkeypatch.setattr(mla_serving, "DEVICE", "cpu")
+    monkeypatch.setattr(mla_serving, "DTYPE", torch.float32)
+    times = iter(range(1, 10000))
+
+    def fake_graph_us(call, sets, quick):
+        return {"gpu_us": float(next(times)), "gpu_method": "graph"}
+
+    def fake_host_us(fns, rounds, sync):
+        return {name: {"host_us": 2.0, "eager_us": 3.0 + i} for i, name in enumerate(fns)}
+
+    monkeypatch.setattr(mla_serving, "graph_us", fake_graph_us)
+    monkeypatch.setattr(mla_serving, "interleaved_host_us", fake_host_us)
+    monkeypatch.setattr(mla_serving, "_copy_ceiling", lambda quick: {"tb_per_s": 4.0})
+    monkeypatch.setattr(mla_serving, "matmul_peak", lambda quick: {"tflops": 800.0})
+    versions = dict(device="cpu", torch="t", triton="tr", megatron_core="m", python="p")
+    monkeypatch.setattr(mla_serving, "_versions", lambda: versions)
+
+
+def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cases, "PREFILL_CASES", {"tiny chunk": [(20, 8)]})
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (1, 8, 1024))
+    monkeypatch.setattr(cases, "flashinfer_available", lambda: (True, "fake"))
+    monkeypatch.setattr(cases, "FlashInferMLA", _FakeFlashInfer)
+    args = ["--batch", "2", "--context", "40", "--heads", "16", "--out", str(tmp_path)]
+    assert mla_serving.bench_gpu(mla_serving.parse_args(args)) == 0
+
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    sections = [r["section"] for r in result["rows"]]
+    assert sections == ["decode", "prefill", "rope_append", "rope_append", "rope_append"]
+    decode, prefill = result["rows"][0], result["rows"][1]
+    # FlashInfer's (here: the float64 reference's) output is compared with ours.
+    assert decode["flashinfer"]["max_abs_diff"] < 1e-5
+    assert prefill["flashinfer"]["max_abs_diff"] < 1e-5
+    assert decode["bytes"]["minimum"] == cases.step_bytes([(39, 1)] * 2, 16)["minimum"]
+    assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
+    assert result["rows"][2]["decode_only"] and not result["rows"][4]["decode_only"]
+    assert (tmp_path / "mla_serving.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    for title in ("decode attention", "chunked prefill", "key RoPE + paged cache append"):
+        assert f"=== table: {title}" in printed
+    assert "=== verdicts" in printed and printed.count("\n- ") == len(result["verdicts"]) == 5
+    # The decode row is outside the targets' region (batch 2, context 40).
+    assert "not measured: no decode row in the region" in printed
+
+
+def test_rows_pick_the_sections(fake_gpu, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (4,))
+    args = mla_serving.parse_args(["--rows", "rope_append", "--out", str(tmp_path)])
+    assert mla_serving.bench_gpu(args) == 0
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    assert [r["section"] for r in result["rows"]] == ["rope_append"]
+    assert not (tmp_path / "mla_serving.png").exists()  # no decode rows, no plot
+    assert "FlashInfer: not installed" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
+    # One small row per section, timed for real: graph capture, eager and host timing, FlashInfer
+    # where installed; the append rows bitwise equal to megatron-core's, FlashInfer close to ours.
+    monkeypatch.setattr(cases, "PREFILL_CASES", {"chunk": [(64, 64)], "mixed": [(32, 16), (90, 1)]})
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (16, 1024))
+    argv = [
+        "--quick",
+        "--batch",
+        "16",
+        "--context",
+        "4096",
+        "--heads",
+        "16",
+        "--out",
+        str(tmp_path),
+    ]
+    assert mla_serving.main(argv) == 0
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    assert [r["section"] for r in result["rows"]] == ["decode"] + ["prefill"] * 2 + [
+        "rope_append"
+    ] * 2
+    for row in result["rows"]:
+        for who in ("ours", "mcore"):
+            if who in row:
+                assert row[who]["gpu_method"] == "graph", row[who]["gpu_method"]
+                assert 0 < row[who]["gpu_us"] <= row[who]["eager_us"] * 1.5, row[who]
+        fi = row.get("flashinfer")
+        if isinstance(fi, dict) and "max_abs_diff" in fi:
+            assert fi["max_abs_diff"] < 0.05, f"FlashInfer differs from ours: {fi}"
+    assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
+    assert 1.0 < result["copy_ceiling"]["tb_per_s"] < 20.0
+    assert "=== verdicts" in capsys.readouterr().out
+
+
+def test_a_failing_row_is_reported_and_the_others_still_run(fake_gpu, monkeypatch, tmp_path):
+    monkeypatch.setattr(cases, "APPEND_TOKENS", (2, 3))
+    real = mla_serving.append_row
+
+    def append_row(tokens, ceiling, quick):
+        if tokens == 2:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return real(tokens, ceiling, quick)
+
+    monkeypatch.setattr(mla_serving, "append_row", append_row)
+    args = mla_serving.parse_args(["--rows", "rope_append", "--out", str(tmp_path)])
+    assert mla_serving.bench_gpu(args) == 1
+    result = json.loads((tmp_path / "mla_serving.json").read_text())
+    assert [r["tokens"] for r in result["rows"]] == [3]
+    assert result["failed_rows"] == [
+        {"row": "rope_append: 2 tokens", "error": "RuntimeError: CUDA out of memory (a stand-in)"}
+    ]
