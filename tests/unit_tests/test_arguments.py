@@ -177,7 +177,19 @@ class TestApplyUndo:
         (dict(rope_type="rope"), "rope_type is 'rope'"),
         (dict(apply_rope_fusion=False), "apply_rope_fusion is off"),
         (dict(position_embedding_type="learned_absolute"), "position_embedding_type"),
-        (dict(cache_mla_latents=True), "cache_mla_latents"),
+        (
+            dict(cache_mla_latents=True, kv_lora_rank=48, qk_pos_emb_head_dim=64),
+            "kv_lora_rank=48",
+        ),
+        (
+            dict(
+                cache_mla_latents=True,
+                kv_lora_rank=512,
+                qk_pos_emb_head_dim=64,
+                **{"context_parallel_size": 2},
+            ),
+            "context_parallel_size=2",
+        ),
         (dict(experimental_attention_variant="dsa"), "experimental_attention_variant"),
     ],
 )
@@ -189,6 +201,20 @@ def test_configurations_the_flag_cannot_act_on(overrides, reason):
     # A refusal leaves megatron-core as it was.
     assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
     assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+def test_latent_caching_is_the_dynamic_batching_path():
+    # megatron-core allows cache_mla_latents only with RoPE fusion off; the flag then serves
+    # dynamic-batching steps with its own kernels.
+    args = megatron_lm_args(
+        cache_mla_latents=True,
+        apply_rope_fusion=False,
+        kv_lora_rank=512,
+        qk_pos_emb_head_dim=64,
+        num_attention_heads=16,
+    )
+    apply_megatron_ext(args)
+    assert applied_megatron_ext()["mla_rope_contiguous_load"]
 
 
 def test_every_problem_is_named():
