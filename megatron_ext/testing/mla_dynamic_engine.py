@@ -65,6 +65,9 @@ class RecordingModelWrapper(SyntheticInferenceWrapper):
         self.model = model
         self.rows: List[RecordedRow] = []
         self.steps = 0
+        # Most requests paused during a forward (the engine's counter, read between steps,
+        # misses requests paused and evicted within one step).
+        self.max_paused = 0
 
     @torch.no_grad()
     def run_one_forward_step(self, inference_input: Dict[str, Any]) -> Tensor:
@@ -82,6 +85,7 @@ class RecordingModelWrapper(SyntheticInferenceWrapper):
 
     def _record(self, context: Any, logits: Tensor) -> None:
         paused, total = context.paused_request_count, context.total_request_count
+        self.max_paused = max(self.max_paused, paused)
         ids = context.request_ids[paused:total].tolist()
         ends = (
             context.request_kv_length_offsets[paused:total]
@@ -109,7 +113,8 @@ def build_mla_dynamic_engine(
     paused_kv_blocks: int = 0,
     enable_chunked_prefill: bool = True,
     seed: int = 0,
-) -> Tuple[Any, Any, RecordingModelWrapper]:
+    megatron_wrapper: bool = False,
+) -> Tuple[Any, Any, Any]:
     """megatron-core's dynamic context (latent cache), controller and engine around ``model``.
 
     Args:
@@ -119,9 +124,11 @@ def build_mla_dynamic_engine(
         paused_kv_blocks: blocks reserved for paused requests.
         enable_chunked_prefill: split prompts longer than the token budget.
         seed: the engine's seed (0.16).
+        megatron_wrapper: wrap the model in megatron-core's ``GPTInferenceWrapper`` (what a
+            serving script uses; CUDA only) instead of :class:`RecordingModelWrapper`.
 
     Returns:
-        Tuple[DynamicInferenceEngine, context, RecordingModelWrapper]: the objects.
+        Tuple[DynamicInferenceEngine, context, wrapper]: the objects.
     """
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
@@ -167,7 +174,11 @@ def build_mla_dynamic_engine(
             qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
             **sizes,
         )
-    wrapper = RecordingModelWrapper(model, context)
+    wrapper = (
+        _megatron_wrapper(model, context, dtype, max_requests, max_sequence_length)
+        if megatron_wrapper
+        else RecordingModelWrapper(model, context)
+    )
     controller = TextGenerationController(wrapper, SyntheticTokenizer(model.vocab_size))
     engine = build_engine(
         SimpleNamespace(controller=controller, context=context),
@@ -175,6 +186,36 @@ def build_mla_dynamic_engine(
         seed=seed,
     )
     return engine, context, wrapper
+
+
+def _megatron_wrapper(
+    model: Any, context: Any, dtype: torch.dtype, max_requests: int, max_sequence_length: int
+) -> Any:
+    """megatron-core's ``GPTInferenceWrapper`` around ``model`` (its constructor differs by
+    release)."""
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+        GPTInferenceWrapper,
+    )
+
+    from megatron_ext.inference.contexts.static_slices_context_base import (
+        UPSTREAM_HAS_ACTIVE_SLICES,
+    )
+
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        return GPTInferenceWrapper(model, context)
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+        InferenceWrapperConfig,
+    )
+
+    config = InferenceWrapperConfig(
+        hidden_size=model.config.hidden_size,
+        params_dtype=dtype,
+        inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=model.vocab_size,
+        inference_max_requests=max_requests,
+        inference_max_seq_length=max_sequence_length,
+    )
+    return GPTInferenceWrapper(model, config, context)
 
 
 @torch.no_grad()

@@ -84,8 +84,9 @@ def build_small_mla_gpt(
         qk_head_dim, qk_pos_emb_head_dim, v_head_dim: head sizes (default DeepSeek-V3's,
             128 + 64 RoPE and 128).
         cache_mla_latents: build for megatron-core's dynamic batching with a latent cache
-            (``mode`` must be ``"on"``: megatron_ext serves those steps; megatron-core's config
-            then needs ``apply_rope_fusion`` off). Such a model runs dynamic-batching steps only.
+            (megatron-core's config then needs ``apply_rope_fusion`` off). Such a model runs
+            dynamic-batching steps only: through megatron_ext's path in mode ``"on"``; in mode
+            ``"off"`` it is megatron-core's own MLA, which fails on such steps.
 
     Returns:
         GPTModel: the model.
@@ -102,8 +103,6 @@ def build_small_mla_gpt(
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if cache_mla_latents and mode != "on":
-        raise ValueError("cache_mla_latents needs mode 'on' (megatron_ext's dynamic MLA path)")
     config = MLATransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
