@@ -222,6 +222,44 @@ def _step(model: Any, context: Any) -> torch.Tensor:
         return model(ids, positions, None, inference_context=context, runtime_gather_output=True)
 
 
+def _decode_context(model: Any, lengths: List[int]) -> Tuple[Any, torch.Tensor]:
+    """A context after the prefill of ``lengths`` and its greedy tokens, set up for the first
+    decode-only step; also returns the prefill's logits."""
+    context = _context_step(model, lengths)
+    logits = _step(model, context)
+    last = logits[0] if logits.shape[1] == len(lengths) else context.last_token_logits(logits)
+    active = len(lengths)
+    context.update_requests(
+        torch.ones(active, dtype=torch.uint8, device=DEVICE), last.argmax(-1).to(torch.long)
+    )
+    context.initialize_attention_state()
+    assert context.is_decode_only()
+    return context, last
+
+
+def test_decode_step_at_the_context_level_matches_float64(stack):
+    """Prefill then one decode-only step, driven as the engine drives the context."""
+    model = build_model(TINY)
+    prompts = [prompt for prompt, _ in requests_for([7, 19, 3], 4, TINY["vocab_size"])]
+    context, prefill = _decode_context(model, [7, 19, 3])
+    decode = _step(model, context)
+    decode = decode[0] if decode.shape[1] == 3 else context.last_token_logits(decode)
+    reference = small_mla_gpt.float64_copy(model, device=DEVICE, **TINY)
+    for row, prompt in enumerate(prompts):
+        tokens = prompt + [int(prefill[row].argmax())]
+        length = len(tokens)
+        with torch.no_grad():
+            full = reference(
+                torch.tensor([tokens], device=DEVICE),
+                torch.arange(length, device=DEVICE)[None],
+                torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)[None, None],
+                runtime_gather_output=True,
+            )[0]
+        scale = float(full.abs().max())
+        assert float((prefill[row].double() - full[-2]).abs().max()) <= 2**-14 * scale
+        assert float((decode[row].double() - full[-1]).abs().max()) <= 2**-14 * scale
+
+
 def test_step_writes_only_its_rows_and_no_module_state(stack):
     """Guard regions: every cache row but the step's tokens' (and the dummy block's row 0 that
     padding tokens name) keeps its sentinel; the module's state is unchanged."""
@@ -437,12 +475,13 @@ def small_mla_gpt_config_like(sizes: Dict[str, Any]) -> Any:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_deepseek_like_generation_matches_float64(stack, dtype):
-    """fp32: identical greedy tokens, logits within 2^-14 of the largest; bf16: the static
+    """fp32: identical greedy tokens, logits within 2^-10 of the largest; bf16: the static
     case's bound (2^-4 of the largest logit), tokens where the reference's margin allows."""
     model = build_model(DEEPSEEK_LIKE, dtype)
     requests = requests_for(PAUSING_LENGTHS, 24, DEEPSEEK_LIKE["vocab_size"])
     if dtype == torch.float32:
-        seen = generate_and_check(model, DEEPSEEK_LIKE, requests, 2**-14, **PAUSING_CACHE)
+        # The static-batching case's fp32 bound (GPU matmuls sum in another order than float64).
+        seen = generate_and_check(model, DEEPSEEK_LIKE, requests, 2**-10, **PAUSING_CACHE)
         assert seen["stats"]["evicted"] > 0 and seen["stats"]["max_paused"] > 0, seen["stats"]
         return
     engine, _, wrapper = build_mla_dynamic_engine(
@@ -469,21 +508,8 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
     """A decode-only step captured in a CUDA graph gives the eager step's logits bitwise (the
     step rewrites the same cache rows, so replaying it is idempotent)."""
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    engine, context, _ = build_mla_dynamic_engine(
-        model,
-        max_requests=8,
-        max_tokens=MAX_TOKENS,
-        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
-        block_size_tokens=16,
-        kv_blocks=64,
-    )
-    requests = requests_for([9, 40, 17], 8, DEEPSEEK_LIKE["vocab_size"])
-    for request_id, (prompt, params) in enumerate(requests):
-        engine.add_request(request_id, prompt, params)
-    engine.step_modern()  # prefill
-    engine.step_modern()  # first decode step: compiles every kernel outside capture
-    context.initialize_attention_state()
-    assert context.is_decode_only()
+    context, _ = _decode_context(model, [9, 40, 17])
+    _step(model, context)  # compiles every kernel of the decode step outside capture
     ids, positions = context.current_input_and_position_ids()
     ids, positions = ids.clone(), positions.clone()
 
@@ -509,15 +535,10 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
 @pytest.mark.parametrize("lengths", [[9, 40, 17], None], ids=["prefill", "decode_only"])
 def test_gpu_attention_step_has_no_host_sync(stack, lengths):
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    context = _context_step(model, [9, 40, 17])
     if lengths is None:
-        _step(model, context)
-        context.update_requests(
-            torch.ones(3, dtype=torch.uint8, device=DEVICE),
-            torch.zeros(3, dtype=torch.long, device=DEVICE),
-        )
-        context.initialize_attention_state()
-        assert context.is_decode_only()
+        context, _ = _decode_context(model, [9, 40, 17])
+    else:
+        context = _context_step(model, lengths)
     _step(model, context)  # compile outside the check
     attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
     hidden = torch.randn(
