@@ -503,19 +503,9 @@ def test_gpu_deepseek_like_generation_matches_float64(stack, dtype):
     assert not close_calls, f"bf16 argmax differs where the reference's margin is wide: {result}"
 
 
-@pytest.mark.gpu
-def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
-    """A decode-only step captured in a CUDA graph gives the eager step's logits bitwise (the
-    step rewrites the same cache rows, so replaying it is idempotent)."""
-    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    context, _ = _decode_context(model, [9, 40, 17])
-    _step(model, context)  # compiles every kernel of the decode step outside capture
-    ids, positions = context.current_input_and_position_ids()
-    ids, positions = ids.clone(), positions.clone()
-
-    def forward():
-        return model(ids, positions, None, inference_context=context, runtime_gather_output=True)
-
+def _graph_replay_equals_eager(forward: Any) -> None:
+    """Capture ``forward`` in a CUDA graph (after a warm-up on a side stream) and check that a
+    replay gives the eager call's output bitwise."""
     with torch.no_grad():
         eager = forward().clone()
         stream = torch.cuda.Stream()
@@ -526,9 +516,37 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = forward()
+        static_out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-    assert torch.equal(static_out, eager), (static_out - eager).abs().max()
+    assert torch.equal(static_out, eager), (static_out.float() - eager.float()).abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_replays_from_a_cuda_graph_as_eager(stack):
+    """The MLA attention of a decode-only step (what megatron-core's per-layer CUDA graphs
+    capture) replays from a CUDA graph bitwise as eager: the step rewrites the same cache rows,
+    so replaying it is idempotent."""
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context, _ = _decode_context(model, [9, 40, 17])
+    _step(model, context)  # compiles every kernel of the decode step outside capture
+    attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    rows = context.current_input_and_position_ids()[0].shape[1]
+    hidden = torch.randn(rows, 1, DEEPSEEK_LIKE["hidden_size"], dtype=torch.bfloat16, device=DEVICE)
+    _graph_replay_equals_eager(lambda: attention(hidden, None, inference_context=context)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
+    """The whole model's decode-only step, captured the same way."""
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context, _ = _decode_context(model, [9, 40, 17])
+    _step(model, context)
+    ids, positions = context.current_input_and_position_ids()
+    ids, positions = ids.clone(), positions.clone()
+    _graph_replay_equals_eager(
+        lambda: model(ids, positions, None, inference_context=context, runtime_gather_output=True)
+    )
 
 
 @pytest.mark.gpu
@@ -555,6 +573,60 @@ def test_gpu_attention_step_has_no_host_sync(stack, lengths):
             attention(hidden, None, inference_context=context)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _te_spec_model(config: Any, dtype: torch.dtype) -> Any:
+    """A GPT with Transformer Engine's MLA layer spec (the kv norm fused into
+    ``linear_kv_up_proj``), built by megatron-core's builder (so the flag's patch decides the
+    attention class), seeded like ``build_small_mla_gpt``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    torch.manual_seed(1234)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=True, multi_latent_attention=True
+        ),
+        vocab_size=DEEPSEEK_LIKE["vocab_size"],
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device=DEVICE, dtype=dtype).eval()
+
+
+@pytest.mark.gpu
+def test_gpu_te_spec_generation_matches_its_training_forward(stack):
+    """With Transformer Engine's spec, the dynamic path normalises the latent with the norm TE
+    fuses into linear_kv_up_proj: its logits match the same weights' training forward (TE,
+    RoPE unfused, no latent caching) within the bf16 bound."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine's spec needs TE")
+    local = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    model = _te_spec_model(local.config, torch.bfloat16)
+    assert any(isinstance(m, ExtMLASelfAttention) for m in model.modules())
+    reference_config = dataclasses.replace(local.config, cache_mla_latents=False)
+    undo_megatron_ext()
+    reference = _te_spec_model(reference_config, torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=local.config
+    )
+    requests = requests_for([9, 70, 17], 8, DEEPSEEK_LIKE["vocab_size"])
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        block_size_tokens=16,
+        kv_blocks=64,
+    )
+    outputs, _ = run_engine(engine, requests)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
 
 
 def _stock_step(model: Any) -> Any:
