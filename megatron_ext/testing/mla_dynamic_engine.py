@@ -22,11 +22,51 @@ from torch import Tensor
 from megatron_ext.testing.synthetic import SyntheticInferenceWrapper, SyntheticTokenizer
 
 __all__ = [
+    "TINY_MLA_SIZES",
     "RecordedRow",
     "RecordingModelWrapper",
+    "build_dynamic_mla_model",
     "build_mla_dynamic_engine",
     "teacher_forced_errors",
 ]
+
+# build_small_mla_gpt's sizes for CPU tests: widths the latent-cache kernels take (powers of two
+# >= 16), small enough for Triton's interpreter.
+TINY_MLA_SIZES: Dict[str, Any] = dict(
+    num_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=128,
+    max_sequence_length=160,
+    init_method_std=0.2,
+    kv_lora_rank=32,
+    qk_head_dim=32,
+    qk_pos_emb_head_dim=16,
+    v_head_dim=32,
+)
+
+
+def build_dynamic_mla_model(sizes: Dict[str, Any], dtype: torch.dtype, device: Any) -> Any:
+    """A small MLA GPT for dynamic batching (``cache_mla_latents``), with
+    ``--mla-rope-contiguous-load`` and ``--inference-static-active-slices`` applied for its
+    config: the one documented way to serve it. Undo with ``undo_megatron_ext()``.
+
+    Args:
+        sizes: ``build_small_mla_gpt``'s size keywords (e.g. :data:`TINY_MLA_SIZES`).
+        dtype: parameter dtype.
+        device: where the model lives.
+
+    Returns:
+        GPTModel: the model, in eval mode.
+    """
+    from megatron_ext import apply_megatron_ext
+    from megatron_ext.testing.small_mla_gpt import build_small_mla_gpt
+
+    model = build_small_mla_gpt("on", dtype=dtype, device=device, cache_mla_latents=True, **sizes)
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
+    )
+    return model
 
 
 @dataclass

@@ -23,14 +23,14 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron_ext import apply_megatron_ext, undo_megatron_ext
 from megatron_ext.fusions import fused_mla_rope_cache_append as append_module
 from megatron_ext.fusions import mla_paged_latent_attention as attention_module
-from megatron_ext.inference.contexts.latent_cache import (
-    check_latent_cache_request,
-    latent_cache_request_0_16,
-    latent_cache_request_0_19,
-)
 from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.testing import small_mla_gpt
-from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine, teacher_forced_errors
+from megatron_ext.testing.mla_dynamic_engine import (
+    TINY_MLA_SIZES,
+    build_dynamic_mla_model,
+    build_mla_dynamic_engine,
+    teacher_forced_errors,
+)
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
 from megatron_ext.transformer import mla_dynamic_inference
 from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
@@ -38,19 +38,7 @@ from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAVE_CUDA else "cpu"
 
-# Widths the latent-cache kernels take (powers of two >= 16), small enough for the interpreter.
-TINY = dict(
-    num_layers=1,
-    hidden_size=64,
-    num_attention_heads=4,
-    vocab_size=128,
-    max_sequence_length=160,
-    init_method_std=0.2,
-    kv_lora_rank=32,
-    qk_head_dim=32,
-    qk_pos_emb_head_dim=16,
-    v_head_dim=32,
-)
+TINY = TINY_MLA_SIZES
 # DeepSeek-V3's head and latent widths, few heads and layers.
 DEEPSEEK_LIKE = dict(
     num_layers=2,
@@ -83,13 +71,7 @@ def stack():
 
 def build_model(sizes: Dict[str, Any], dtype: torch.dtype = torch.float32) -> Any:
     """The model with both flags applied, the one documented way."""
-    model = small_mla_gpt.build_small_mla_gpt(
-        "on", dtype=dtype, device=DEVICE, cache_mla_latents=True, **sizes
-    )
-    apply_megatron_ext(
-        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
-    )
-    return model
+    return build_dynamic_mla_model(sizes, dtype, DEVICE)
 
 
 def requests_for(lengths: List[int], new_tokens: int, vocab: int) -> List[Tuple[List[int], Any]]:
@@ -353,101 +335,6 @@ def test_dynamic_step_needs_the_flag(stack):
 
     with pytest.raises(MegatronExtRopeNotAppliedError, match="mla-rope-contiguous-load"):
         _step(model, context)
-
-
-# ------------------------------------------------------------------------------- refusals
-
-
-def _context_arguments(config: Any, block_size: int = 16) -> Tuple[tuple, dict]:
-    sizes = dict(
-        max_sequence_length=64,
-        buffer_size_gb=0.001,
-        max_requests=4,
-        max_tokens=64,
-        block_size_tokens=block_size,
-    )
-    if UPSTREAM_HAS_ACTIVE_SLICES:
-        from megatron.core.inference.config import InferenceConfig
-
-        return (config, InferenceConfig(**sizes)), {}
-    return (), dict(
-        params_dtype=config.params_dtype,
-        num_layers=config.num_layers,
-        kv_channels=config.kv_channels,
-        num_attention_heads=config.num_attention_heads,
-        tensor_model_parallel_size=config.tensor_model_parallel_size,
-        pipeline_model_parallel_size=1,
-        cache_mla_latent=True,
-        kv_lora_rank=config.kv_lora_rank,
-        qk_pos_emb_head_dim=config.qk_pos_emb_head_dim,
-        **sizes,
-    )
-
-
-def _request(config: Any) -> Tuple[bool, Any, dict]:
-    args, kwargs = _context_arguments(config)
-    if UPSTREAM_HAS_ACTIVE_SLICES:
-        return latent_cache_request_0_19(args, kwargs)
-    return latent_cache_request_0_16(kwargs)
-
-
-@pytest.mark.parametrize(
-    "change,option",
-    [
-        (dict(kv_lora_rank=48), "kv_lora_rank=48"),
-        (dict(qk_pos_emb_head_dim=24), "qk_pos_emb_head_dim=24"),
-        (dict(params_dtype=torch.float8_e4m3fn), "params_dtype=torch.float8_e4m3fn"),
-    ],
-    ids=["latent_width", "rope_width", "fp8_cache"],
-)
-def test_context_refuses_before_allocating(stack, monkeypatch, change, option):
-    model = build_model(TINY)
-    allocations = []
-    for name in ("allocate_all_tensors", "initialize_all_tensors"):
-        if hasattr(DynamicInferenceContext, name):
-            monkeypatch.setattr(
-                DynamicInferenceContext, name, lambda *a, **k: allocations.append(1)
-            )
-    # Bypass the config's own checks: the context is what a user hands these sizes to.
-    config = dataclasses.replace(model.config)
-    for key, value in change.items():
-        object.__setattr__(config, key, value)
-    args, kwargs = _context_arguments(config)
-    with pytest.raises(ValueError, match=option.replace("(", r"\(").replace(")", r"\)")):
-        DynamicInferenceContext(*args, **kwargs)
-    assert not allocations, "the context allocated before refusing"
-
-
-@pytest.mark.parametrize(
-    "change,option",
-    [
-        (dict(context_parallel_size=2), "context_parallel_size=2"),
-        (dict(tensor_model_parallel_size=3), "tensor_model_parallel_size=3"),
-    ],
-    ids=["context_parallel", "tp_not_dividing_heads"],
-)
-def test_parallel_sizes_are_refused(stack, change, option):
-    model = build_model(TINY)
-    config = dataclasses.replace(model.config)
-    for key, value in change.items():
-        object.__setattr__(config, key, value)
-    request = _request(config)
-    if "context_parallel_size" in change and not UPSTREAM_HAS_ACTIVE_SLICES:
-        # 0.16's constructor takes no config: the process groups say the CP size.
-        request = (request[0], request[1], dict(request[2], context_parallel_size=2))
-    with pytest.raises(ValueError, match=option):
-        check_latent_cache_request(request)
-    with pytest.raises(ValueError, match=option):
-        apply_megatron_ext(mla_rope_contiguous_load=True, config=config)
-
-
-def test_without_the_flag_megatron_cores_block_size_check_stands(stack):
-    model = build_model(TINY)
-    undo_megatron_ext()
-    apply_megatron_ext(inference_static_active_slices=True)
-    args, kwargs = _context_arguments(model.config, block_size=16)
-    with pytest.raises(AssertionError, match="block size of 64"):
-        DynamicInferenceContext(*args, **kwargs)
 
 
 def test_supported_configuration_has_no_problems():
