@@ -14,7 +14,7 @@ too), which keeps each step's last-token logits with the request and position th
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -154,6 +154,7 @@ def build_mla_dynamic_engine(
     enable_chunked_prefill: bool = True,
     seed: int = 0,
     megatron_wrapper: bool = False,
+    num_cuda_graphs: Optional[int] = None,
 ) -> Tuple[Any, Any, Any]:
     """megatron-core's dynamic context (latent cache), controller and engine around ``model``.
 
@@ -166,6 +167,8 @@ def build_mla_dynamic_engine(
         seed: the engine's seed (0.16).
         megatron_wrapper: wrap the model in megatron-core's ``GPTInferenceWrapper`` (what a
             serving script uses; CUDA only) instead of :class:`RecordingModelWrapper`.
+        num_cuda_graphs: the context's CUDA-graph batch buckets (with a model config's
+            ``cuda_graph_impl="local"``, megatron-core's engine captures them on construction).
 
     Returns:
         Tuple[DynamicInferenceEngine, context, wrapper]: the objects.
@@ -195,6 +198,7 @@ def build_mla_dynamic_engine(
         max_tokens=max_tokens,
         block_size_tokens=block_size_tokens,
         materialize_only_last_token_logits=True,
+        num_cuda_graphs=num_cuda_graphs,
     )
     if UPSTREAM_HAS_ACTIVE_SLICES:
         from megatron.core.inference.config import InferenceConfig

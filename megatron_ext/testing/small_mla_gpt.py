@@ -69,6 +69,7 @@ def build_small_mla_gpt(
     qk_pos_emb_head_dim: int = 64,
     v_head_dim: int = 128,
     cache_mla_latents: bool = False,
+    config_overrides: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """A GPT of MLA layers, flag off or on, in eval mode on ``device``.
 
@@ -87,6 +88,7 @@ def build_small_mla_gpt(
             (megatron-core's config then needs ``apply_rope_fusion`` off). Such a model runs
             dynamic-batching steps only: through megatron_ext's path in mode ``"on"``; in mode
             ``"off"`` it is megatron-core's own MLA, which fails on such steps.
+        config_overrides: further ``MLATransformerConfig`` fields (e.g. ``cuda_graph_impl``).
 
     Returns:
         GPTModel: the model.
@@ -129,6 +131,7 @@ def build_small_mla_gpt(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
+        **(config_overrides or {}),
     )
     if mode == "on":
         apply_megatron_ext(mla_rope_contiguous_load=True, config=config)

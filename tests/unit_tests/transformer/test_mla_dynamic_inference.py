@@ -437,6 +437,47 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
 
 
 @pytest.mark.gpu
+def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
+    """megatron-core's own CUDA graphs (``cuda_graph_impl="local"``: per-layer graphs captured
+    in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
+    greedy tokens as the eager engine, log-probs within fp32 rounding."""
+    requests = requests_for(PAUSING_LENGTHS, 16, DEEPSEEK_LIKE["vocab_size"])
+    runs = {}
+    for impl in ("none", "local"):
+        model = small_mla_gpt.build_small_mla_gpt(
+            "on",
+            dtype=torch.float32,
+            device=DEVICE,
+            cache_mla_latents=True,
+            config_overrides=dict(cuda_graph_impl=impl),
+            **DEEPSEEK_LIKE,
+        )
+        apply_megatron_ext(
+            mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
+        )
+        engine, _, _ = build_mla_dynamic_engine(
+            model,
+            max_requests=8,
+            max_tokens=MAX_TOKENS,
+            max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+            megatron_wrapper=True,
+            num_cuda_graphs=4 if impl == "local" else None,
+            **PAUSING_CACHE,
+        )
+        if impl == "local":
+            assert getattr(engine, "capture_stats", None) is not None, "no CUDA graph was captured"
+        runs[impl], _ = run_engine(engine, requests)
+        undo_megatron_ext()
+    for request_id, eager in runs["none"].items():
+        graphed = runs["local"][request_id]
+        assert graphed["generated_tokens"] == eager["generated_tokens"], request_id
+        difference = max(
+            abs(a - b) for a, b in zip(graphed["generated_log_probs"], eager["generated_log_probs"])
+        )
+        assert difference <= 1e-4, (request_id, difference)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[9, 40, 17], None], ids=["prefill", "decode_only"])
 def test_gpu_attention_step_has_no_host_sync(stack, lengths):
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
