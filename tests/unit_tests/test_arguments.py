@@ -112,6 +112,31 @@ class TestParser:
         args.position_embedding_type = "rope"
         assert apply_megatron_ext(args)["mla_rope_contiguous_load"]
 
+    def test_megatron_lm_dynamic_mla_serving_flags(self, monkeypatch):
+        """The documented way to serve MLA with the dynamic engine, from a Megatron-LM command
+        line: --cache-mla-latents --no-rope-fusion plus both flags."""
+        if not hasattr(__import__("typing"), "override"):
+            pytest.skip("megatron.training needs Python >= 3.12 (typing.override)")
+        training_args = pytest.importorskip(
+            "megatron.training.arguments", reason="megatron.training is not in this megatron-core"
+        )
+        argv = [
+            "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-pos-emb-head-dim", "64",
+            "--num-attention-heads", "16", "--cache-mla-latents", "--no-rope-fusion",
+            MLA_ROPE_CONTIGUOUS_LOAD_FLAG, "--inference-static-active-slices",
+        ]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["text_generation_server.py", *argv])
+        args = training_args.parse_args(extra_args_provider=add_megatron_ext_args)
+        assert args.cache_mla_latents and not args.apply_rope_fusion
+        assert apply_megatron_ext(args) == {
+            "mla_rope_contiguous_load": True,
+            "inference_static_active_slices": True,
+        }
+        undo_megatron_ext()
+        args.kv_lora_rank = 384
+        with pytest.raises(MegatronExtConfigError, match="kv_lora_rank=384"):
+            apply_megatron_ext(args)
+
 
 # ----------------------------------------------------------------------------------------------
 # Apply and undo
