@@ -166,7 +166,7 @@ def build_mla_dynamic_engine(
         enable_chunked_prefill: split prompts longer than the token budget.
         seed: the engine's seed (0.16).
         megatron_wrapper: wrap the model in megatron-core's ``GPTInferenceWrapper`` (what a
-            serving script uses; CUDA only) instead of :class:`RecordingModelWrapper`.
+            serving script uses) instead of :class:`RecordingModelWrapper`.
         num_cuda_graphs: the context's CUDA-graph batch buckets (with a model config's
             ``cuda_graph_impl="local"``, megatron-core's engine captures them on construction).
 

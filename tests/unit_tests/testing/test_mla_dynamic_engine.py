@@ -34,7 +34,13 @@ def generation():
             block_size_tokens=16,
             kv_blocks=16,
         )
-        params = dict(num_tokens_to_generate=3, termination_id=-1, top_k=1)
+        params = dict(
+            num_tokens_to_generate=3,
+            termination_id=-1,
+            top_k=1,
+            return_log_probs=True,
+            skip_prompt_log_probs=True,
+        )
         requests = [(list(range(1, 1 + n)), SamplingParams(**params)) for n in (4, 9, 2)]
         outputs, _ = run_engine(engine, requests)
         yield model, requests, outputs, wrapper
@@ -65,3 +71,24 @@ def test_teacher_forced_errors_find_a_wrong_row(generation):
     found = teacher_forced_errors(wrapper.rows, reference, sequences)
     assert found["worst"] == (wrong.step, wrong.request_id, wrong.position)
     assert found["max_abs_error"] > 0.1 * found["largest_abs_logit"]
+
+
+def test_recording_wrapper_generates_as_megatron_cores(generation):
+    """The harness's wrapper runs the forward megatron-core's GPTInferenceWrapper runs: the same
+    tokens and log-probs, bitwise."""
+    model, requests, outputs, _ = generation
+    with cpu_torch_compat():
+        engine, _, wrapper = build_mla_dynamic_engine(
+            model,
+            max_requests=4,
+            max_tokens=64,
+            max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
+            block_size_tokens=16,
+            kv_blocks=16,
+            megatron_wrapper=True,
+        )
+        assert type(wrapper).__name__ == "GPTInferenceWrapper"
+        theirs, _ = run_engine(engine, requests)
+    for request_id, ours in outputs.items():
+        assert theirs[request_id]["generated_tokens"] == ours["generated_tokens"], request_id
+        assert theirs[request_id]["generated_log_probs"] == ours["generated_log_probs"], request_id

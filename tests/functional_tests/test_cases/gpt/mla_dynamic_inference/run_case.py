@@ -27,7 +27,7 @@ Standalone::
 
 Through the functional-test runner (model_config.yaml in this directory), which passes
 ``--output-json PATH``. ``--device cpu --quick`` runs a small smoke version without a GPU
-(Triton interpreter, small widths, megatron_ext's recording wrapper instead of megatron-core's).
+(Triton interpreter, small widths, float32 only).
 """
 
 import argparse
@@ -216,7 +216,7 @@ def run_dtype(dtype_name: str, args: argparse.Namespace, requests) -> Tuple[Dict
             kv_blocks=args.kv_blocks,
             paused_kv_blocks=args.paused_kv_blocks,
             seed=args.seed,
-            megatron_wrapper=args.device == "cuda",
+            megatron_wrapper=True,
         )
         if not isinstance(context, StaticSlicesInferenceContext):
             raise RuntimeError(f"the flags built {type(context).__name__}")
