@@ -10,10 +10,12 @@ a flag do nothing; then it applies the extension's patches (:data:`megatron_ext.
 
 import numbers
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
 from megatron_ext import patches
 from megatron_ext.flags import FLAG_DESTS, MLA_ROPE_CONTIGUOUS_LOAD_FLAG, MegatronExtConfigError
+from megatron_ext.transformer.mla_dynamic_inference import mla_dynamic_config_problems
 from megatron_ext.utils import check_megatron_core_version
 
 __all__ = [
@@ -34,7 +36,10 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
 
     megatron-core reaches its fused MLA RoPE (the code the extension replaces) only for MLA with
     yarn RoPE, ``apply_rope_fusion`` on, and no inference-time latent caching; with the extension
-    it runs in training and in static-batching inference.
+    it runs in training and in static-batching inference. With ``cache_mla_latents`` (which
+    megatron-core allows only with ``apply_rope_fusion`` off) the extension serves
+    dynamic-batching steps instead (:mod:`megatron_ext.transformer.mla_dynamic_inference`), for
+    the latent widths, parallel sizes and cache dtypes its kernels take.
 
     Args:
         args: a Megatron-LM argument namespace (``multi_latent_attention``, ``rope_type``,
@@ -67,9 +72,10 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
     # Megatron-LM leaves rope_type None to take the config class's default, yarn for MLA.
     if rope_type not in (None, "yarn"):
         problems.append(f"rope_type is {rope_type!r}; megatron-core fuses MLA RoPE only for 'yarn'")
-    if not field("apply_rope_fusion", False):
+    latent_cache = bool(field("cache_mla_latents", False))
+    if not latent_cache and not field("apply_rope_fusion", False):
         problems.append("apply_rope_fusion is off (drop --no-rope-fusion)")
-    if config is None:
+    if config is None and not latent_cache:
         # Megatron-LM turns RoPE fusion off for any other position embedding type in
         # validate_args, which may run after this check.
         pos_type = _arg_value(args, "position_embedding_type", "rope")
@@ -78,11 +84,27 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
                 f"position_embedding_type is {pos_type!r}; Megatron-LM disables RoPE fusion "
                 "unless it is 'rope'"
             )
-    if field("cache_mla_latents", False):
-        problems.append(
-            "cache_mla_latents is on (dynamic-batching latent caching applies RoPE unfused, "
-            "through the inference context; the fused RoPE runs in training and static-batching "
-            "inference)"
+    if latent_cache:
+        # Dynamic batching: megatron_ext's MLA step (its RoPE kernels with per-token positions,
+        # the paged latent-cache kernels) replaces megatron-core's FlashMLA path.
+        problems += mla_dynamic_config_problems(
+            SimpleNamespace(
+                **{
+                    name: field(name, default)
+                    for name, default in (
+                        ("kv_lora_rank", None),
+                        ("qk_pos_emb_head_dim", None),
+                        ("rope_type", None),
+                        ("context_parallel_size", 1),
+                        ("tensor_model_parallel_size", 1),
+                        ("num_attention_heads", None),
+                        ("sequence_parallel", False),
+                        ("fp8_dot_product_attention", False),
+                        ("fp8_multi_head_attention", False),
+                        ("params_dtype", None),
+                    )
+                }
+            )
         )
     variant = field("experimental_attention_variant", None)
     if variant is not None:

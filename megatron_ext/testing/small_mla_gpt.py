@@ -17,7 +17,7 @@ weights do not depend on the mode.
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -64,6 +64,12 @@ def build_small_mla_gpt(
     dtype: torch.dtype = torch.bfloat16,
     device: Any = "cuda",
     seed: int = 1234,
+    kv_lora_rank: Optional[int] = None,
+    qk_head_dim: int = 128,
+    qk_pos_emb_head_dim: int = 64,
+    v_head_dim: int = 128,
+    cache_mla_latents: bool = False,
+    config_overrides: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """A GPT of MLA layers, flag off or on, in eval mode on ``device``.
 
@@ -71,10 +77,18 @@ def build_small_mla_gpt(
         mode: ``"off"`` (megatron-core's unfused RoPE) or ``"on"`` (megatron_ext's fused RoPE,
             applied through ``apply_megatron_ext``; ``"off"`` undoes it).
         num_layers, hidden_size, num_attention_heads, vocab_size, max_sequence_length,
-            init_method_std: model sizes; head sizes are DeepSeek-V3's (128 + 64 RoPE, 128).
+            init_method_std: model sizes.
         dtype: parameter dtype.
         device: where the model lives.
         seed: weight initialisation seed (the same weights in both modes).
+        kv_lora_rank: latent width (None: ``hidden_size // 4``).
+        qk_head_dim, qk_pos_emb_head_dim, v_head_dim: head sizes (default DeepSeek-V3's,
+            128 + 64 RoPE and 128).
+        cache_mla_latents: build for megatron-core's dynamic batching with a latent cache
+            (megatron-core's config then needs ``apply_rope_fusion`` off). Such a model runs
+            dynamic-batching steps only: through megatron_ext's path in mode ``"on"``; in mode
+            ``"off"`` it is megatron-core's own MLA, which fails on such steps.
+        config_overrides: further ``MLATransformerConfig`` fields (e.g. ``cuda_graph_impl``).
 
     Returns:
         GPTModel: the model.
@@ -97,10 +111,10 @@ def build_small_mla_gpt(
         ffn_hidden_size=4 * hidden_size,
         num_attention_heads=num_attention_heads,
         q_lora_rank=hidden_size // 2,
-        kv_lora_rank=hidden_size // 4,
-        qk_head_dim=128,
-        qk_pos_emb_head_dim=64,
-        v_head_dim=128,
+        kv_lora_rank=hidden_size // 4 if kv_lora_rank is None else kv_lora_rank,
+        qk_head_dim=qk_head_dim,
+        qk_pos_emb_head_dim=qk_pos_emb_head_dim,
+        v_head_dim=v_head_dim,
         qk_layernorm=True,
         normalization="RMSNorm",
         rope_type="yarn",
@@ -108,7 +122,8 @@ def build_small_mla_gpt(
         original_max_position_embeddings=max(8, max_sequence_length // 4),
         mscale=1.0,
         mscale_all_dim=1.0,
-        apply_rope_fusion=mode == "on",
+        apply_rope_fusion=mode == "on" and not cache_mla_latents,
+        cache_mla_latents=cache_mla_latents,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -116,6 +131,7 @@ def build_small_mla_gpt(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
+        **(config_overrides or {}),
     )
     if mode == "on":
         apply_megatron_ext(mla_rope_contiguous_load=True, config=config)
@@ -215,7 +231,7 @@ def float64_copy(model: Any, **build_kwargs: Any) -> Any:
     Returns:
         GPTModel: a float64 model holding ``model``'s weights (upcast exactly).
     """
-    build_kwargs = dict(build_kwargs, dtype=torch.float32)
+    build_kwargs = dict(build_kwargs, dtype=torch.float32, cache_mla_latents=False)
     reference = build_small_mla_gpt("off", **build_kwargs)
     reference.load_state_dict(model.state_dict())
     reference = reference.double()

@@ -10,8 +10,6 @@ nothing), check context-parallel thd lengths, and run the fused RoPE under stati
 inference, which megatron-core refuses (Megatron-LM #7106); everything else is megatron-core's.
 """
 
-import threading
-import weakref
 from contextvars import ContextVar
 from typing import Any, Dict, Optional, Tuple
 
@@ -22,6 +20,8 @@ from megatron.core.utils import deprecate_inference_params
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as _ext_rope
 from megatron_ext.fusions.mla_rope.checks import check_cp_sequence_lengths
+from megatron_ext.transformer.mla_dynamic_inference import mla_dynamic_attention
+from megatron_ext.transformer.rotary_tables import cos_sin_table
 
 __all__ = [
     "EXT_MLA_CLASSES",
@@ -108,31 +108,6 @@ _STEP: ContextVar[Optional[Tuple[Any, "_StepRotaryEmbedding"]]] = ContextVar(
     "megatron_ext_static_inference_step", default=None
 )
 
-# Per rotary embedding, its full cos/sin tables by (rows, dtype, device): computed once under the
-# lock, never changed afterwards (megatron-core's own cache is rebuilt in place whenever a call
-# asks for another length or dtype, which threads sharing the module would race on).
-_TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]]]" = (
-    weakref.WeakKeyDictionary()
-)
-_TABLES_LOCK = threading.Lock()
-
-
-def _cos_sin_table(
-    rotary: Any, rows: int, dtype: torch.dtype, device: torch.device
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The cos/sin tables megatron-core's ``get_cached_cos_sin(rows, dtype=dtype)`` returns (the
-    same expression over the same ``forward``), without touching the module's cache."""
-    key = (rows, dtype, device)
-    with _TABLES_LOCK:
-        tables = _TABLES.setdefault(rotary, {})
-        if key not in tables:
-            emb, mscale = rotary.forward(rows, 0, False)
-            tables[key] = (
-                (emb.cos() * mscale).to(dtype).contiguous(),
-                (emb.sin() * mscale).to(dtype).contiguous(),
-            )
-        return tables[key]
-
 
 class _StepRotaryEmbedding:
     """A module's rotary embedding as one static-batching step sees it: ``get_cached_cos_sin``
@@ -170,7 +145,7 @@ def _step_rotary_embedding(
     device: torch.device,
 ) -> _StepRotaryEmbedding:
     """``rotary`` as a step of ``count`` tokens from position ``offset`` sees it."""
-    cos, sin = _cos_sin_table(rotary, max_sequence_length, dtype, device)
+    cos, sin = cos_sin_table(rotary, max_sequence_length, dtype, device)
     return _StepRotaryEmbedding(rotary, cos[offset : offset + count], sin[offset : offset + count])
 
 
@@ -265,10 +240,81 @@ class _ContiguousLoadRopeMixin:
 class ExtMLASelfAttention(_ContiguousLoadRopeMixin, _mcore_mla.MLASelfAttention):
     """megatron-core's ``MLASelfAttention`` with megatron_ext's contiguous-load RoPE kernels.
 
-    Only the fused RoPE calls (``apply_rope_fusion`` with ``rope_type='yarn'``) differ, and they
-    also run under static-batching inference; ``apply_megatron_ext`` refuses configurations where
-    the flag would change nothing.
+    The fused RoPE calls (``apply_rope_fusion`` with ``rope_type='yarn'``) differ, and they also
+    run under static-batching inference; under a dynamic-batching context (``cache_mla_latent``)
+    the whole step is megatron_ext's (:mod:`megatron_ext.transformer.mla_dynamic_inference`).
+    ``apply_megatron_ext`` refuses configurations where the flag would change nothing.
     """
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        position_ids=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
+        """megatron-core's forward; a dynamic-batching step runs
+        :func:`~megatron_ext.transformer.mla_dynamic_inference.mla_dynamic_attention` instead
+        (megatron-core's needs FlashMLA and flash-attn, and raises TypeError on both releases).
+
+        GRAPH-SAFE for dynamic-batching steps (no host synchronisation), and writes no state of
+        the module.
+
+        Raises:
+            MegatronExtRopeNotAppliedError: for a dynamic-batching step while megatron_ext's RoPE
+                patch is not applied.
+            ValueError: for a dynamic-batching step with arguments the path does not take
+                (key/value states, RoPE tensors, attention bias, packed sequences) or a context
+                without ``cache_mla_latent``.
+        """
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is None or inference_context.is_static_batching():
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                key_value_states,
+                inference_context,
+                rotary_pos_emb,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                rotary_pos_cos_sin,
+                attention_bias,
+                packed_seq_params,
+                position_ids,
+                sequence_len_offset,
+            )
+        if not _rope_patched():
+            raise MegatronExtRopeNotAppliedError(
+                f"{type(self).__name__} serves dynamic batching with megatron_ext's kernels only "
+                "while --mla-rope-contiguous-load is applied: call megatron_ext.apply_megatron_ext("
+                "mla_rope_contiguous_load=True, config=...) first"
+            )
+        unused = {
+            "key_value_states": key_value_states,
+            "rotary_pos_emb": rotary_pos_emb,
+            "rotary_pos_cos": rotary_pos_cos,
+            "rotary_pos_sin": rotary_pos_sin,
+            "rotary_pos_cos_sin": rotary_pos_cos_sin,
+            "attention_bias": attention_bias,
+            "packed_seq_params": packed_seq_params,
+        }
+        given = [name for name, value in unused.items() if value is not None]
+        if given:
+            raise ValueError(
+                "MLA under dynamic batching takes its positions and lengths from the context; "
+                f"got {', '.join(given)}"
+            )
+        return mla_dynamic_attention(self, hidden_states, inference_context)
 
 
 _McoreFusedMLA = getattr(_mcore_mla, "FusedMLASelfAttention", None)

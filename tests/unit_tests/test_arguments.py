@@ -112,6 +112,31 @@ class TestParser:
         args.position_embedding_type = "rope"
         assert apply_megatron_ext(args)["mla_rope_contiguous_load"]
 
+    def test_megatron_lm_dynamic_mla_serving_flags(self, monkeypatch):
+        """The documented way to serve MLA with the dynamic engine, from a Megatron-LM command
+        line: --cache-mla-latents --no-rope-fusion plus both flags."""
+        if not hasattr(__import__("typing"), "override"):
+            pytest.skip("megatron.training needs Python >= 3.12 (typing.override)")
+        training_args = pytest.importorskip(
+            "megatron.training.arguments", reason="megatron.training is not in this megatron-core"
+        )
+        argv = [
+            "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-pos-emb-head-dim", "64",
+            "--num-attention-heads", "16", "--cache-mla-latents", "--no-rope-fusion",
+            MLA_ROPE_CONTIGUOUS_LOAD_FLAG, "--inference-static-active-slices",
+        ]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["text_generation_server.py", *argv])
+        args = training_args.parse_args(extra_args_provider=add_megatron_ext_args)
+        assert args.cache_mla_latents and not args.apply_rope_fusion
+        assert apply_megatron_ext(args) == {
+            "mla_rope_contiguous_load": True,
+            "inference_static_active_slices": True,
+        }
+        undo_megatron_ext()
+        args.kv_lora_rank = 384
+        with pytest.raises(MegatronExtConfigError, match="kv_lora_rank=384"):
+            apply_megatron_ext(args)
+
 
 # ----------------------------------------------------------------------------------------------
 # Apply and undo
@@ -177,7 +202,19 @@ class TestApplyUndo:
         (dict(rope_type="rope"), "rope_type is 'rope'"),
         (dict(apply_rope_fusion=False), "apply_rope_fusion is off"),
         (dict(position_embedding_type="learned_absolute"), "position_embedding_type"),
-        (dict(cache_mla_latents=True), "cache_mla_latents"),
+        (
+            dict(cache_mla_latents=True, kv_lora_rank=48, qk_pos_emb_head_dim=64),
+            "kv_lora_rank=48",
+        ),
+        (
+            dict(
+                cache_mla_latents=True,
+                kv_lora_rank=512,
+                qk_pos_emb_head_dim=64,
+                **{"context_parallel_size": 2},
+            ),
+            "context_parallel_size=2",
+        ),
         (dict(experimental_attention_variant="dsa"), "experimental_attention_variant"),
     ],
 )
@@ -189,6 +226,20 @@ def test_configurations_the_flag_cannot_act_on(overrides, reason):
     # A refusal leaves megatron-core as it was.
     assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
     assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+def test_latent_caching_is_the_dynamic_batching_path():
+    # megatron-core allows cache_mla_latents only with RoPE fusion off; the flag then serves
+    # dynamic-batching steps with its own kernels.
+    args = megatron_lm_args(
+        cache_mla_latents=True,
+        apply_rope_fusion=False,
+        kv_lora_rank=512,
+        qk_pos_emb_head_dim=64,
+        num_attention_heads=16,
+    )
+    apply_megatron_ext(args)
+    assert applied_megatron_ext()["mla_rope_contiguous_load"]
 
 
 def test_every_problem_is_named():

@@ -26,6 +26,10 @@ from megatron_ext.inference.contexts.attention_context.mha_metadata_0_16 import 
     with_device_counts,
 )
 from megatron_ext.inference.contexts.graph_replay import DeviceCounts, replay_or_run
+from megatron_ext.inference.contexts.latent_cache import (
+    check_latent_cache_request,
+    latent_cache_request_0_16,
+)
 from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
     REQUEST_SLICE_FIELDS,
@@ -50,6 +54,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._latent_cache_any_block_size = check_latent_cache_request(
+            latent_cache_request_0_16(kwargs)
+        )
         self._init_static_slices_state()
         self._slices_graph = None
         # An attribute, not an argument, so that the constructor keeps megatron-core's signature.

@@ -17,6 +17,10 @@ import torch
 from megatron.core.inference.config import AsyncScheduleMode
 from torch import Tensor
 
+from megatron_ext.inference.contexts.latent_cache import (
+    check_latent_cache_request,
+    latent_cache_request_0_19,
+)
 from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 from megatron_ext.inference.contexts.static_slices_context_base import (
     ACTIVE_REQUEST_PAD_VALUES,
@@ -39,6 +43,9 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._latent_cache_any_block_size = check_latent_cache_request(
+            latent_cache_request_0_19(args, kwargs)
+        )
         self._init_static_slices_state()
         # (build_active_slices' batch size, whether pad_active_slices ran) of the step built last,
         # until it is published; None once update_requests has changed the rows it would copy.

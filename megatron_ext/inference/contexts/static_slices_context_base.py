@@ -120,6 +120,28 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     (``megatron_ext.inference.redirect``) needs a layout-compatible ``__class__`` assignment.
     """
 
+    # Set before megatron-core's constructor runs (latent_cache.check_latent_cache_request).
+    _latent_cache_any_block_size = False
+
+    @property
+    def cache_mla_latent(self) -> bool:
+        """Whether the KV cache holds MLA latents: megatron-core's value, except that its
+        FlashMLA block-size assert does not see it on megatron_ext's path (any block size).
+
+        Both supported releases read this attribute for that assert right after setting it and
+        before setting ``block_size_tokens`` (0.16: ``dynamic_context.py:301-305``; 0.19:
+        ``:294-300``), and next only after it (0.16: ``:397``; 0.19: ``:408``). So while
+        megatron_ext's path is on and ``block_size_tokens`` is not set yet, it reads False.
+        """
+        value = self.__dict__.get("_cache_mla_latent_value", False)
+        if value and self._latent_cache_any_block_size and "block_size_tokens" not in vars(self):
+            return False
+        return value
+
+    @cache_mla_latent.setter
+    def cache_mla_latent(self, value: bool) -> None:
+        self._cache_mla_latent_value = value
+
     def _init_static_slices_state(self) -> None:
         """Host-side state; set before megatron-core's constructor allocates tensors."""
         self._sampling_registry = RequestSamplingRegistry()

@@ -1,0 +1,276 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""MLA self-attention under megatron-core's dynamic batching, with torch and Triton only.
+
+megatron-core's ``MLASelfAttention`` cannot run a dynamic-batching step on either supported
+release without FlashMLA and flash-attn (and calls ``flash_decode_and_prefill`` without its
+required ``is_decode_only``). :func:`mla_dynamic_attention` is the step megatron_ext runs instead,
+for every step kind (prefill, chunked prefill, mixed, decode-only), in the absorbed form:
+
+1. the query and latent projections and norms, as megatron-core computes them;
+2. the query's RoPE part rotated in place at each token's position (``token_to_pos_ids``) by the
+   contiguous-load kernel (``fused_apply_mla_rope_for_q(..., position_ids=...)``);
+3. ``q_nope @ W_UK`` (absorption), so the query is ``[q_nope W_UK | rope(q_pe)]``;
+4. ``k_pe`` rotated and written with its latent row into the paged cache by one kernel
+   (:func:`~megatron_ext.fusions.fused_mla_rope_cache_append.fused_mla_rope_cache_append`);
+5. attention over the paged latent cache, reading only the rows each token attends to
+   (:func:`~megatron_ext.fusions.mla_paged_latent_attention.mla_paged_latent_attention`);
+6. ``W_UV`` and the output projection.
+
+``W_UK`` and ``W_UV`` are views of ``linear_kv_up_proj.weight``, taken at every call: the step
+writes no state of the module (megatron-core's ``prepare_for_absorption`` replaces submodules
+on first use), so threads may share a module. GRAPH-SAFE: no host synchronisation; every size
+comes from shapes and host ints of the context.
+"""
+
+from typing import Any, Optional, Tuple
+
+import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.identity_op import IdentityOp
+from torch import Tensor
+
+from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
+from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+from megatron_ext.transformer.rotary_tables import cos_sin_table
+
+__all__ = [
+    "CACHE_DTYPES",
+    "check_mla_dynamic_config",
+    "context_token_tensors",
+    "mla_dynamic_attention",
+    "mla_dynamic_config_problems",
+]
+
+# Cache dtypes the latent-cache kernels take; an FP8 KV cache is not one of them.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_pow2_at_least_16(value: Any) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= 16
+        and not (value & (value - 1))
+    )
+
+
+def mla_dynamic_config_problems(
+    config: Any,
+    *,
+    tensor_parallel_size: Optional[int] = None,
+    context_parallel_size: Optional[int] = None,
+    cache_dtype: Optional[torch.dtype] = None,
+) -> list:
+    """What keeps megatron_ext's dynamic-batching MLA path from serving ``config``.
+
+    Args:
+        config: an ``MLATransformerConfig`` (or any object with its fields).
+        tensor_parallel_size: overrides ``config.tensor_model_parallel_size``.
+        context_parallel_size: overrides ``config.context_parallel_size``.
+        cache_dtype: the latent cache's dtype (the context's ``params_dtype``); default the
+            config's ``params_dtype``.
+
+    Returns:
+        list: one message per problem, each naming the option (empty when it can serve it).
+    """
+    problems = []
+    latent = getattr(config, "kv_lora_rank", None)
+    rope = getattr(config, "qk_pos_emb_head_dim", None)
+    if not _is_pow2_at_least_16(latent):
+        problems.append(
+            f"kv_lora_rank={latent!r}: the paged latent-cache kernels take a latent width that is "
+            "a power of two >= 16 (DeepSeek-V3: 512)"
+        )
+    if not _is_pow2_at_least_16(rope):
+        problems.append(
+            f"qk_pos_emb_head_dim={rope!r}: the paged latent-cache kernels take a RoPE head size "
+            "that is a power of two >= 16 (DeepSeek-V3: 64)"
+        )
+    rope_type = getattr(config, "rope_type", "yarn")
+    if rope_type not in (None, "yarn"):
+        problems.append(f"rope_type={rope_type!r}: the dynamic MLA path rotates with yarn RoPE")
+    cp = context_parallel_size
+    if cp is None:
+        cp = getattr(config, "context_parallel_size", 1) or 1
+    if cp != 1:
+        problems.append(
+            f"context_parallel_size={cp}: dynamic-batching MLA does not split a step's tokens "
+            "across context-parallel ranks"
+        )
+    tp = tensor_parallel_size
+    if tp is None:
+        tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and (tp < 1 or heads % tp):
+        problems.append(
+            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}: each "
+            "rank must hold whole query heads"
+        )
+    if getattr(config, "sequence_parallel", False):
+        problems.append("sequence_parallel is on: dynamic-batching steps are not sequence-split")
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is on: an FP8 KV cache is not supported by the latent cache")
+    dtype = cache_dtype if cache_dtype is not None else getattr(config, "params_dtype", None)
+    if dtype is not None and dtype not in CACHE_DTYPES:
+        problems.append(
+            f"params_dtype={dtype} (the latent cache's dtype): an FP8 or other KV cache dtype is "
+            "not supported; use float32, float16 or bfloat16"
+        )
+    return problems
+
+
+def check_mla_dynamic_config(config: Any, what: str, **overrides: Any) -> None:
+    """Raise ValueError naming every option :func:`mla_dynamic_config_problems` finds.
+
+    Args:
+        config: an ``MLATransformerConfig``.
+        what: who asks (the start of the message).
+        overrides: :func:`mla_dynamic_config_problems`'s keywords.
+
+    Raises:
+        ValueError: if the dynamic MLA path cannot serve the configuration.
+    """
+    problems = mla_dynamic_config_problems(config, **overrides)
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
+
+
+def context_token_tensors(context: Any) -> Any:
+    """The object holding the per-token device tensors a step's forward reads (``token_to_*``):
+    0.19's ``gpu_view``, or the context itself on 0.16."""
+    return getattr(context, "gpu_view", None) or context
+
+
+def _latent_norm(module: Any, kv_compressed: Tensor) -> Tensor:
+    """``kv_layernorm`` as megatron-core's latent-caching path applies it, without changing the
+    module: Transformer Engine's spec fuses the norm into ``linear_kv_up_proj`` (its
+    ``kv_layernorm`` is an identity), and megatron-core splits that module on first use."""
+    norm = module.kv_layernorm
+    fused_weight = getattr(module.linear_kv_up_proj, "layer_norm_weight", None)
+    if not isinstance(norm, IdentityOp) or fused_weight is None:
+        return norm(kv_compressed)
+    config = module.config
+    weight = (
+        fused_weight + 1
+        if getattr(config, "layernorm_zero_centered_gamma", False)
+        else fused_weight
+    )
+    x = kv_compressed.float()
+    if config.normalization == "RMSNorm":
+        y = torch.nn.functional.rms_norm(
+            x, (x.shape[-1],), weight.float(), config.layernorm_epsilon
+        )
+    else:
+        bias = getattr(module.linear_kv_up_proj, "layer_norm_bias", None)
+        y = torch.nn.functional.layer_norm(
+            x,
+            (x.shape[-1],),
+            weight.float(),
+            None if bias is None else bias.float(),
+            config.layernorm_epsilon,
+        )
+    return y.to(kv_compressed.dtype)
+
+
+def _full_width(x: Tensor, width: int) -> Tensor:
+    # A column-parallel down projection leaves its output sharded; megatron-core gathers it.
+    if x.size(-1) != width:
+        x = gather_from_tensor_model_parallel_region(x)
+    return x
+
+
+def mla_dynamic_attention(
+    module: Any, hidden_states: Tensor, context: Any
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One dynamic-batching step of MLA self-attention over the paged latent cache.
+    GRAPH-SAFE (no host synchronisation); writes no state of ``module``.
+
+    Args:
+        module: an ``ExtMLASelfAttention`` (megatron-core's ``MLASelfAttention`` fields).
+        hidden_states: ``[tokens, 1, hidden]``, the step's padded token rows.
+        context: a ``DynamicInferenceContext`` with ``cache_mla_latent`` whose attention state
+            is initialised for this step.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: ``linear_proj``'s output ``[tokens, 1, hidden]`` and bias.
+
+    Raises:
+        ValueError: if the context does not cache MLA latents, or ``hidden_states`` is not
+            ``[tokens, 1, hidden]``.
+    """
+    config = module.config
+    if not getattr(context, "cache_mla_latent", False):
+        raise ValueError(
+            "MLA under dynamic batching needs a DynamicInferenceContext with cache_mla_latent "
+            "(0.16: cache_mla_latent=True; 0.19: MLATransformerConfig.cache_mla_latents=True)"
+        )
+    # The step's token rows: megatron-core pads them to padded_active_token_count, cut to the
+    # context's token buffers.
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+        raise ValueError(
+            f"hidden_states must be [tokens, 1, hidden]; got {tuple(hidden_states.shape)}"
+        )
+    n = hidden_states.shape[0]
+    heads = module.num_attention_heads_per_partition
+    qk_dim, rope_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
+    v_dim, latent_dim = config.v_head_dim, config.kv_lora_rank
+    tokens = context_token_tensors(context)
+
+    # Projections and norms: megatron-core's, without its training-only branches.
+    if config.q_lora_rank is not None:
+        q_compressed, _ = module.linear_q_down_proj(hidden_states)
+        q_compressed = module.q_layernorm(_full_width(q_compressed, config.q_lora_rank))
+        q, _ = module.linear_q_up_proj(q_compressed)
+    else:
+        q, _ = module.linear_q_proj(hidden_states)
+    kv_combined, _ = module.linear_kv_down_proj(hidden_states)
+    kv_combined = _full_width(kv_combined, latent_dim + rope_dim)
+    kv_compressed, k_pos_emb = torch.split(kv_combined, [latent_dim, rope_dim], dim=-1)
+    kv_latent = _latent_norm(module, kv_compressed)
+
+    # Tables over the context's positions, built once per (embedding, dtype) and never changed.
+    cos, sin = cos_sin_table(
+        module._modules["rotary_pos_emb"], int(context.max_sequence_length), q.dtype, q.device
+    )
+
+    # Query: RoPE in place at each token's position, then W_UK absorbed.
+    q = q.view(n, 1, heads, qk_dim + rope_dim)
+    fused_apply_mla_rope_for_q(
+        q, cos, sin, qk_dim, rope_dim, position_ids=tokens.token_to_pos_ids[:n].view(n, 1)
+    )
+    kv_up = module.linear_kv_up_proj.weight.view(heads, qk_dim + v_dim, latent_dim)
+    up_k, up_v = kv_up[:, :qk_dim], kv_up[:, qk_dim:]
+    q = q.view(n, heads, qk_dim + rope_dim)
+    q_absorbed = torch.einsum("thd,hdc->thc", q[..., :qk_dim], up_k)
+    query = torch.cat([q_absorbed, q[..., qk_dim:]], dim=-1)
+
+    # Key: RoPE and the append in one kernel, then attention over the paged cache.
+    kv_cache, _, block_table = context.key_value_cache(module.layer_number)
+    fused_mla_rope_cache_append(
+        kv_latent,
+        k_pos_emb,
+        cos,
+        sin,
+        tokens.token_to_position_in_request[:n],
+        kv_cache,
+        tokens.token_to_block_idx[:n],
+        tokens.token_to_local_position_within_kv_block[:n],
+    )
+    cu_query_lengths, max_query_len = context.cu_query_lengths()
+    _, kv_lengths, _ = context.cu_kv_lengths()
+    attended = mla_paged_latent_attention(
+        query,
+        kv_cache,
+        block_table,
+        cu_query_lengths,
+        kv_lengths,
+        module.softmax_scale,
+        rope_dim=rope_dim,
+        max_query_len=max(1, int(max_query_len)),
+    )
+    # W_UV, then the output projection.
+    core = torch.einsum("thc,hvc->thv", attended, up_v).reshape(n, 1, heads * v_dim)
+    return module.linear_proj(core)

@@ -1,0 +1,306 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Functional case: an MLA GPT served by megatron-core's DynamicInferenceEngine.
+
+A small MLA GPT with DeepSeek-V3's widths (512-wide latent, 64-wide RoPE, 128 + 64 query/key
+heads, yarn RoPE) generates greedily for a few dozen requests of mixed prompt and output lengths
+through megatron-core's real ``DynamicInferenceEngine`` and ``GPTInferenceWrapper``, with
+``--mla-rope-contiguous-load`` and ``--inference-static-active-slices`` applied (the one
+documented way; ``cache_mla_latents`` in the model config). The latent cache is small, so
+requests pause, resume and get evicted; prompts longer than the step budget are prefilled in
+chunks. Layers use megatron-core's local spec with megatron_ext's SDPA core attention: no
+Transformer Engine, FlashMLA or flash-attn.
+
+There is no "off" run: megatron-core's own MLA cannot run a dynamic-batching step on either
+release (``tests/unit_tests/transformer/test_mla_dynamic_inference.py`` shows what it raises).
+Instead each dtype's run is checked against a float64 copy of the model run teacher-forced over
+each request's final tokens through megatron-core's training path: every generated log-prob
+within twice the logit bound of the static-batching case (2^-10 of the largest float64 logit in
+float32, 2^-4 in bfloat16), and every greedy token the float64 argmax (float32: all of them;
+bfloat16: wherever the float64 top-2 margin exceeds twice that bound). The runner compares the
+tokens and log-probs with the golden values bit for bit.
+
+Standalone::
+
+    python tests/functional_tests/test_cases/gpt/mla_dynamic_inference/run_case.py --out DIR
+
+Through the functional-test runner (model_config.yaml in this directory), which passes
+``--output-json PATH``. ``--device cpu --quick`` runs a small smoke version without a GPU
+(Triton interpreter, small widths, float32 only).
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+# Deterministic cuBLAS workspaces; must be set before CUDA initialises.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+REPO_ROOT = Path(__file__).resolve().parents[5]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton decides at import time whether its kernels run in the CPU interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Logit bounds relative to the largest float64 logit (those of the static-batching MLA case).
+LOGIT_BOUND = {"float32": 2.0**-10, "bfloat16": 2.0**-4}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Command line; defaults are the case's configuration."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="directory for metrics.json")
+    p.add_argument("--output-json", type=Path, default=None, help="result file (runner format)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--quick", action="store_true", help="a few requests, small widths (smoke)")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-length", type=int, nargs=2, default=[4, 160], metavar=("MIN", "MAX"))
+    p.add_argument("--generate-length", type=int, nargs=2, default=[1, 48], metavar=("MIN", "MAX"))
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--kv-lora-rank", type=int, default=512)
+    p.add_argument("--qk-head-dim", type=int, default=128)
+    p.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    p.add_argument("--v-head-dim", type=int, default=128)
+    p.add_argument("--max-sequence-length", type=int, default=256)
+    p.add_argument("--max-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128, help="step token budget (chunking)")
+    p.add_argument("--block-size-tokens", type=int, default=16)
+    p.add_argument("--kv-blocks", type=int, default=48, help="latent-cache blocks (small: pauses)")
+    p.add_argument("--paused-kv-blocks", type=int, default=8)
+    args = p.parse_args(argv)
+    if args.out is None and args.output_json is None:
+        p.error("give --out DIR or --output-json PATH")
+    if args.quick:
+        args.num_requests = min(args.num_requests, 6)
+        args.generate_length = [1, 8]
+        args.prompt_length = [4, 80]
+        args.max_tokens = 64
+        args.num_layers, args.hidden_size, args.vocab_size = 1, 64, 128
+        args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim = (
+            32,
+            32,
+            16,
+            32,
+        )
+        args.kv_blocks, args.paused_kv_blocks, args.block_size_tokens = 32, 4, 8
+    return args
+
+
+def model_sizes(args: argparse.Namespace) -> Dict[str, Any]:
+    """``build_small_mla_gpt``'s keywords for the case."""
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_sequence_length,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def make_requests(args: argparse.Namespace) -> List[Tuple[List[int], Any]]:
+    """Mixed prompt and output lengths, greedy, with log-probs; no termination token."""
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.num_requests):
+        prompt = [rng.randrange(args.vocab_size) for _ in range(rng.randint(*args.prompt_length))]
+        params = SamplingParams(
+            num_tokens_to_generate=rng.randint(*args.generate_length),
+            termination_id=-1,
+            top_k=1,
+            return_log_probs=True,
+            skip_prompt_log_probs=True,
+        )
+        requests.append((prompt, params))
+    return requests
+
+
+@torch.no_grad()
+def float64_check(
+    model: Any, args: argparse.Namespace, dtype_name: str, requests, outputs
+) -> Tuple[Dict[str, Any], List[str]]:
+    """Every generated token and log-prob against the float64 teacher-forced forward."""
+    from megatron_ext.testing import small_mla_gpt
+
+    reference = small_mla_gpt.float64_copy(model, **model_sizes(args))
+    device = next(reference.parameters()).device
+    worst_lp, largest, mismatches = 0.0, 0.0, []
+    margins = []
+    for request_id in sorted(outputs):
+        prompt = requests[request_id][0]
+        generated = outputs[request_id]["generated_tokens"]
+        tokens = torch.tensor(prompt + generated, device=device).unsqueeze(0)
+        length = tokens.shape[1]
+        positions = torch.arange(length, device=device).unsqueeze(0)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+        logits = reference(tokens, positions, causal[None, None], runtime_gather_output=True)[0]
+        rows = logits[len(prompt) - 1 : length - 1]
+        largest = max(largest, float(rows.abs().max()))
+        log_probs = torch.log_softmax(rows, dim=-1)
+        chosen = torch.tensor(generated, device=device)
+        expected = log_probs.gather(1, chosen[:, None])[:, 0]
+        got = torch.tensor(outputs[request_id]["generated_log_probs"], dtype=torch.float64)
+        worst_lp = max(worst_lp, float((got.to(device) - expected).abs().max()))
+        top2 = rows.topk(2, dim=-1)
+        margin = top2.values[:, 0] - top2.values[:, 1]
+        margins.append(float(margin.min()))
+        for i in torch.nonzero(top2.indices[:, 0] != chosen).flatten().tolist():
+            mismatches.append((request_id, len(prompt) + i, float(margin[i])))
+    bound = LOGIT_BOUND[dtype_name] * largest
+    problems = []
+    if worst_lp > 2 * bound:
+        problems.append(
+            f"{dtype_name}: log-probs {worst_lp:.4g} off float64 (> {2 * bound:.4g}, twice the "
+            "logit bound)"
+        )
+    wide = [m for m in mismatches if dtype_name == "float32" or m[2] > 4 * bound]
+    if wide:
+        problems.append(
+            f"{dtype_name}: greedy tokens differ from float64's argmax at (request, position, "
+            f"top-2 margin) {wide[:5]}"
+        )
+    summary = dict(
+        max_abs_log_prob_error=worst_lp,
+        largest_abs_logit=largest,
+        logit_bound=bound,
+        min_top2_margin=min(margins),
+        argmax_mismatches=len(mismatches),
+    )
+    return summary, problems
+
+
+def run_dtype(dtype_name: str, args: argparse.Namespace, requests) -> Tuple[Dict[str, Any], Any]:
+    """Generate every request with the model in ``dtype_name``."""
+    from megatron_ext import apply_megatron_ext, undo_megatron_ext
+    from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+    from megatron_ext.testing import small_mla_gpt
+    from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine
+    from megatron_ext.testing.synthetic import run_engine
+
+    model = small_mla_gpt.build_small_mla_gpt(
+        "on", dtype=DTYPES[dtype_name], cache_mla_latents=True, **model_sizes(args)
+    )
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
+    )
+    try:
+        engine, context, _ = build_mla_dynamic_engine(
+            model,
+            max_requests=args.max_requests,
+            max_tokens=args.max_tokens,
+            max_sequence_length=args.max_sequence_length,
+            block_size_tokens=args.block_size_tokens,
+            kv_blocks=args.kv_blocks,
+            paused_kv_blocks=args.paused_kv_blocks,
+            seed=args.seed,
+            megatron_wrapper=True,
+        )
+        if not isinstance(context, StaticSlicesInferenceContext):
+            raise RuntimeError(f"the flags built {type(context).__name__}")
+        start = time.perf_counter()
+        outputs, stats = run_engine(engine, requests)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    finally:
+        undo_megatron_ext()
+    run: Dict[str, Any] = {"mode": dtype_name}
+    run["generated tokens"] = [t for i in sorted(outputs) for t in outputs[i]["generated_tokens"]]
+    run["generated log probs"] = [
+        float(lp) for i in sorted(outputs) for lp in outputs[i]["generated_log_probs"]
+    ]
+    run["generated lengths"] = [len(outputs[i]["generated_tokens"]) for i in sorted(outputs)]
+    run.update(
+        finished_requests=len(outputs),
+        engine_steps=stats["steps"],
+        max_paused=stats["max_paused"],
+        evicted=stats["evicted"],
+        seconds=elapsed,
+        context_class=type(context).__name__,
+        block_size_tokens=context.block_size_tokens,
+    )
+    return run, (model, outputs)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the case; 0 when every check passed, else 1."""
+    args = parse_args(argv)
+    from megatron_ext.testing.environment import run_environment
+    from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("run_case: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 1
+    if args.device == "cpu" and "bfloat16" in args.dtypes:
+        # The Triton interpreter does not compute in bfloat16.
+        args.dtypes = [d for d in args.dtypes if d != "bfloat16"] or ["float32"]
+    runs, problems = [], []
+    requests = None
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        requests = make_requests(args)
+        for dtype_name in args.dtypes:
+            run, (model, outputs) = run_dtype(dtype_name, args, requests)
+            summary, found = float64_check(model, args, dtype_name, requests, outputs)
+            run["float64"] = summary
+            problems += found
+            runs.append(run)
+    for run in runs:
+        if run["finished_requests"] != len(requests):
+            problems.append(f"{run['mode']}: {run['finished_requests']}/{len(requests)} finished")
+        if not args.quick and run["evicted"] == 0:
+            problems.append(f"{run['mode']}: no request was evicted: the latent cache is too large")
+    if not any(len(p) > args.max_tokens for p, _ in requests):
+        problems.append("no prompt exceeds the step budget: no chunked prefill")
+
+    result = {
+        "runs": runs,
+        "environment": run_environment(),
+        "requests": len(requests),
+        "problems": problems,
+    }
+    for path in filter(None, [args.output_json, args.out and args.out / "metrics.json"]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    for run in runs:
+        check = run["float64"]
+        print(
+            f"[{run['mode']}] {run['context_class']} (block size {run['block_size_tokens']}): "
+            f"{run['finished_requests']} requests, {len(run['generated tokens'])} tokens, "
+            f"{run['engine_steps']} steps, max paused {run['max_paused']}, evicted "
+            f"{run['evicted']}, {run['seconds']:.1f} s; float64: log-prob error "
+            f"{check['max_abs_log_prob_error']:.3g} (bound {2 * check['logit_bound']:.3g}), "
+            f"{check['argmax_mismatches']} argmax differences, smallest top-2 margin "
+            f"{check['min_top2_margin']:.3g}"
+        )
+    for problem in problems:
+        print("PROBLEM: " + problem)
+    print("PASSED" if not problems else "FAILED")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,638 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""MLA under megatron-core's dynamic batching through megatron_ext's path (mla_dynamic_inference).
+
+A small MLA GPT generates greedily through megatron-core's ``DynamicInferenceEngine`` with
+``--mla-rope-contiguous-load`` and ``--inference-static-active-slices``; every step's last-token
+logits are checked against a teacher-forced full-sequence forward of a float64 copy through
+megatron-core's training path (unfused RoPE, SDPA attention). The CPU tests run fp32 under the
+Triton interpreter at widths the kernels take (latent 32, RoPE 16); the ``gpu`` tests repeat
+them at a DeepSeek-V3-like shape (latent 512, RoPE 64, 128 + 64 query/key heads) in fp32 and bf16,
+and add CUDA-graph replay, host-sync and stock-megatron-core checks.
+"""
+
+import dataclasses
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+from megatron.core.inference.inference_request import DynamicInferenceRequest
+from megatron.core.inference.sampling_params import SamplingParams
+
+from megatron_ext import apply_megatron_ext, undo_megatron_ext
+from megatron_ext.fusions import fused_mla_rope_cache_append as append_module
+from megatron_ext.fusions import mla_paged_latent_attention as attention_module
+from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.testing import small_mla_gpt
+from megatron_ext.testing.mla_dynamic_engine import (
+    TINY_MLA_SIZES,
+    build_dynamic_mla_model,
+    build_mla_dynamic_engine,
+    teacher_forced_errors,
+)
+from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
+from megatron_ext.transformer import mla_dynamic_inference
+from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
+
+HAVE_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAVE_CUDA else "cpu"
+
+TINY = TINY_MLA_SIZES
+# DeepSeek-V3's head and latent widths, few heads and layers.
+DEEPSEEK_LIKE = dict(
+    num_layers=2,
+    hidden_size=256,
+    num_attention_heads=4,
+    vocab_size=512,
+    max_sequence_length=160,
+    init_method_std=0.02,
+    kv_lora_rank=512,
+    qk_head_dim=128,
+    qk_pos_emb_head_dim=64,
+    v_head_dim=128,
+)
+# A prompt longer than the step's token budget (max_tokens 64) is prefilled in chunks.
+MAX_TOKENS = 64
+# Prompt lengths and a latent cache (blocks of 8 tokens) with which, generating 24 tokens each,
+# requests are paused and evicted (the schedule depends on lengths and sizes only).
+PAUSING_LENGTHS = [70, 12, 30, 5, 38, 20, 9, 25]
+PAUSING_CACHE = dict(block_size_tokens=8, kv_blocks=14, paused_kv_blocks=2)
+
+
+@pytest.fixture
+def stack():
+    """megatron-core's inference stack on this machine's device; the flags undone afterwards."""
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        yield
+    undo_megatron_ext()
+
+
+def build_model(sizes: Dict[str, Any], dtype: torch.dtype = torch.float32) -> Any:
+    """The model with both flags applied, the one documented way."""
+    return build_dynamic_mla_model(sizes, dtype, DEVICE)
+
+
+def requests_for(lengths: List[int], new_tokens: int, vocab: int) -> List[Tuple[List[int], Any]]:
+    """Greedy requests with the given prompt lengths (fixed token ids)."""
+    gen = torch.Generator().manual_seed(0)
+    params = dict(
+        num_tokens_to_generate=new_tokens,
+        termination_id=-1,
+        top_k=1,
+        return_log_probs=True,
+        skip_prompt_log_probs=True,
+    )
+    return [
+        (torch.randint(0, vocab, (n,), generator=gen).tolist(), SamplingParams(**params))
+        for n in lengths
+    ]
+
+
+def generate_and_check(
+    model: Any,
+    sizes: Dict[str, Any],
+    requests: List[Tuple[List[int], Any]],
+    relative_bound: float,
+    **engine_sizes: Any,
+) -> Dict[str, Any]:
+    """Generate through the engine, then check every recorded step against float64.
+
+    Returns the engine's counters, the step kinds seen and the float64 comparison.
+    """
+    engine, context, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=sizes["max_sequence_length"],
+        **engine_sizes,
+    )
+    assert type(context).__name__ == "StaticSlicesInferenceContext"
+    assert context.block_size_tokens == engine_sizes["block_size_tokens"]
+    row = sizes["kv_lora_rank"] + sizes["qk_pos_emb_head_dim"]
+    assert context.memory_buffer.shape[2:] == (engine_sizes["block_size_tokens"], row)
+    outputs, stats = run_engine(engine, requests)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    # Greedy: each generated token is the argmax of the row recorded for its position.
+    for row_record in wrapper.rows:
+        prompt = len(requests[row_record.request_id][0])
+        if row_record.position >= prompt - 1:
+            chosen = sequences[row_record.request_id][row_record.position + 1]
+            assert int(row_record.logits.argmax()) == chosen, row_record
+    reference = small_mla_gpt.float64_copy(model, device=DEVICE, **sizes)
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    assert result["rows"] >= sum(p.num_tokens_to_generate for _, p in requests)
+    assert not result["argmax_mismatches"], (
+        "greedy tokens differ from the float64 teacher-forced forward at (step, request, "
+        f"position, reference top-2 margin): {result['argmax_mismatches']}"
+    )
+    bound = relative_bound * result["largest_abs_logit"]
+    assert result["max_abs_error"] <= bound, (
+        f"logits {result['max_abs_error']:.3g} off float64 (bound {bound:.3g}) at (step, "
+        f"request, position) {result['worst']}"
+    )
+    kinds = {row_record.decode_only for row_record in wrapper.rows}
+    stats = dict(stats, max_paused=max(stats["max_paused"], wrapper.max_paused))
+    return dict(stats=stats, kinds=kinds, result=result, steps=wrapper.steps)
+
+
+# ------------------------------------------------------------------------------- generation
+
+
+def test_engine_generation_matches_float64_with_chunks_pauses_and_evictions(stack):
+    """Block size 8, a prompt over the step budget, a cache too small for every request."""
+    model = build_model(TINY)
+    requests = requests_for(PAUSING_LENGTHS, 24, TINY["vocab_size"])
+    seen = generate_and_check(model, TINY, requests, 2**-14, **PAUSING_CACHE)
+    stats = seen["stats"]
+    assert stats["max_paused"] > 0 and stats["evicted"] > 0, stats
+    assert seen["kinds"] == {True, False}, "expected prefill/mixed and decode-only steps"
+
+
+def test_engine_generation_at_block_size_64(stack):
+    """megatron-core's FlashMLA block size works too."""
+    model = build_model(TINY)
+    requests = requests_for([3, 66, 9], 6, TINY["vocab_size"])
+    generate_and_check(model, TINY, requests, 2**-14, block_size_tokens=64, kv_blocks=8)
+
+
+def test_float64_check_sees_a_query_rotated_at_the_wrong_position(stack, monkeypatch):
+    """The comparison can fail: rotate each query one position late and it does."""
+    original = mla_dynamic_inference.fused_apply_mla_rope_for_q
+
+    def late(*args, position_ids=None, **kwargs):
+        return original(*args, position_ids=position_ids + 1, **kwargs)
+
+    monkeypatch.setattr(mla_dynamic_inference, "fused_apply_mla_rope_for_q", late)
+    model = build_model(TINY)
+    requests = requests_for([3, 66, 9], 6, TINY["vocab_size"])
+    with pytest.raises(AssertionError, match="off float64|greedy tokens differ"):
+        generate_and_check(model, TINY, requests, 2**-14, block_size_tokens=64, kv_blocks=8)
+
+
+# ------------------------------------------------------------------------------- one step
+
+
+def _context_step(model: Any, lengths: List[int], block_size: int = 16) -> Any:
+    """A context (megatron-core's name: the flag's redirect builds megatron_ext's) holding
+    requests of ``lengths``, its attention state initialised for their prefill."""
+    engine, context, _ = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=TINY["max_sequence_length"],
+        block_size_tokens=block_size,
+        kv_blocks=32,
+    )
+    del engine
+    for request_id, (prompt, params) in enumerate(requests_for(lengths, 4, TINY["vocab_size"])):
+        context.add_request(
+            DynamicInferenceRequest(
+                request_id=request_id,
+                prompt_tokens=torch.tensor(prompt, device=DEVICE),
+                sampling_params=params,
+            )
+        )
+    context.initialize_attention_state()
+    return context
+
+
+def _step(model: Any, context: Any) -> torch.Tensor:
+    ids, positions = context.current_input_and_position_ids()
+    with torch.no_grad():
+        return model(ids, positions, None, inference_context=context, runtime_gather_output=True)
+
+
+def _decode_context(model: Any, lengths: List[int]) -> Tuple[Any, torch.Tensor]:
+    """A context after the prefill of ``lengths`` and its greedy tokens, set up for the first
+    decode-only step; also returns the prefill's logits."""
+    context = _context_step(model, lengths)
+    logits = _step(model, context)
+    last = logits[0] if logits.shape[1] == len(lengths) else context.last_token_logits(logits)
+    active = len(lengths)
+    context.update_requests(
+        torch.ones(active, dtype=torch.uint8, device=DEVICE), last.argmax(-1).to(torch.long)
+    )
+    context.initialize_attention_state()
+    assert context.is_decode_only()
+    return context, last
+
+
+def test_decode_step_at_the_context_level_matches_float64(stack):
+    """Prefill then one decode-only step, driven as the engine drives the context."""
+    model = build_model(TINY)
+    prompts = [prompt for prompt, _ in requests_for([7, 19, 3], 4, TINY["vocab_size"])]
+    context, prefill = _decode_context(model, [7, 19, 3])
+    decode = _step(model, context)
+    decode = decode[0] if decode.shape[1] == 3 else context.last_token_logits(decode)
+    reference = small_mla_gpt.float64_copy(model, device=DEVICE, **TINY)
+    for row, prompt in enumerate(prompts):
+        tokens = prompt + [int(prefill[row].argmax())]
+        length = len(tokens)
+        with torch.no_grad():
+            full = reference(
+                torch.tensor([tokens], device=DEVICE),
+                torch.arange(length, device=DEVICE)[None],
+                torch.ones(length, length, dtype=torch.bool, device=DEVICE).triu(1)[None, None],
+                runtime_gather_output=True,
+            )[0]
+        scale = float(full.abs().max())
+        assert float((prefill[row].double() - full[-2]).abs().max()) <= 2**-14 * scale
+        assert float((decode[row].double() - full[-1]).abs().max()) <= 2**-14 * scale
+
+
+def test_step_writes_only_its_rows_and_no_module_state(stack):
+    """Guard regions: every cache row but the step's tokens' (and the dummy block's row 0 that
+    padding tokens name) keeps its sentinel; the module's state is unchanged."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    context.memory_buffer.fill_(float("nan"))
+    attention = [m for m in model.modules() if isinstance(m, ExtMLASelfAttention)]
+    before = [
+        (
+            dict(vars(m)),
+            {k: id(v) for k, v in m.named_children()},
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in m.state_dict().items()},
+        )
+        for m in attention
+    ]
+    _step(model, context)
+    for module, (attrs, children, state) in zip(attention, before):
+        assert set(vars(module)) == set(attrs)
+        assert {k: id(v) for k, v in module.named_children()} == children
+        assert hasattr(module, "linear_kv_up_proj") and not hasattr(module, "up_k_weight")
+        after = module.state_dict()
+        assert set(after) == set(state)
+        for name, value in after.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, state[name]), name
+    active = context.active_token_count
+    tokens = mla_dynamic_inference.context_token_tensors(context)
+    written = torch.zeros(context.memory_buffer.shape[1:3], dtype=torch.bool)
+    written[
+        tokens.token_to_block_idx[:active].cpu().long(),
+        tokens.token_to_local_position_within_kv_block[:active].cpu().long(),
+    ] = True
+    allocator = getattr(context, "kv_block_allocator", None) or context.block_allocator
+    dummy = allocator.dummy_block_idx
+    rows_nan = context.memory_buffer.isnan().all(-1).cpu()  # [layers, blocks, block_size]
+    for layer in range(rows_nan.shape[0]):
+        untouched = rows_nan[layer]
+        assert not untouched[written].any(), "a step token's row was not written"
+        others = ~written
+        others[dummy, 0] = False
+        assert untouched[others].all(), "a row outside the step's tokens was written"
+
+
+def test_step_runs_the_kernels_and_none_of_megatron_cores_cache_path(stack, monkeypatch):
+    """Query RoPE with per-token positions, the fused append, the paged attention; never
+    megatron-core's unfused RoPE, indexed append or cache decompression."""
+    model = build_model(TINY)
+    context = _context_step(model, [5, 11])
+    calls: List[str] = []
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            if name == "fused_apply_mla_rope_for_q":
+                assert kwargs.get("position_ids") is not None
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(mla_dynamic_inference, "fused_apply_mla_rope_for_q")
+    spy(mla_dynamic_inference, "fused_mla_rope_cache_append")
+    spy(mla_dynamic_inference, "mla_paged_latent_attention")
+
+    def refuse(name):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"megatron-core's {name} ran")
+
+        return fail
+
+    for name in ("append_key_value_cache", "apply_rotary_emb_query", "apply_rotary_emb_key"):
+        monkeypatch.setattr(type(context), name, refuse(name))
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for name in ("uncompress_kv_from_cache", "prepare_for_absorption"):
+        monkeypatch.setattr(MLASelfAttention, name, refuse(name))
+    _step(model, context)
+    expected = ["fused_apply_mla_rope_for_q", "fused_mla_rope_cache_append"]
+    expected += ["mla_paged_latent_attention"]
+    assert calls == expected * TINY["num_layers"]
+    assert append_module.fused_mla_rope_cache_append is not None
+    assert attention_module.mla_paged_latent_attention is not None
+
+
+def test_dynamic_step_needs_the_flag(stack):
+    model = build_model(TINY)
+    context = _context_step(model, [4])
+    undo_megatron_ext()
+    from megatron_ext.transformer.multi_latent_attention import MegatronExtRopeNotAppliedError
+
+    with pytest.raises(MegatronExtRopeNotAppliedError, match="mla-rope-contiguous-load"):
+        _step(model, context)
+
+
+def test_supported_configuration_has_no_problems():
+    config = small_mla_gpt_config_like(DEEPSEEK_LIKE)
+    assert mla_dynamic_inference.mla_dynamic_config_problems(config) == []
+
+
+def small_mla_gpt_config_like(sizes: Dict[str, Any]) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        kv_lora_rank=sizes["kv_lora_rank"],
+        qk_pos_emb_head_dim=sizes["qk_pos_emb_head_dim"],
+        num_attention_heads=sizes["num_attention_heads"],
+        rope_type="yarn",
+        context_parallel_size=1,
+        tensor_model_parallel_size=1,
+        params_dtype=torch.bfloat16,
+    )
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_deepseek_like_generation_matches_float64(stack, dtype):
+    """fp32: identical greedy tokens, logits within 2^-10 of the largest; bf16: the static
+    case's bound (2^-4 of the largest logit), tokens where the reference's margin allows."""
+    model = build_model(DEEPSEEK_LIKE, dtype)
+    requests = requests_for(PAUSING_LENGTHS, 24, DEEPSEEK_LIKE["vocab_size"])
+    if dtype == torch.float32:
+        # The static-batching case's fp32 bound (GPU matmuls sum in another order than float64).
+        seen = generate_and_check(model, DEEPSEEK_LIKE, requests, 2**-10, **PAUSING_CACHE)
+        assert seen["stats"]["evicted"] > 0 and seen["stats"]["max_paused"] > 0, seen["stats"]
+        return
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        **PAUSING_CACHE,
+    )
+    outputs, stats = run_engine(engine, requests)
+    paused = max(stats["max_paused"], wrapper.max_paused)
+    assert stats["evicted"] > 0 and paused > 0, (stats, paused)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    reference = small_mla_gpt.float64_copy(model, device=DEVICE, **DEEPSEEK_LIKE)
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    bound = result["largest_abs_logit"] / 16
+    assert result["max_abs_error"] <= bound, result
+    close_calls = [m for m in result["argmax_mismatches"] if m[3] > 2 * result["max_abs_error"]]
+    assert not close_calls, f"bf16 argmax differs where the reference's margin is wide: {result}"
+
+
+def _graph_replay_equals_eager(forward: Any) -> None:
+    """Capture ``forward`` in a CUDA graph (after a warm-up on a side stream) and check that a
+    replay gives the eager call's output bitwise."""
+    with torch.no_grad():
+        eager = forward().clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = forward()
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(static_out, eager), (static_out.float() - eager.float()).abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_replays_from_a_cuda_graph_as_eager(stack):
+    """The MLA attention of a decode-only step (what megatron-core's per-layer CUDA graphs
+    capture) replays from a CUDA graph bitwise as eager: the step rewrites the same cache rows,
+    so replaying it is idempotent."""
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context, _ = _decode_context(model, [9, 40, 17])
+    _step(model, context)  # compiles every kernel of the decode step outside capture
+    attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    rows = context.current_input_and_position_ids()[0].shape[1]
+    hidden = torch.randn(rows, 1, DEEPSEEK_LIKE["hidden_size"], dtype=torch.bfloat16, device=DEVICE)
+    _graph_replay_equals_eager(lambda: attention(hidden, None, inference_context=context)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
+    """The whole model's decode-only step, captured the same way."""
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context, _ = _decode_context(model, [9, 40, 17])
+    _step(model, context)
+    ids, positions = context.current_input_and_position_ids()
+    ids, positions = ids.clone(), positions.clone()
+    _graph_replay_equals_eager(
+        lambda: model(ids, positions, None, inference_context=context, runtime_gather_output=True)
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
+    """megatron-core's own CUDA graphs (``cuda_graph_impl="local"``: per-layer graphs captured
+    in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
+    greedy tokens as the eager engine, log-probs within fp32 rounding."""
+    requests = requests_for(PAUSING_LENGTHS, 16, DEEPSEEK_LIKE["vocab_size"])
+    runs = {}
+    for impl in ("none", "local"):
+        model = small_mla_gpt.build_small_mla_gpt(
+            "on",
+            dtype=torch.float32,
+            device=DEVICE,
+            cache_mla_latents=True,
+            config_overrides=dict(cuda_graph_impl=impl),
+            **DEEPSEEK_LIKE,
+        )
+        apply_megatron_ext(
+            mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
+        )
+        engine, _, _ = build_mla_dynamic_engine(
+            model,
+            max_requests=8,
+            max_tokens=MAX_TOKENS,
+            max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+            megatron_wrapper=True,
+            num_cuda_graphs=4 if impl == "local" else None,
+            **PAUSING_CACHE,
+        )
+        if impl == "local":
+            assert getattr(engine, "capture_stats", None) is not None, "no CUDA graph was captured"
+        runs[impl], _ = run_engine(engine, requests)
+        undo_megatron_ext()
+    for request_id, eager in runs["none"].items():
+        graphed = runs["local"][request_id]
+        assert graphed["generated_tokens"] == eager["generated_tokens"], request_id
+        difference = max(
+            abs(a - b) for a, b in zip(graphed["generated_log_probs"], eager["generated_log_probs"])
+        )
+        assert difference <= 1e-4, (request_id, difference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[9, 40, 17], None], ids=["prefill", "decode_only"])
+def test_gpu_attention_step_has_no_host_sync(stack, lengths):
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    if lengths is None:
+        context, _ = _decode_context(model, [9, 40, 17])
+    else:
+        context = _context_step(model, lengths)
+    _step(model, context)  # compile outside the check
+    attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    hidden = torch.randn(
+        context.current_input_and_position_ids()[0].shape[1],
+        1,
+        DEEPSEEK_LIKE["hidden_size"],
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            attention(hidden, None, inference_context=context)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _te_spec_model(config: Any, dtype: torch.dtype) -> Any:
+    """A GPT with Transformer Engine's MLA layer spec (the kv norm fused into
+    ``linear_kv_up_proj``), built by megatron-core's builder (so the flag's patch decides the
+    attention class), seeded like ``build_small_mla_gpt``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    torch.manual_seed(1234)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=True, multi_latent_attention=True
+        ),
+        vocab_size=DEEPSEEK_LIKE["vocab_size"],
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device=DEVICE, dtype=dtype).eval()
+
+
+@pytest.mark.gpu
+def test_gpu_te_spec_generation_matches_its_training_forward(stack):
+    """With Transformer Engine's spec, the dynamic path normalises the latent with the norm TE
+    fuses into linear_kv_up_proj: its logits match the same weights' training forward (TE,
+    RoPE unfused, no latent caching) within the bf16 bound."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine's spec needs TE")
+    local = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    model = _te_spec_model(local.config, torch.bfloat16)
+    assert any(isinstance(m, ExtMLASelfAttention) for m in model.modules())
+    reference_config = dataclasses.replace(local.config, cache_mla_latents=False)
+    undo_megatron_ext()
+    reference = _te_spec_model(reference_config, torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=local.config
+    )
+    requests = requests_for([9, 70, 17], 8, DEEPSEEK_LIKE["vocab_size"])
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        block_size_tokens=16,
+        kv_blocks=64,
+    )
+    outputs, _ = run_engine(engine, requests)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
+
+
+def _stock_step(model: Any) -> Any:
+    """One prefill step of megatron-core's own MLA under its dynamic context (flags undone)."""
+    engine, context, _ = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=model.max_sequence_length,
+        block_size_tokens=64,  # what megatron-core's context demands for MLA
+        kv_blocks=8,
+    )
+    del engine
+    assert type(context) is DynamicInferenceContext
+    prompt, params = requests_for([9], 2, model.vocab_size)[0]
+    context.add_request(
+        DynamicInferenceRequest(
+            request_id=0, prompt_tokens=torch.tensor(prompt, device=DEVICE), sampling_params=params
+        )
+    )
+    context.initialize_attention_state()
+    with pytest.raises(Exception) as info:
+        _step(model, context)
+    return info
+
+
+# What stock megatron-core raises first with the local spec (no Transformer Engine): its
+# prepare_for_absorption splits linear_kv_up_proj with a Transformer Engine helper.
+STOCK_LOCAL_FAILURE = (
+    (TypeError, "'NoneType' object is not callable")
+    if UPSTREAM_HAS_ACTIVE_SLICES
+    else (AttributeError, "'ColumnParallelLinear' object has no attribute 'in_features'")
+)
+# With Transformer Engine's spec (both releases): flash_decode_and_prefill is called without its
+# required is_decode_only (0.16: multi_latent_attention.py:309 vs attention.py:756; 0.19: :414 vs
+# :1022).
+STOCK_TE_FAILURE = (TypeError, "is_decode_only")
+
+
+def test_stock_megatron_core_cannot_run_mla_dynamic_steps_local_spec(stack):
+    """megatron-core's own MLASelfAttention under a dynamic context, on this release, with the
+    local spec: what it raises first. When upstream fixes it this test fails, and the day is
+    visible."""
+    undo_megatron_ext()
+    model = small_mla_gpt.build_small_mla_gpt(
+        "off", dtype=torch.float32, device=DEVICE, cache_mla_latents=True, **TINY
+    )
+    info = _stock_step(model)
+    assert isinstance(info.value, STOCK_LOCAL_FAILURE[0]), repr(info.value)
+    assert STOCK_LOCAL_FAILURE[1] in str(info.value), repr(info.value)
+    assert any(entry.name == "prepare_for_absorption" for entry in info.traceback)
+
+
+@pytest.mark.gpu
+def test_gpu_stock_megatron_core_cannot_run_mla_dynamic_steps_te_spec(stack):
+    """The same with Transformer Engine's GPT layer spec: the TypeError of the missing
+    is_decode_only (the call megatron_ext replaces)."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine's spec needs TE")
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    undo_megatron_ext()
+    local = small_mla_gpt.build_small_mla_gpt(
+        "off", dtype=torch.bfloat16, device=DEVICE, cache_mla_latents=True, **DEEPSEEK_LIKE
+    )
+    config = local.config
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
+            multi_latent_attention=True
+        ),
+        vocab_size=DEEPSEEK_LIKE["vocab_size"],
+        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+        position_embedding_type="rope",
+    )
+    model = model.to(DEVICE).eval()
+    info = _stock_step(model)
+    assert isinstance(info.value, STOCK_TE_FAILURE[0]), repr(info.value)
+    assert STOCK_TE_FAILURE[1] in str(info.value), repr(info.value)
