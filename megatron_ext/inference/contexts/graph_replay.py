@@ -44,7 +44,9 @@ def capture_graph(body: Callable[[], None], device: torch.device) -> "torch.cuda
         body()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # As megatron-core's own graphs: a CUDA call from another thread of the process (a serving
+    # loop, a data thread) must not invalidate this capture, which only this thread's calls feed.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         body()
     return graph
 

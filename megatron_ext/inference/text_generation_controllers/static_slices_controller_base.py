@@ -671,7 +671,8 @@ class StaticSlicesControllerBase(TextGenerationController):
             self._graph_pool = torch.cuda.graph_pool_handle()
         # Graphs share one pool: every output lives in buffers allocated outside it, so no
         # graph's temporaries are alive when another replays.
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: see megatron_ext.inference.contexts.graph_replay.capture_graph.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             self.graph_safe_step(rows, plan)
         return graph
 

@@ -11,6 +11,7 @@ them at a DeepSeek-V3-like shape (latent 512, RoPE 64, 128 + 64 query/key heads)
 and add CUDA-graph replay, host-sync and stock-megatron-core checks.
 """
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, List, Tuple
 
@@ -62,10 +63,29 @@ PAUSING_CACHE = dict(block_size_tokens=8, kv_blocks=14, paused_kv_blocks=2)
 
 @pytest.fixture
 def stack():
-    """megatron-core's inference stack on this machine's device; the flags undone afterwards."""
-    with cpu_torch_compat():
+    """megatron-core's inference stack on this machine's device; the flags undone afterwards.
+
+    Yields an ``ExitStack`` that a test may enter further contexts on, closed after it.
+    """
+    with cpu_torch_compat(), contextlib.ExitStack() as exits:
         ensure_model_parallel()
+        yield exits
+
+
+@contextlib.contextmanager
+def _inference_rng_tracker():
+    """megatron-core's inference RNG tracker (what its CUDA graphs accept) for the block; the
+    process-wide tracker that was there before afterwards (other tests use its seeds)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    saved = (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
         yield
+    finally:
+        mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
+            saved
+        )
     undo_megatron_ext()
 
 
@@ -415,7 +435,7 @@ def test_gpu_decode_attention_replays_from_a_cuda_graph_as_eager(stack):
     capture) replays from a CUDA graph bitwise as eager: the step rewrites the same cache rows,
     so replaying it is idempotent."""
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    context, _ = _decode_context(model, [9, 40, 17])
+    context, _ = _decode_context(model, [9, 30, 17])
     _step(model, context)  # compiles every kernel of the decode step outside capture
     attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
     rows = context.current_input_and_position_ids()[0].shape[1]
@@ -427,7 +447,7 @@ def test_gpu_decode_attention_replays_from_a_cuda_graph_as_eager(stack):
 def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
     """The whole model's decode-only step, captured the same way."""
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    context, _ = _decode_context(model, [9, 40, 17])
+    context, _ = _decode_context(model, [9, 30, 17])
     _step(model, context)
     ids, positions = context.current_input_and_position_ids()
     ids, positions = ids.clone(), positions.clone()
@@ -444,6 +464,10 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
     requests = requests_for(PAUSING_LENGTHS, 16, DEEPSEEK_LIKE["vocab_size"])
     runs = {}
     for impl in ("none", "local"):
+        if impl == "local":
+            # megatron-core's CUDA graphs refuse a training RNG tracker; inference scripts set up
+            # an inference one, as here (the process-wide tracker is put back afterwards).
+            stack.enter_context(_inference_rng_tracker())
         model = small_mla_gpt.build_small_mla_gpt(
             "on",
             dtype=torch.float32,
@@ -478,11 +502,11 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[9, 40, 17], None], ids=["prefill", "decode_only"])
+@pytest.mark.parametrize("lengths", [[9, 30, 17], None], ids=["prefill", "decode_only"])
 def test_gpu_attention_step_has_no_host_sync(stack, lengths):
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
     if lengths is None:
-        context, _ = _decode_context(model, [9, 40, 17])
+        context, _ = _decode_context(model, [9, 30, 17])
     else:
         context = _context_step(model, lengths)
     _step(model, context)  # compile outside the check
