@@ -35,7 +35,7 @@ import triton
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions.mla_rope import checks, probe
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED, RECORD_TENSORS, LaunchPlan
+from megatron_ext.fusions.mla_rope.checks import INTERPRETED, LaunchPlan
 from megatron_ext.fusions.mla_rope.pairing import CHOSEN, FORCED, Pairing
 
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -330,8 +330,8 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
     Returns:
         List[torch.Tensor]: the new tensors the kernel wrote (none for an in-place kernel).
     """
-    cos, sin, cu, pos = rope[:RECORD_TENSORS]
-    scalars = rope[RECORD_TENSORS:]
+    # Both records hold the four tensors, then six scalars (a unit test checks it).
+    cos, sin, cu, pos, s0, s1, s2, s3, s4, s5 = rope
     try:
         # Inline rather than per-tensor helpers: this is every call's host cost. Pointers'
         # 16-byte alignment is part of it (Triton specialises on it); the scalars' types too
@@ -364,8 +364,18 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
                 if pos is None
                 else (pos.shape, pos.stride(), pos.dtype, pos.device, pos.data_ptr() & 15)
             ),
-            scalars,
-            tuple(map(type, scalars)),
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            type(s0),
+            type(s1),
+            type(s2),
+            type(s3),
+            type(s4),
+            type(s5),
             PINNED.get(),
             FORCED.get(),
         )
@@ -381,7 +391,7 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
         x, y = x.contiguous(), y.contiguous()
     if pos is not None and not pos.is_contiguous():  # indexed by flat row
         pos = pos.contiguous()
-    outputs = [x.new_empty(shape) for shape in plan.outputs]
+    outputs = [x.new_empty(shape) for shape in plan.outputs] if plan.outputs else []
     if y is None:
         pointers = (x, *outputs, cos, sin, cu, pos)
     else:

@@ -297,3 +297,24 @@ def test_gpu_direct_launch_on_a_side_stream_and_in_a_graph():
     torch.cuda.synchronize()
     assert torch.equal(x.view(torch.int16), expected.view(torch.int16))
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_both_argument_records_hold_four_tensors_then_six_scalars():
+    """launch.run unpacks either record the same way, to build its cache key without a call."""
+    tensors = ("cos", "sin", "cu_seqlens", "position_ids")
+    for record in (checks.QueryRope, checks.KeyValueRope):
+        assert record._fields[:4] == tensors and len(record._fields) == 10, record
+    assert checks.RECORD_TENSORS == len(tensors)
+
+
+def test_a_cached_call_with_other_scalar_types_is_checked_again():
+    """8.0 == 8 and True == 1: the key tells them apart, so the checks refuse the odd one."""
+    t, cos, sin = _q_inputs()
+    with pinned_kernel_config(2, 1):
+        rope.mla_rope_q_fwd_(t.clone(), cos, sin, 8, 16, remove_interleaving=True)
+        with pytest.raises(TypeError, match="remove_interleaving must be a bool"):
+            rope.mla_rope_q_fwd_(t.clone(), cos, sin, 8, 16, remove_interleaving=1)
+        kv, emb, cos, sin = _kv_inputs()
+        rope.mla_rope_kv_fwd(kv, emb, cos, sin, 16, 8, 4)
+        with pytest.raises(TypeError, match="v_dim must be an int"):
+            rope.mla_rope_kv_fwd(kv, emb, cos, sin, 16, 8, 4.0)
