@@ -130,7 +130,7 @@ if [ -z "$skip_survey" ]; then
   survey_quick=""
   if [ -n "$quick" ]; then survey_quick="--quick"; fi
   step "megatron-core race survey" race_survey.log \
-    python3 tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --out "$relaunch" \
+    python3 -m tests.unit_tests.fusions.mla_rope.survey_megatron_core_races --out "$relaunch" \
       $survey_quick
 fi
 
@@ -159,11 +159,11 @@ if [ -z "$skip_san" ]; then
   if command -v compute-sanitizer >/dev/null 2>&1; then
     step "compute-sanitizer memcheck" sanitizer_memcheck.log \
       compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 tests/unit_tests/fusions/sanitize_mla_rope.py
+        python3 -m tests.unit_tests.fusions.sanitize_mla_rope
     # racecheck instruments every shared-memory access and is far slower: fewer shapes.
     step "compute-sanitizer racecheck" sanitizer_racecheck.log \
       compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 tests/unit_tests/fusions/sanitize_mla_rope.py --quick
+        python3 -m tests.unit_tests.fusions.sanitize_mla_rope --quick
     for tool in memcheck racecheck; do
       step "compute-sanitizer $tool, top-k draw" "sanitizer_top_k_$tool.log" \
         compute-sanitizer --tool "$tool" --error-exitcode 1 \
@@ -171,10 +171,10 @@ if [ -z "$skip_san" ]; then
     done
     step "compute-sanitizer memcheck, MLA latent cache" sanitizer_mla_latent_cache_memcheck.log \
       compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 tests/unit_tests/fusions/sanitize_mla_latent_cache.py
+        python3 -m tests.unit_tests.fusions.sanitize_mla_latent_cache
     step "compute-sanitizer racecheck, MLA latent cache" sanitizer_mla_latent_cache_racecheck.log \
       compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 tests/unit_tests/fusions/sanitize_mla_latent_cache.py --quick
+        python3 -m tests.unit_tests.fusions.sanitize_mla_latent_cache --quick
   else
     names+=("compute-sanitizer"); statuses+=("not run: compute-sanitizer not found"); secs+=(0)
   fi
@@ -190,7 +190,7 @@ fi
   for i in "${!names[@]}"; do echo "| ${names[$i]} | ${statuses[$i]} | ${secs[$i]} |"; done
   if compgen -G "$relaunch/*.json" >/dev/null; then
     echo; echo "### Relaunched kernels"; echo
-    python3 tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --summarize "$relaunch"
+    python3 -m tests.unit_tests.fusions.mla_rope.survey_megatron_core_races --summarize "$relaunch"
   fi
   if [ -f "$results/functional/summary.md" ]; then echo; cat "$results/functional/summary.md"; fi
   if [ -f "$results/megatron_core_tests.log" ]; then

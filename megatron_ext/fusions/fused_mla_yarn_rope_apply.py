@@ -16,10 +16,17 @@ config. What differs, and why:
 * Autograd is told about the in-place write (#5412), a gradient shared with another branch is
   never overwritten (:func:`megatron_ext.internals.owns_gradient`), overlapping inputs, double
   backward and torch.func are refused with clear errors.
-* Host cost: everything but the data pointers is checked once per call shape and the compiled
-  kernel is launched directly (:mod:`megatron_ext.fusions.mla_rope.launch`).
+* Host cost: each call builds its argument record once (:class:`~megatron_ext.fusions.mla_rope.
+  checks.QueryRope`, :class:`~megatron_ext.fusions.mla_rope.checks.KeyValueRope`) and hands it
+  to :func:`megatron_ext.fusions.mla_rope.launch.run`, the one run path of every kernel: a cached
+  call runs Python in this file and that one only; a call shape's first call also checks it
+  (:mod:`megatron_ext.fusions.mla_rope.checks`). ``scripts/trace_rope_call_path.py`` prints the
+  path; a unit test bounds it.
 * Keyword-only extras of upstream Megatron-LM main: ``inverse``, ``remove_interleaving``,
   ``position_ids``.
+
+Below the drop-ins, the same kernels outside autograd (``mla_rope_q_fwd_`` and the others), for
+callers that manage gradients themselves (benchmarks, inference).
 
 Graph safety: every function here can be captured in a CUDA graph once its call shape has been
 seen outside capture (the first call of a shape tunes the launch config).
@@ -30,7 +37,19 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_ext import internals
-from megatron_ext.fusions.mla_rope import checks
+from megatron_ext.fusions.mla_rope.checks import (
+    RECORD_TENSORS,
+    KeyValueRope,
+    QueryRope,
+    check_flags,
+)
+from megatron_ext.fusions.mla_rope.kernels import (
+    mla_rope_kv_bwd_kernel,
+    mla_rope_kv_fwd_kernel,
+    mla_rope_q_bwd_copy_kernel,
+    mla_rope_q_bwd_kernel,
+    mla_rope_q_fwd_kernel,
+)
 from megatron_ext.fusions.mla_rope.launch import (  # noqa: F401 (re-exported)
     AUTOTUNE_CONFIGS,
     BLOCK_H_CHOICES,
@@ -39,13 +58,7 @@ from megatron_ext.fusions.mla_rope.launch import (  # noqa: F401 (re-exported)
     autotuned_configs,
     clear_autotune_cache,
     pinned_kernel_config,
-)
-from megatron_ext.fusions.mla_rope.ops import (  # noqa: F401 (re-exported)
-    mla_rope_kv_bwd,
-    mla_rope_kv_fwd,
-    mla_rope_q_bwd,
-    mla_rope_q_bwd_,
-    mla_rope_q_fwd_,
+    run,
 )
 from megatron_ext.internals import EXCLUSIVE_GRADIENT_REFERENCES
 from megatron_ext.internals import is_functorch_wrapped_tensor as _is_functorch_wrapped
@@ -65,6 +78,11 @@ __all__ = [
     "mla_rope_kv_fwd",
     "mla_rope_kv_bwd",
 ]
+
+
+# Builds an argument record from a tuple of its fields in the record's order without a Python
+# frame (a named tuple's own constructor is a Python function: about 0.4 us per call).
+_record = tuple.__new__
 
 
 def _refuse_functorch(*tensors) -> None:
@@ -87,41 +105,40 @@ def _refuse_double_backward(*grads) -> None:
         )
 
 
+def _save_record(ctx, rope) -> None:
+    """Keep ``rope`` for the backward: its tensors through ``save_for_backward`` (so an in-place
+    change of cos or sin before the backward fails loudly), the rest as they are."""
+    ctx.save_for_backward(*rope[:RECORD_TENSORS])
+    ctx.scalars = rope[RECORD_TENSORS:]
+    ctx.config = PINNED.get()
+
+
+def _query_grad(grad: torch.Tensor, rope: QueryRope, in_place: bool) -> torch.Tensor:
+    """The query backward: in place on ``grad``, or into a new tensor (``grad`` only read; one
+    without unit last stride is read through a copy)."""
+    if in_place:
+        run(mla_rope_q_bwd_kernel, grad, None, rope, "grad")
+        return grad
+    if isinstance(grad, torch.Tensor) and grad.dim() and grad.stride(-1) != 1 and grad.numel():
+        grad = grad.contiguous()
+    return run(mla_rope_q_bwd_copy_kernel, grad, None, rope, "grad")[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Query
+# --------------------------------------------------------------------------------------------------
+
+
 class _FusedMLARoPEQ(torch.autograd.Function):
     """In-place RoPE on the query's last emb_dim elements."""
 
     @staticmethod
-    def forward(
-        ctx,
-        t,
-        cos,
-        sin,
-        qk_head_dim,
-        emb_dim,
-        cu_seqlens_q,
-        cp_rank,
-        cp_size,
-        inverse,
-        remove_interleaving,
-        position_ids,
-    ):
-        """Rotate ``t`` in place and return it. Args: as :func:`fused_apply_mla_rope_for_q`."""
+    def forward(ctx, t, rope):
+        """Rotate ``t`` in place and return it. Args: ``t`` and the call's :class:`QueryRope`."""
         # Decided before the write: afterwards the creation metadata still answers the same, but
-        # a refusal must never arrive once t is rotated.
-        behind_autograd = internals.autograd_refuses_in_place(t)
-        mla_rope_q_fwd_(
-            t,
-            cos,
-            sin,
-            qk_head_dim,
-            emb_dim,
-            cu_seqlens_q,
-            cp_rank,
-            cp_size,
-            inverse=inverse,
-            remove_interleaving=remove_interleaving,
-            position_ids=position_ids,
-        )
+        # a refusal must never arrive once t is rotated. Only a view can be refused.
+        behind_autograd = t._is_view() and internals.autograd_refuses_in_place(t)
+        run(mla_rope_q_fwd_kernel, t, None, rope)
         if behind_autograd:
             # A view autograd cannot rebase onto this Function: Transformer Engine's linears
             # return their output as a view made inside their own Function. Rotate behind
@@ -132,39 +149,23 @@ class _FusedMLARoPEQ(torch.autograd.Function):
             # Autograd must know t changed: anything that saved it for backward then fails
             # loudly instead of silently using rotated values.
             ctx.mark_dirty(t)
-        ctx.save_for_backward(cos, sin, cu_seqlens_q, position_ids)
-        ctx.args = (qk_head_dim, emb_dim, cp_rank, cp_size, inverse, remove_interleaving)
-        ctx.config = PINNED.get()
+        _save_record(ctx, rope)
         return t
 
     @staticmethod
     def backward(ctx, grad):
         """Rotate ``grad`` back: in place when :func:`megatron_ext.internals.owns_gradient` says
         it is ours, else into a new tensor."""
-        _refuse_double_backward(grad)
-        cos, sin, cu_seqlens_q, position_ids = ctx.saved_tensors
-        qk_head_dim, emb_dim, cp_rank, cp_size, inverse, keep = ctx.args
         python_refs = internals.python_references(grad)  # first, as the calibration's probe
-        # Not ours: rotated into a new tensor by one kernel that only reads grad.
-        rotate = mla_rope_q_bwd_ if internals.owns_gradient(grad, python_refs) else mla_rope_q_bwd
+        _refuse_double_backward(grad)
+        rope = QueryRope(*ctx.saved_tensors, *ctx.scalars)
+        in_place = internals.owns_gradient(grad, python_refs)
         token = PINNED.set(ctx.config)
         try:
-            grad = rotate(
-                grad,
-                cos,
-                sin,
-                qk_head_dim,
-                emb_dim,
-                cu_seqlens_q,
-                cp_rank,
-                cp_size,
-                inverse=inverse,
-                remove_interleaving=keep,
-                position_ids=position_ids,
-            )
+            grad = _query_grad(grad, rope, in_place)
         finally:
             PINNED.reset(token)
-        return (grad,) + (None,) * 10
+        return grad, None
 
 
 def fused_apply_mla_rope_for_q(
@@ -226,24 +227,27 @@ def fused_apply_mla_rope_for_q(
         view of one).
     """
     if rotary_interleaved:
-        checks.check_flags(rotary_interleaved)
+        check_flags(rotary_interleaved)
     _refuse_functorch(t, cos, sin)
+    rope = _record(
+        QueryRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_q,
+            position_ids,
+            qk_head_dim,
+            emb_dim,
+            cp_rank,
+            cp_size,
+            inverse,
+            remove_interleaving,
+        ),
+    )
     if not (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad):
         # Nothing to record for autograd: launch directly, and bump t's version as any in-place
         # op does, so a backward that saved t fails loudly instead of using rotated values.
-        mla_rope_q_fwd_(
-            t,
-            cos,
-            sin,
-            qk_head_dim,
-            emb_dim,
-            cu_seqlens_q,
-            cp_rank,
-            cp_size,
-            inverse=inverse,
-            remove_interleaving=remove_interleaving,
-            position_ids=position_ids,
-        )
+        run(mla_rope_q_fwd_kernel, t, None, rope)
         torch.autograd.graph.increment_version(t)
         return t
     if t.device.type not in EXCLUSIVE_GRADIENT_REFERENCES:
@@ -255,19 +259,7 @@ def fused_apply_mla_rope_for_q(
         # a copy gives the same output and leaf gradient, and leaves the caller's leaf as it was.
         # (A view made inside a custom Function has a base that does not require grad.)
         t = t.clone()
-    return _FusedMLARoPEQ.apply(
-        t,
-        cos,
-        sin,
-        qk_head_dim,
-        emb_dim,
-        cu_seqlens_q,
-        cp_rank,
-        cp_size,
-        inverse,
-        remove_interleaving,
-        position_ids,
-    )
+    return _FusedMLARoPEQ.apply(t, rope)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,67 +271,24 @@ class _FusedMLARoPEKV(torch.autograd.Function):
     """Split kv into key and value and append the rotated k_pos_emb to every head of the key."""
 
     @staticmethod
-    def forward(
-        ctx,
-        kv,
-        k_pos_emb,
-        cos,
-        sin,
-        emb_dim,
-        k_dim,
-        v_dim,
-        cu_seqlens_kv,
-        cp_rank,
-        cp_size,
-        remove_interleaving,
-        position_ids,
-    ):
-        """Return (key, value). Args: as :func:`fused_apply_mla_rope_for_kv`."""
-        key, value = mla_rope_kv_fwd(
-            kv,
-            k_pos_emb,
-            cos,
-            sin,
-            emb_dim,
-            k_dim,
-            v_dim,
-            cu_seqlens_kv,
-            cp_rank,
-            cp_size,
-            remove_interleaving=remove_interleaving,
-            position_ids=position_ids,
-        )
-        ctx.save_for_backward(cos, sin, cu_seqlens_kv, position_ids)
-        ctx.args = (emb_dim, k_dim, v_dim, cp_rank, cp_size, remove_interleaving)
+    def forward(ctx, kv, k_pos_emb, rope):
+        """Return (key, value). Args: kv, k_pos_emb and the call's :class:`KeyValueRope`."""
+        key, value = run(mla_rope_kv_fwd_kernel, kv, k_pos_emb, rope)
+        _save_record(ctx, rope)
         ctx.emb_shape = k_pos_emb.shape
-        ctx.config = PINNED.get()
         return key, value
 
     @staticmethod
     def backward(ctx, dkey, dvalue):
         """Return the gradients of kv and k_pos_emb (new tensors; dkey and dvalue are only read)."""
         _refuse_double_backward(dkey, dvalue)
-        cos, sin, cu_seqlens_kv, position_ids = ctx.saved_tensors
-        emb_dim, k_dim, v_dim, cp_rank, cp_size, remove_interleaving = ctx.args
+        rope = KeyValueRope(*ctx.saved_tensors, *ctx.scalars)
         token = PINNED.set(ctx.config)
         try:
-            d_kv, d_emb = mla_rope_kv_bwd(
-                dkey,
-                dvalue,
-                cos,
-                sin,
-                emb_dim,
-                k_dim,
-                v_dim,
-                cu_seqlens_kv,
-                cp_rank,
-                cp_size,
-                remove_interleaving=remove_interleaving,
-                position_ids=position_ids,
-            )
+            d_kv, d_emb = run(mla_rope_kv_bwd_kernel, dkey, dvalue, rope)
         finally:
             PINNED.reset(token)
-        return (d_kv, d_emb.view(ctx.emb_shape)) + (None,) * 10
+        return d_kv, d_emb.view(ctx.emb_shape), None
 
 
 def fused_apply_mla_rope_for_kv(
@@ -385,35 +334,240 @@ def fused_apply_mla_rope_for_kv(
         [..., head_num, v_dim], new contiguous tensors in kv's dtype.
     """
     if rotary_interleaved:
-        checks.check_flags(rotary_interleaved)
+        check_flags(rotary_interleaved)
     _refuse_functorch(kv, k_pos_emb, cos, sin)
-    grads = isinstance(kv, torch.Tensor) and isinstance(k_pos_emb, torch.Tensor)
-    if not (torch.is_grad_enabled() and grads and (kv.requires_grad or k_pos_emb.requires_grad)):
-        return mla_rope_kv_fwd(
-            kv,
-            k_pos_emb,
+    rope = _record(
+        KeyValueRope,
+        (
             cos,
             sin,
+            cu_seqlens_kv,
+            position_ids,
             emb_dim,
             k_dim,
             v_dim,
-            cu_seqlens_kv,
             cp_rank,
             cp_size,
-            remove_interleaving=remove_interleaving,
-            position_ids=position_ids,
-        )
-    return _FusedMLARoPEKV.apply(
-        kv,
-        k_pos_emb,
-        cos,
-        sin,
-        emb_dim,
-        k_dim,
-        v_dim,
-        cu_seqlens_kv,
-        cp_rank,
-        cp_size,
-        remove_interleaving,
-        position_ids,
+            remove_interleaving,
+        ),
     )
+    grads = isinstance(kv, torch.Tensor) and isinstance(k_pos_emb, torch.Tensor)
+    if not (torch.is_grad_enabled() and grads and (kv.requires_grad or k_pos_emb.requires_grad)):
+        key, value = run(mla_rope_kv_fwd_kernel, kv, k_pos_emb, rope)
+        return key, value
+    return _FusedMLARoPEKV.apply(kv, k_pos_emb, rope)
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernels outside autograd
+# --------------------------------------------------------------------------------------------------
+
+
+def mla_rope_q_fwd_(
+    t: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_head_dim: int,
+    emb_dim: int,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    inverse: bool = False,
+    remove_interleaving: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the query forward kernel on ``t`` in place, outside autograd.
+
+    Args: as :func:`fused_apply_mla_rope_for_q`.
+
+    Returns:
+        torch.Tensor: ``t``.
+    """
+    rope = _record(
+        QueryRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_q,
+            position_ids,
+            qk_head_dim,
+            emb_dim,
+            cp_rank,
+            cp_size,
+            inverse,
+            remove_interleaving,
+        ),
+    )
+    run(mla_rope_q_fwd_kernel, t, None, rope)
+    return t
+
+
+def mla_rope_q_bwd_(
+    grad: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_head_dim: int,
+    emb_dim: int,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    inverse: bool = False,
+    remove_interleaving: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the query backward kernel on ``grad`` in place, outside autograd.
+
+    The caller must own ``grad``: nothing else may read it afterwards expecting the old values.
+
+    Args: as :func:`fused_apply_mla_rope_for_q`, with ``grad`` the gradient of its output.
+
+    Returns:
+        torch.Tensor: ``grad``, now the gradient of the forward's input.
+    """
+    rope = _record(
+        QueryRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_q,
+            position_ids,
+            qk_head_dim,
+            emb_dim,
+            cp_rank,
+            cp_size,
+            inverse,
+            remove_interleaving,
+        ),
+    )
+    return _query_grad(grad, rope, in_place=True)
+
+
+def mla_rope_q_bwd(
+    grad: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_head_dim: int,
+    emb_dim: int,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    inverse: bool = False,
+    remove_interleaving: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The query backward into a new tensor in one pass; ``grad`` is only read.
+
+    Each head's first ``qk_head_dim`` elements are copied and its RoPE elements rotated back by
+    one kernel, with the bits of :func:`mla_rope_q_bwd_`. ``grad`` may share elements between its
+    indices (an expanded gradient); one without unit last stride is read through a copy.
+
+    Args: as :func:`mla_rope_q_bwd_`.
+
+    Returns:
+        torch.Tensor: a new contiguous tensor, the gradient of the forward's input.
+    """
+    rope = _record(
+        QueryRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_q,
+            position_ids,
+            qk_head_dim,
+            emb_dim,
+            cp_rank,
+            cp_size,
+            inverse,
+            remove_interleaving,
+        ),
+    )
+    return _query_grad(grad, rope, in_place=False)
+
+
+def mla_rope_kv_fwd(
+    kv: torch.Tensor,
+    k_pos_emb: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    emb_dim: int,
+    k_dim: int,
+    v_dim: int,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    remove_interleaving: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the key/value forward kernel outside autograd.
+
+    Args: as :func:`fused_apply_mla_rope_for_kv`.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: key and value, as :func:`fused_apply_mla_rope_for_kv`.
+    """
+    rope = _record(
+        KeyValueRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_kv,
+            position_ids,
+            emb_dim,
+            k_dim,
+            v_dim,
+            cp_rank,
+            cp_size,
+            remove_interleaving,
+        ),
+    )
+    key, value = run(mla_rope_kv_fwd_kernel, kv, k_pos_emb, rope)
+    return key, value
+
+
+def mla_rope_kv_bwd(
+    dkey: torch.Tensor,
+    dvalue: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    emb_dim: int,
+    k_dim: int,
+    v_dim: int,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    *,
+    remove_interleaving: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the key/value backward kernel outside autograd.
+
+    Args:
+        dkey: gradient of the key, [..., head_num, k_dim + emb_dim].
+        dvalue: gradient of the value, [..., head_num, v_dim].
+        others: as :func:`fused_apply_mla_rope_for_kv`.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: the gradients of kv ([..., head_num, k_dim + v_dim])
+        and of k_pos_emb ([..., 1, emb_dim]), in ``dkey``'s dtype as in megatron-core.
+    """
+    rope = _record(
+        KeyValueRope,
+        (
+            cos,
+            sin,
+            cu_seqlens_kv,
+            position_ids,
+            emb_dim,
+            k_dim,
+            v_dim,
+            cp_rank,
+            cp_size,
+            remove_interleaving,
+        ),
+    )
+    d_kv, d_emb = run(mla_rope_kv_bwd_kernel, dkey, dvalue, rope)
+    return d_kv, d_emb

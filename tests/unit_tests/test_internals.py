@@ -12,6 +12,7 @@ import triton
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+from megatron_ext.fusions.mla_rope.kernels import mla_rope_q_bwd_kernel
 from megatron_ext.fusions.mla_rope.launch import pinned_kernel_config
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -54,10 +55,14 @@ def uncalibrated(monkeypatch):
 def never_in_place(monkeypatch):
     """Fail the test if the backward writes its incoming gradient in place."""
 
-    def refuse(*args, **kwargs):
-        pytest.fail("the backward rotated a gradient in place")
+    run = rope.run
 
-    monkeypatch.setattr(rope, "mla_rope_q_bwd_", refuse)
+    def refuse_in_place(kernel, *args, **kwargs):
+        if kernel is mla_rope_q_bwd_kernel:
+            pytest.fail("the backward rotated a gradient in place")
+        return run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(rope, "run", refuse_in_place)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,12 +109,15 @@ def test_the_ownership_probe_on_this_torch(device, uncalibrated):
 def test_a_fresh_gradient_is_rotated_in_place(monkeypatch):
     """The path the fallbacks below switch off: without them, no copy is made."""
     in_place = []
-    real = rope.mla_rope_q_bwd_
-    monkeypatch.setattr(
-        rope, "mla_rope_q_bwd_", lambda *a, **k: in_place.append(1) or real(*a, **k)
-    )
+    run = rope.run
+
+    def record(kernel, *args, **kwargs):
+        in_place.append(kernel is mla_rope_q_bwd_kernel)
+        return run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(rope, "run", record)
     grad, expected = _rope_step(*_query("cpu", seed=1))
-    assert in_place == [1]
+    assert in_place[:2] == [False, True]  # the forward, then the backward in place
     assert torch.equal(grad, expected)
 
 

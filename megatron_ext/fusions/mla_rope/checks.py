@@ -1,20 +1,40 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Input checks of the MLA RoPE kernels.
+"""The checks of an MLA RoPE call, and the launch plan a checked call gives.
 
-Everything here runs once per (shapes, strides, dtypes, devices, flags): the launch plans built
-from what it returns (:mod:`megatron_ext.fusions.mla_rope.plans`) are cached, so these checks may
-format messages freely. Nothing here reads a device tensor's values (no host sync); what can only be
-checked that way is listed in :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.
-fused_apply_mla_rope_for_q`.
+A call is one kernel, the tensor(s) it reads and one argument record (:class:`QueryRope` or
+:class:`KeyValueRope`, built once by the caller). :func:`plan` checks it and returns a
+:class:`LaunchPlan`: the kernel's arguments by name, everything a launch needs but the data
+pointers. It runs once per call shape (shapes, strides, dtypes, devices, flags): the launch cache
+of :mod:`megatron_ext.fusions.mla_rope.launch` keeps what it returns, so the checks may format
+messages freely. Bad input raises TypeError or ValueError before anything is launched. Nothing
+here reads a device tensor's values (no host sync); what can only be checked that way is listed
+in :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`.
+
+The generic tensor checks at the top are shared with megatron_ext's other kernels.
 """
 
+import dataclasses
+import functools
+import inspect
 import os
-from dataclasses import dataclass
-from typing import Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import triton
 import triton.language as tl
+
+from megatron_ext.fusions.mla_rope import pairing
+from megatron_ext.fusions.mla_rope.kernels import (
+    HEAD_UNROLL,
+    SEQ_BLOCK,
+    mla_rope_kv_bwd_kernel,
+    mla_rope_kv_fwd_kernel,
+    mla_rope_q_bwd_copy_kernel,
+    mla_rope_q_bwd_kernel,
+    mla_rope_q_fwd_kernel,
+)
 
 # Triton decides at decoration time whether kernels run in its CPU interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -150,7 +170,7 @@ class Layout:
     thd: bool
 
 
-def layout(name: str, x: torch.Tensor, thd: bool) -> Layout:
+def check_layout(name: str, x: torch.Tensor, thd: bool) -> Layout:
     """The :class:`Layout` of ``x`` (sbhd, or thd when cu_seqlens are given)."""
     if thd:
         if x.dim() != 3:
@@ -218,7 +238,7 @@ def check_cp_sequence_lengths(lengths: Sequence[int], cp_size: int) -> None:
         )
 
 
-def check_position_ids(position_ids, lay: Layout, device: torch.device, shape) -> None:
+def check_position_ids(position_ids, device: torch.device, shape) -> None:
     """Check ``position_ids`` (one int32/int64 entry per token, shaped ``shape``)."""
     check_tensor("position_ids", position_ids, INDEX_DTYPES)
     check_device("position_ids", position_ids, device)
@@ -238,9 +258,60 @@ def check_flags(rotary_interleaved, **flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+# --------------------------------------------------------------------------------------------------
+# The argument records of a call
+# --------------------------------------------------------------------------------------------------
+
+
+class QueryRope(NamedTuple):
+    """The arguments of a query RoPE call besides the tensor it rotates; built once per call.
+
+    The tensors come first: the launch cache key reads them by position. Meanings: as
+    :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    qk_head_dim: int
+    emb_dim: int
+    cp_rank: int
+    cp_size: int
+    inverse: bool
+    remove_interleaving: bool
+
+
+class KeyValueRope(NamedTuple):
+    """The arguments of a key/value RoPE call besides its two tensors (kv and k_pos_emb, or the
+    gradients of key and value); built once per call, tensors first as in :class:`QueryRope`.
+    Meanings: as :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_kv`.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    emb_dim: int
+    k_dim: int
+    v_dim: int
+    cp_rank: int
+    cp_size: int
+    remove_interleaving: bool
+
+
+# The leading tensor fields of both records.
+RECORD_TENSORS = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks of a call
+# --------------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Checked:
-    """Checked inputs: rows x heads of one tensor, and the table and sequence arguments."""
+    """A checked call: rows x heads of its tensor, and the table and sequence arguments."""
 
     layout: Layout
     cos_rows: int
@@ -251,72 +322,61 @@ class Checked:
     cp_size: int
 
 
-def _check_common(
-    name, x, lay, cos, sin, emb_dim, cu_seqlens, cu_name, cp_rank, cp_size, position_ids
-) -> Checked:
+def _check_sequences(name: str, x, layout: Layout, rope, cu_name: str) -> Checked:
+    """The checks the query and key/value calls share: device, cu_seqlens, positions, tables."""
     check_runnable(name, x)
-    seq_num = 0
-    if cu_seqlens is not None:
+    seq_num, cp_rank, cp_size = 0, rope.cp_rank, rope.cp_size
+    if rope.cu_seqlens is not None:
         seq_num, cp_rank, cp_size = check_cu_seqlens(
-            cu_name, cu_seqlens, x.device, cp_rank, cp_size
+            cu_name, rope.cu_seqlens, x.device, cp_rank, cp_size
         )
     else:
         # sbhd ignores context parallelism: the caller passes tables already sliced for its rank.
         cp_rank, cp_size = 0, 1
-    if position_ids is not None:
-        check_position_ids(position_ids, lay, x.device, x.shape[:-2])
+    if rope.position_ids is not None:
+        check_position_ids(rope.position_ids, x.device, x.shape[:-2])
     # Only sbhd without position_ids knows the largest position on the host: seq_len - 1.
-    min_rows = x.shape[0] if (cu_seqlens is None and position_ids is None) else 1
-    cos_rows, stride_cos, stride_sin = check_tables(cos, sin, emb_dim, x.device, min_rows)
-    return Checked(lay, cos_rows, stride_cos, stride_sin, seq_num, cp_rank, cp_size)
+    min_rows = x.shape[0] if (rope.cu_seqlens is None and rope.position_ids is None) else 1
+    cos_rows, stride_cos, stride_sin = check_tables(
+        rope.cos, rope.sin, rope.emb_dim, x.device, min_rows
+    )
+    return Checked(layout, cos_rows, stride_cos, stride_sin, seq_num, cp_rank, cp_size)
 
 
-def check_q(
-    t,
-    cos,
-    sin,
-    qk_head_dim,
-    emb_dim,
-    cu_seqlens,
-    cp_rank,
-    cp_size,
-    position_ids,
-    name,
-    in_place=True,
-    **flags,
-) -> Checked:
-    """Check a query kernel's inputs and its bool ``flags`` (``t`` is rotated in place, or only
-    read when not ``in_place``: its elements may then share memory)."""
-    check_flags(False, **flags)
-    check_tensor(name, t, SUPPORTED_DTYPES)
-    check_int("qk_head_dim", qk_head_dim, 0)
-    check_emb_dim(emb_dim)
-    lay = layout(name, t, thd=cu_seqlens is not None)
-    if lay.head_dim != qk_head_dim + emb_dim:
+def check_query(name: str, x, rope: QueryRope, in_place: bool = True) -> Checked:
+    """Check a query kernel's call: ``x`` is rotated in place, or only read when not
+    ``in_place`` (its elements may then share memory); ``name`` is what messages call it."""
+    check_flags(False, inverse=rope.inverse, remove_interleaving=rope.remove_interleaving)
+    check_tensor(name, x, SUPPORTED_DTYPES)
+    check_int("qk_head_dim", rope.qk_head_dim, 0)
+    check_emb_dim(rope.emb_dim)
+    layout = check_layout(name, x, thd=rope.cu_seqlens is not None)
+    if layout.head_dim != rope.qk_head_dim + rope.emb_dim:
         raise ValueError(
-            f"{name}'s head dim is {lay.head_dim}, but qk_head_dim + emb_dim = "
-            f"{qk_head_dim} + {emb_dim}"
+            f"{name}'s head dim is {layout.head_dim}, but qk_head_dim + emb_dim = "
+            f"{rope.qk_head_dim} + {rope.emb_dim}"
         )
     if in_place:
-        check_no_overlap(name, t)
-    return _check_common(
-        name, t, lay, cos, sin, emb_dim, cu_seqlens, "cu_seqlens_q", cp_rank, cp_size, position_ids
-    )
+        check_no_overlap(name, x)
+    return _check_sequences(name, x, layout, rope, "cu_seqlens_q")
 
 
-def check_kv(
-    kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids, keep
-) -> Checked:
-    """Check the key/value forward's inputs and its ``remove_interleaving`` flag (``keep``)."""
-    check_flags(False, remove_interleaving=keep)
-    check_tensor("kv", kv, SUPPORTED_DTYPES)
-    check_tensor("k_pos_emb", k_pos_emb, SUPPORTED_DTYPES)
-    check_emb_dim(emb_dim)
-    check_int("k_dim", k_dim, 1)
-    check_int("v_dim", v_dim, 1)
-    lay = layout("kv", kv, thd=cu_seqlens is not None)
-    if lay.head_dim != k_dim + v_dim:
-        raise ValueError(f"kv's head dim is {lay.head_dim}, but k_dim + v_dim = {k_dim + v_dim}")
+def _check_key_value_dims(rope: KeyValueRope, *tensors: Tuple[str, Any]) -> None:
+    check_flags(False, remove_interleaving=rope.remove_interleaving)
+    for name, x in tensors:
+        check_tensor(name, x, SUPPORTED_DTYPES)
+    check_emb_dim(rope.emb_dim)
+    check_int("k_dim", rope.k_dim, 1)
+    check_int("v_dim", rope.v_dim, 1)
+
+
+def check_key_value(kv, k_pos_emb, rope: KeyValueRope) -> Checked:
+    """Check the key/value forward's call."""
+    _check_key_value_dims(rope, ("kv", kv), ("k_pos_emb", k_pos_emb))
+    emb_dim, k_dim, v_dim = rope.emb_dim, rope.k_dim, rope.v_dim
+    layout = check_layout("kv", kv, thd=rope.cu_seqlens is not None)
+    if layout.head_dim != k_dim + v_dim:
+        raise ValueError(f"kv's head dim is {layout.head_dim}, but k_dim + v_dim = {k_dim + v_dim}")
     check_device("k_pos_emb", k_pos_emb, kv.device)
     lead = tuple(kv.shape[:-2])
     if tuple(k_pos_emb.shape) not in (lead + (1, emb_dim), lead + (emb_dim,)):
@@ -325,31 +385,13 @@ def check_kv(
         )
     if k_pos_emb.stride(-1) != 1:
         raise ValueError("k_pos_emb must have unit stride in its last dimension")
-    return _check_common(
-        "kv",
-        kv,
-        lay,
-        cos,
-        sin,
-        emb_dim,
-        cu_seqlens,
-        "cu_seqlens_kv",
-        cp_rank,
-        cp_size,
-        position_ids,
-    )
+    return _check_sequences("kv", kv, layout, rope, "cu_seqlens_kv")
 
 
-def check_kv_bwd(
-    dkey, dvalue, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens, cp_rank, cp_size, position_ids, keep
-) -> Checked:
-    """Check the key/value backward's inputs (row-major copies of dkey/dvalue are launched)."""
-    check_flags(False, remove_interleaving=keep)
-    check_tensor("dkey", dkey, SUPPORTED_DTYPES)
-    check_tensor("dvalue", dvalue, SUPPORTED_DTYPES)
-    check_emb_dim(emb_dim)
-    check_int("k_dim", k_dim, 1)
-    check_int("v_dim", v_dim, 1)
+def check_key_value_grad(dkey, dvalue, rope: KeyValueRope) -> Checked:
+    """Check the key/value backward's call (row-major copies of dkey/dvalue are launched)."""
+    _check_key_value_dims(rope, ("dkey", dkey), ("dvalue", dvalue))
+    emb_dim, k_dim, v_dim = rope.emb_dim, rope.k_dim, rope.v_dim
     lead = tuple(dkey.shape[:-2])
     if dkey.dim() < 3 or dkey.shape[-1] != k_dim + emb_dim:
         raise ValueError(f"dkey must be [..., head_num, {k_dim + emb_dim}]")
@@ -357,17 +399,231 @@ def check_kv_bwd(
         raise ValueError(f"dvalue must have shape {lead + (dkey.shape[-2], v_dim)}")
     check_device("dvalue", dvalue, dkey.device)
     # Rows are addressed with one stride: the launch uses contiguous copies where needed.
-    lay = layout("dkey", dkey.contiguous(), thd=cu_seqlens is not None)
-    return _check_common(
-        "dkey",
-        dkey,
-        lay,
-        cos,
-        sin,
-        emb_dim,
-        cu_seqlens,
-        "cu_seqlens_kv",
-        cp_rank,
-        cp_size,
-        position_ids,
+    layout = check_layout("dkey", dkey.contiguous(), thd=rope.cu_seqlens is not None)
+    return _check_sequences("dkey", dkey, layout, rope, "cu_seqlens_kv")
+
+
+# --------------------------------------------------------------------------------------------------
+# The launch plan of a checked call
+# --------------------------------------------------------------------------------------------------
+
+# The pointer parameters every kernel ends its pointer list with: tables, then sequence indices.
+_TABLE_POINTERS = RECORD_TENSORS  # cos, sin, cu_seqlens, position_ids
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchPlan:
+    """One checked launch of one kernel, without its data pointers.
+
+    Args:
+        kernel: the Triton JIT kernel.
+        rows: programs along grid axis 0 (tokens).
+        head_num: heads; grid axis 1 has ``cdiv(head_num, BLOCK_H)`` programs.
+        pointers: how many leading kernel parameters are tensors (passed per call).
+        args: every other kernel parameter but ``BLOCK_H``, by name.
+        in_place: whether the kernel writes its first pointer argument.
+        outputs: shapes of the new tensors a call allocates and passes among its pointers.
+        contiguous_inputs: whether the tensors read are launched as contiguous copies (rows
+            addressed with one stride).
+        options: Triton compile options of the launch (FP fusion off for an unfused pairing).
+    """
+
+    kernel: Any
+    rows: int
+    head_num: int
+    pointers: int
+    args: Mapping[str, Any]
+    in_place: bool
+    outputs: Tuple[Tuple[int, ...], ...] = ()
+    contiguous_inputs: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = tuple(self.kernel.arg_names)
+        expected = set(names[self.pointers :]) - {"BLOCK_H"}
+        if set(self.args) != expected or "BLOCK_H" not in names:
+            raise RuntimeError(
+                f"launch plan of {self.kernel.__name__} names {sorted(self.args)}; the kernel "
+                f"takes {sorted(expected)} after its {self.pointers} pointers"
+            )
+
+    def with_pairing(self, fma: pairing.Pairing) -> "LaunchPlan":
+        """This plan with the rotation's products paired as ``fma`` says."""
+        return dataclasses.replace(
+            self, args={**self.args, **fma.kernel_args}, options=fma.compile_options
+        )
+
+    def grid(self, block_h: int) -> Optional[Tuple[int, int, int]]:
+        """The launch grid at ``block_h`` heads per program, or None for an empty launch."""
+        if not (self.rows and self.head_num):
+            return None
+        return (self.rows, triton.cdiv(self.head_num, block_h), 1)
+
+    def args_after_pointers(self, block_h: int) -> tuple:
+        """Every argument after the pointers, in the kernel's order, ``BLOCK_H`` included."""
+        values = dict(self.args, BLOCK_H=block_h)
+        return tuple(values[name] for name in self.kernel.arg_names[self.pointers :])
+
+    def constexprs(self) -> Dict[str, Any]:
+        """The constexpr arguments (each value compiles another variant)."""
+        return {
+            name: self.args[name] for name in _constexpr_names(self.kernel) if name in self.args
+        }
+
+
+@functools.lru_cache(maxsize=None)
+def _constexpr_names(kernel) -> Tuple[str, ...]:
+    # Read from the Python function's annotations: the compiled and the interpreted kernel both
+    # keep it as ``fn``.
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.name for p in params if p.annotation is tl.constexpr)
+
+
+# Which pairing each kernel's rotation uses (pairing.KINDS); the copy kernel is a query backward.
+PAIRING_KIND = {
+    mla_rope_q_fwd_kernel: "q_fwd",
+    mla_rope_q_bwd_kernel: "q_bwd",
+    mla_rope_q_bwd_copy_kernel: "q_bwd",
+    mla_rope_kv_fwd_kernel: "kv_fwd",
+    mla_rope_kv_bwd_kernel: "kv_bwd",
+}
+
+
+def _sequence_args(checked: Checked, kernel) -> Dict[str, Any]:
+    """The arguments every kernel takes: heads, sequences, tables and the default pairing (which
+    :meth:`LaunchPlan.with_pairing` replaces by the one chosen for the installed Triton)."""
+    return dict(
+        head_num=checked.layout.head_num,
+        batch_size=checked.layout.batch_size,
+        seq_num=checked.seq_num,
+        n_rope_rows=checked.cos_rows,
+        cp_rank=checked.cp_rank,
+        cp_size=checked.cp_size,
+        stride_cos=checked.stride_cos,
+        stride_sin=checked.stride_sin,
+        SEQ_BLOCK=SEQ_BLOCK,
+        **pairing.DEFAULTS[PAIRING_KIND[kernel]].kernel_args,
     )
+
+
+def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> LaunchPlan:
+    """Check a query launch and plan it.
+
+    Args:
+        kernel: ``mla_rope_q_fwd_kernel`` or ``mla_rope_q_bwd_kernel`` (in place on ``x``), or
+            ``mla_rope_q_bwd_copy_kernel`` (``x`` only read; a new contiguous tensor written).
+        x: the query, or the gradient of the forward's output.
+        rope: the call's other arguments.
+        name: what error messages call ``x``.
+
+    Returns:
+        LaunchPlan: pointers ``x`` (then the output, for the copy kernel), cos, sin, cu_seqlens,
+        position_ids.
+    """
+    copy = kernel is mla_rope_q_bwd_copy_kernel
+    checked = check_query(name, x, rope, in_place=not copy)
+    layout = checked.layout
+    args = dict(
+        **_sequence_args(checked, kernel),
+        stride_s=layout.stride_s,
+        stride_b=layout.stride_b,
+        stride_h=layout.stride_h,
+        rope_offset=rope.qk_head_dim,
+        EMB_DIM=rope.emb_dim,
+        COMPUTE_DTYPE=compute_dtype(x.dtype, rope.cos.dtype),
+        INVERSE=rope.inverse,
+        REMOVE_INTERLEAVING=rope.remove_interleaving,
+    )
+    if not copy:
+        return LaunchPlan(kernel, layout.rows, layout.head_num, 1 + _TABLE_POINTERS, args, True)
+    args.update(
+        stride_out_row=layout.head_num * layout.head_dim,
+        stride_out_h=layout.head_dim,
+        QK_BLOCK=triton.next_power_of_2(max(1, rope.qk_head_dim)),
+    )
+    outputs = (tuple(x.shape),)
+    return LaunchPlan(
+        kernel, layout.rows, layout.head_num, 2 + _TABLE_POINTERS, args, False, outputs
+    )
+
+
+def _key_value_dims(rope: KeyValueRope, compute) -> Dict[str, Any]:
+    return dict(
+        K_DIM=rope.k_dim,
+        V_DIM=rope.v_dim,
+        K_BLOCK=triton.next_power_of_2(rope.k_dim),
+        V_BLOCK=triton.next_power_of_2(rope.v_dim),
+        EMB_DIM=rope.emb_dim,
+        COMPUTE_DTYPE=compute,
+        REMOVE_INTERLEAVING=rope.remove_interleaving,
+    )
+
+
+def plan_key_value(kv, k_pos_emb, rope: KeyValueRope) -> LaunchPlan:
+    """Check and plan the key/value forward; pointers kv, k_pos_emb, key, value, cos, sin,
+    cu_seqlens, position_ids. The outputs are new contiguous tensors: their row and head strides
+    follow from the shape."""
+    checked = check_key_value(kv, k_pos_emb, rope)
+    layout, emb_dim, k_dim, v_dim = checked.layout, rope.emb_dim, rope.k_dim, rope.v_dim
+    heads, lead = layout.head_num, tuple(kv.shape[:-2])
+    args = dict(
+        **_sequence_args(checked, mla_rope_kv_fwd_kernel),
+        **_key_value_dims(rope, compute_dtype(k_pos_emb.dtype, rope.cos.dtype)),
+        stride_kv_s=layout.stride_s,
+        stride_kv_b=layout.stride_b,
+        stride_kv_h=layout.stride_h,
+        stride_emb_s=k_pos_emb.stride(0),
+        stride_emb_b=0 if layout.thd else k_pos_emb.stride(1),
+        stride_key_row=heads * (k_dim + emb_dim),
+        stride_key_h=k_dim + emb_dim,
+        stride_value_row=heads * v_dim,
+        stride_value_h=v_dim,
+    )
+    outputs = (lead + (heads, k_dim + emb_dim), lead + (heads, v_dim))
+    return LaunchPlan(
+        mla_rope_kv_fwd_kernel, layout.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs
+    )
+
+
+def plan_key_value_grad(dkey, dvalue, rope: KeyValueRope) -> LaunchPlan:
+    """Check and plan the key/value backward; pointers dkey, dvalue, d_kv, d_emb, cos, sin,
+    cu_seqlens, position_ids, with dkey and dvalue launched as contiguous tensors."""
+    checked = check_key_value_grad(dkey, dvalue, rope)
+    layout, emb_dim, k_dim, v_dim = checked.layout, rope.emb_dim, rope.k_dim, rope.v_dim
+    heads, lead = layout.head_num, tuple(dkey.shape[:-2])
+    args = dict(
+        **_sequence_args(checked, mla_rope_kv_bwd_kernel),
+        **_key_value_dims(rope, compute_dtype(dkey.dtype, rope.cos.dtype)),
+        stride_dkey_row=heads * (k_dim + emb_dim),
+        stride_dkey_h=k_dim + emb_dim,
+        stride_dvalue_row=heads * v_dim,
+        stride_dvalue_h=v_dim,
+        stride_dkv_row=heads * (k_dim + v_dim),
+        stride_dkv_h=k_dim + v_dim,
+        stride_demb_row=emb_dim,
+        HEAD_UNROLL=min(HEAD_UNROLL, triton.next_power_of_2(heads)),
+    )
+    outputs = (lead + (heads, k_dim + v_dim), lead + (1, emb_dim))
+    return LaunchPlan(
+        mla_rope_kv_bwd_kernel, layout.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs, True
+    )
+
+
+def plan(kernel, x, y, rope, name: str = "t") -> LaunchPlan:
+    """Check a call of ``kernel`` and plan its launch (default pairing).
+
+    Args:
+        kernel: one of the five kernels of :mod:`megatron_ext.fusions.mla_rope.kernels`.
+        x: the tensor a query kernel rotates, kv or dkey.
+        y: None for a query kernel, else k_pos_emb or dvalue.
+        rope: the call's :class:`QueryRope` or :class:`KeyValueRope`.
+        name: what a query kernel's messages call ``x``.
+
+    Returns:
+        LaunchPlan: the plan.
+    """
+    if kernel is mla_rope_kv_fwd_kernel:
+        return plan_key_value(x, y, rope)
+    if kernel is mla_rope_kv_bwd_kernel:
+        return plan_key_value_grad(x, y, rope)
+    return plan_query(kernel, x, rope, name)

@@ -79,15 +79,21 @@ def _rope_row(
 
 @triton.jit
 def _load_cos_sin(
-    cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM: tl.constexpr, CT: tl.constexpr
+    cos_ptr,
+    sin_ptr,
+    pos,
+    stride_cos,
+    stride_sin,
+    EMB_DIM: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
 ):
     half = tl.arange(0, EMB_DIM // 2)
     cos_row = cos_ptr + pos * stride_cos
     sin_row = sin_ptr + pos * stride_sin
-    cos_l = tl.load(cos_row + half).to(CT)
-    cos_r = tl.load(cos_row + EMB_DIM // 2 + half).to(CT)
-    sin_l = tl.load(sin_row + half).to(CT)
-    sin_r = tl.load(sin_row + EMB_DIM // 2 + half).to(CT)
+    cos_l = tl.load(cos_row + half).to(COMPUTE_DTYPE)
+    cos_r = tl.load(cos_row + EMB_DIM // 2 + half).to(COMPUTE_DTYPE)
+    sin_l = tl.load(sin_row + half).to(COMPUTE_DTYPE)
+    sin_r = tl.load(sin_row + EMB_DIM // 2 + half).to(COMPUTE_DTYPE)
     return cos_l, cos_r, sin_l, sin_r
 
 
@@ -181,7 +187,7 @@ def _q_setup(
     stride_cos,
     stride_sin,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     INVERSE: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -204,7 +210,7 @@ def _q_setup(
         SEQ_BLOCK,
     )
     cos_l, cos_r, sin_l, sin_r = _load_cos_sin(
-        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, CT
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, COMPUTE_DTYPE
     )
     if INVERSE:
         sin_l = -sin_l
@@ -243,9 +249,9 @@ def mla_rope_q_fwd_kernel(
     stride_cos,
     stride_sin,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     INVERSE: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
@@ -254,7 +260,8 @@ def mla_rope_q_fwd_kernel(
     """In-place RoPE on the last EMB_DIM elements of each head of one token (grid: rows x heads).
 
     The input pairs are interleaved (x1 = even, x2 = odd elements). The rotated halves are written
-    as [left | right], or interleaved again when KEEP_INTERLEAVED.
+    as [left | right], or interleaved again with REMOVE_INTERLEAVING (the drop-ins'
+    ``remove_interleaving``, upstream Megatron-LM's name for it).
 
     Race-free: relaunched on the same input it writes the same bits, at every BLOCK_H and
     num_warps. Program (row, head block) reads and then writes only the EMB_DIM RoPE elements of
@@ -285,7 +292,7 @@ def mla_rope_q_fwd_kernel(
         stride_cos,
         stride_sin,
         EMB_DIM,
-        CT,
+        COMPUTE_DTYPE,
         INVERSE,
         SEQ_BLOCK,
         BLOCK_H,
@@ -293,10 +300,12 @@ def mla_rope_q_fwd_kernel(
     dims = tl.arange(0, EMB_DIM)[None, :]
     x = tl.load(ptrs + dims, mask=mask)
     x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, EMB_DIM // 2, 2)))
-    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
+    left, right = _rotate_fwd(
+        x1.to(COMPUTE_DTYPE), x2.to(COMPUTE_DTYPE), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2
+    )
     out_ty = q_ptr.dtype.element_ty
     tl.debug_barrier()
-    if KEEP_INTERLEAVED:
+    if REMOVE_INTERLEAVING:
         out = tl.reshape(tl.join(left, right), (BLOCK_H, EMB_DIM))
         tl.store(ptrs + dims, out.to(out_ty), mask=mask)
     else:
@@ -314,21 +323,24 @@ def _q_bwd_tile(
     sin_l,
     sin_r,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """The query gradient's RoPE tile at ``g_ptrs``, rotated back and interleaved (in CT)."""
-    if KEEP_INTERLEAVED:
+    """The query gradient's RoPE tile at ``g_ptrs``, rotated back and interleaved (computed in
+    COMPUTE_DTYPE)."""
+    if REMOVE_INTERLEAVING:
         g = tl.load(g_ptrs + tl.arange(0, EMB_DIM)[None, :], mask=mask)
         g_l, g_r = tl.split(tl.reshape(g, (BLOCK_H, EMB_DIM // 2, 2)))
     else:
         half = tl.arange(0, EMB_DIM // 2)[None, :]
         g_l = tl.load(g_ptrs + half, mask=mask)
         g_r = tl.load(g_ptrs + EMB_DIM // 2 + half, mask=mask)
-    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
+    g1, g2 = _rotate_bwd(
+        g_l.to(COMPUTE_DTYPE), g_r.to(COMPUTE_DTYPE), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2
+    )
     return tl.reshape(tl.join(g1, g2), (BLOCK_H, EMB_DIM))
 
 
@@ -352,9 +364,9 @@ def mla_rope_q_bwd_kernel(
     stride_cos,
     stride_sin,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     INVERSE: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
@@ -388,13 +400,24 @@ def mla_rope_q_bwd_kernel(
         stride_cos,
         stride_sin,
         EMB_DIM,
-        CT,
+        COMPUTE_DTYPE,
         INVERSE,
         SEQ_BLOCK,
         BLOCK_H,
     )
     out = _q_bwd_tile(
-        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, FMA_1, FMA_2, BLOCK_H
+        ptrs,
+        mask,
+        cos_l,
+        cos_r,
+        sin_l,
+        sin_r,
+        EMB_DIM,
+        COMPUTE_DTYPE,
+        REMOVE_INTERLEAVING,
+        FMA_1,
+        FMA_2,
+        BLOCK_H,
     )
     tl.debug_barrier()
     tl.store(ptrs + tl.arange(0, EMB_DIM)[None, :], out.to(g_ptr.dtype.element_ty), mask=mask)
@@ -423,9 +446,9 @@ def mla_rope_q_bwd_copy_kernel(
     stride_out_row,
     stride_out_h,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     INVERSE: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     QK_BLOCK: tl.constexpr,
@@ -457,7 +480,7 @@ def mla_rope_q_bwd_copy_kernel(
         stride_cos,
         stride_sin,
         EMB_DIM,
-        CT,
+        COMPUTE_DTYPE,
         INVERSE,
         SEQ_BLOCK,
         BLOCK_H,
@@ -470,7 +493,18 @@ def mla_rope_q_bwd_copy_kernel(
     nope = tl.load(ptrs - rope_offset + cols, mask=qk_mask)
     tl.store(out_row + cols, nope, mask=qk_mask)
     out = _q_bwd_tile(
-        ptrs, mask, cos_l, cos_r, sin_l, sin_r, EMB_DIM, CT, KEEP_INTERLEAVED, FMA_1, FMA_2, BLOCK_H
+        ptrs,
+        mask,
+        cos_l,
+        cos_r,
+        sin_l,
+        sin_r,
+        EMB_DIM,
+        COMPUTE_DTYPE,
+        REMOVE_INTERLEAVING,
+        FMA_1,
+        FMA_2,
+        BLOCK_H,
     )
     dims = tl.arange(0, EMB_DIM)[None, :]
     tl.store(out_row + rope_offset + dims, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -508,8 +542,8 @@ def mla_rope_kv_fwd_kernel(
     K_BLOCK: tl.constexpr,
     V_BLOCK: tl.constexpr,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
@@ -546,15 +580,17 @@ def mla_rope_kv_fwd_kernel(
 
     # One rotation per token, shared by all heads.
     cos_l, cos_r, sin_l, sin_r = _load_cos_sin(
-        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, CT
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, COMPUTE_DTYPE
     )
     emb_row = emb_ptr + s_idx.to(tl.int64) * stride_emb_s + b_idx.to(tl.int64) * stride_emb_b
     x = tl.load(emb_row + tl.arange(0, EMB_DIM))
     x1, x2 = tl.split(tl.reshape(x, (EMB_DIM // 2, 2)))
-    left, right = _rotate_fwd(x1.to(CT), x2.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
+    left, right = _rotate_fwd(
+        x1.to(COMPUTE_DTYPE), x2.to(COMPUTE_DTYPE), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2
+    )
     out_ty = key_ptr.dtype.element_ty
     rope_row = key_row + K_DIM
-    if KEEP_INTERLEAVED:
+    if REMOVE_INTERLEAVING:
         out = tl.reshape(tl.join(left, right), (EMB_DIM,)).to(out_ty)
         dims = tl.arange(0, EMB_DIM)[None, :]
         tl.store(rope_row + dims, tl.broadcast_to(out[None, :], (BLOCK_H, EMB_DIM)), mask=hmask)
@@ -614,8 +650,8 @@ def _kv_bwd_emb(
     stride_sin,
     K_DIM: tl.constexpr,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
@@ -630,7 +666,7 @@ def _kv_bwd_emb(
     """
     row = tl.program_id(0)
     rope_row = dkey_row + K_DIM
-    if KEEP_INTERLEAVED:
+    if REMOVE_INTERLEAVING:
         dims = tl.arange(0, EMB_DIM)
         acc = tl.zeros((EMB_DIM,), dtype=tl.float32)
         for h0 in range(0, head_num, HEAD_UNROLL):
@@ -667,9 +703,11 @@ def _kv_bwd_emb(
         SEQ_BLOCK,
     )
     cos_l, cos_r, sin_l, sin_r = _load_cos_sin(
-        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, CT
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, EMB_DIM, COMPUTE_DTYPE
     )
-    g1, g2 = _rotate_bwd(g_l.to(CT), g_r.to(CT), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2)
+    g1, g2 = _rotate_bwd(
+        g_l.to(COMPUTE_DTYPE), g_r.to(COMPUTE_DTYPE), cos_l, cos_r, sin_l, sin_r, FMA_1, FMA_2
+    )
     out = tl.reshape(tl.join(g1, g2), (EMB_DIM,))
     demb_row = demb_ptr + row.to(tl.int64) * stride_demb_row
     tl.store(demb_row + tl.arange(0, EMB_DIM), out.to(demb_ptr.dtype.element_ty))
@@ -705,8 +743,8 @@ def mla_rope_kv_bwd_kernel(
     K_BLOCK: tl.constexpr,
     V_BLOCK: tl.constexpr,
     EMB_DIM: tl.constexpr,
-    CT: tl.constexpr,
-    KEEP_INTERLEAVED: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    REMOVE_INTERLEAVING: tl.constexpr,
     FMA_1: tl.constexpr,
     FMA_2: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
@@ -758,8 +796,8 @@ def mla_rope_kv_bwd_kernel(
             stride_sin,
             K_DIM,
             EMB_DIM,
-            CT,
-            KEEP_INTERLEAVED,
+            COMPUTE_DTYPE,
+            REMOVE_INTERLEAVING,
             FMA_1,
             FMA_2,
             SEQ_BLOCK,

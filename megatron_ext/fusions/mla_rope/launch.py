@@ -1,6 +1,17 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Launch configs, their tuning and pinning, and the cached launch of the MLA RoPE kernels.
+"""How a call of an MLA RoPE kernel is launched: the cached launch, and its configs.
+
+:func:`run` is the one path of every kernel, query and key/value, forward and backward. It looks
+the launch up in :data:`LAUNCHES` by everything that decides it except the data pointers (shapes,
+strides, dtypes, devices, the argument record's values and types, pointer alignment, the pinned
+config and a forced FMA pairing), built inline from the call's argument record. A hit allocates
+the outputs and launches; a miss checks the call into a launch plan
+(:func:`megatron_ext.fusions.mla_rope.checks.plan`), pairs its FMAs as chosen for the installed
+Triton, picks the config and caches a :class:`CachedLaunch`. The first launch goes through
+Triton's JIT, keeping the compiled kernel it returns; later ones launch that compiled kernel
+through its C launcher (:mod:`megatron_ext.fusions.direct_launch`, which says when it falls back
+to the JIT path) with the pointers and the stored arguments.
 
 Launch configs (``BLOCK_H`` heads per program, ``num_warps``) are autotuned on first use for each
 compiled variant, head count and power-of-two bucket of the token count: every config in
@@ -9,26 +20,23 @@ kept. The output is the same for all of them. :func:`pinned_kernel_config` pins 
 (tests, benchmarks, and the Triton interpreter, which cannot time anything). Tune before capturing
 a CUDA graph: a variant first seen during capture runs with ``KernelConfig(16, 4)``.
 
-The launch itself is cached: the drop-ins look up a :class:`CachedLaunch` by everything that
-decides a launch except the data pointers (shapes, strides, dtypes, devices, flags, pointer
-alignment, the pinned config). A miss checks the inputs into a launch plan
-(:mod:`megatron_ext.fusions.mla_rope.plans`), picks the config, and launches through Triton's JIT,
-keeping the compiled kernel it returns; a hit launches that compiled kernel through
-its C launcher (:mod:`megatron_ext.fusions.direct_launch`, which says when it falls back
-to the JIT path) with the pointers and the stored arguments.
+Graph safety: :func:`run` and :meth:`CachedLaunch.__call__` can be captured once the call shape
+was seen outside capture.
 """
 
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import triton
 
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+from megatron_ext.fusions.mla_rope import checks, probe
+from megatron_ext.fusions.mla_rope.checks import INTERPRETED, LaunchPlan
+from megatron_ext.fusions.mla_rope.pairing import CHOSEN, FORCED, Pairing
 
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Token counts share an autotuning result within a power-of-two bucket up to this size.
@@ -127,7 +135,7 @@ def benchmark_us(launch: Callable[[], None]) -> float:
     return triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def tuned_config(plan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfig:
+def tuned_config(plan: LaunchPlan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfig:
     """Time each config once per (variant, size) and keep the fastest.
 
     Unlike ``triton.autotune`` with ``restore_value``, which clones and restores the in-place
@@ -136,7 +144,7 @@ def tuned_config(plan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfi
     strides, and nothing but the kernel is timed.
 
     Args:
-        plan: the :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
+        plan: the launch plan.
         tensors: this call's pointer arguments.
     """
     kernel, rows, head_num = plan.kernel, plan.rows, plan.head_num
@@ -184,21 +192,21 @@ class CachedLaunch:
     """One checked, configured launch of a kernel, replayed with new data pointers.
 
     Args:
-        plan: the :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
+        plan: the launch plan.
         config: the launch config.
         device: the tensors' device.
     """
 
-    __slots__ = ("plan", "grid", "config", "device_index", "direct", "tail")
+    __slots__ = ("plan", "grid", "config", "device_index", "direct", "args_after_pointers")
 
-    def __init__(self, plan, config: KernelConfig, device: torch.device):
+    def __init__(self, plan: LaunchPlan, config: KernelConfig, device: torch.device):
         self.plan = plan
         self.grid = plan.grid(config.block_h)
         self.config = config
         self.device_index = device.index if device.type == "cuda" else None
         self.direct = None
         # What the C launcher parses after the pointers (it ignores the constexprs' values).
-        self.tail = plan.tail(config.block_h)
+        self.args_after_pointers = plan.args_after_pointers(config.block_h)
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
         """Launch with these pointer arguments (tensors or None, in the kernel's order)."""
@@ -217,7 +225,10 @@ class CachedLaunch:
                 gy,
                 gz,
                 stream,
-                (*[None if t is None else t.data_ptr() for t in tensors], *self.tail),
+                (
+                    *[None if t is None else t.data_ptr() for t in tensors],
+                    *self.args_after_pointers,
+                ),
             )
             return
         self.launch_jit(*tensors)
@@ -246,14 +257,17 @@ class CachedLaunch:
 
 
 def prepare(
-    key: Optional[tuple], plan, tensors: Sequence[Optional[torch.Tensor]], device: torch.device
+    key: Optional[tuple],
+    plan: LaunchPlan,
+    tensors: Sequence[Optional[torch.Tensor]],
+    device: torch.device,
 ) -> CachedLaunch:
     """Configure the launch of ``plan`` (a cache miss) and cache it under ``key``.
 
     Args:
         key: the cache key (everything that decides the launch except the data pointers), or
             None to not cache it.
-        plan: the checked :class:`megatron_ext.fusions.mla_rope.plans.LaunchPlan`.
+        plan: the checked launch plan, its pairing applied.
         tensors: the pointer arguments of this call (tuning runs on them, or on a scratch copy of
             the first for an in-place kernel).
         device: the tensors' device.
@@ -274,3 +288,115 @@ def prepare(
             LAUNCHES.clear()
         LAUNCHES[key] = launch
     return launch
+
+
+# --------------------------------------------------------------------------------------------------
+# The run path
+# --------------------------------------------------------------------------------------------------
+
+
+def pairing_for(plan: LaunchPlan, x, y, rope) -> Pairing:
+    """The FMA pairing of a new plan: forced, chosen before (a dict lookup), or asked of
+    :func:`megatron_ext.fusions.mla_rope.probe.pairing_for`, which probes on first use.
+
+    Args: as :func:`run`, with the plan of the call.
+    """
+    forced = FORCED.get()
+    if forced is not None:
+        return forced
+    kind = checks.PAIRING_KIND[plan.kernel]
+    # The rotated input: k_pos_emb in the key/value forward, else the first tensor.
+    x_dtype = y.dtype if kind == "kv_fwd" else x.dtype
+    table_dtype, device = rope.cos.dtype, x.device
+    inverse = getattr(rope, "inverse", False)  # the key/value record has no inverse rotation
+    if not inverse:
+        known = CHOSEN.get((kind, x_dtype, table_dtype, str(device)))
+        if known is not None:
+            return known[0]
+    return probe.pairing_for(kind, x_dtype, table_dtype, device, inverse)
+
+
+def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
+    """Launch ``kernel`` on ``x`` (and ``y``) with the call's argument record ``rope``.
+
+    Args:
+        kernel: one of the five kernels of :mod:`megatron_ext.fusions.mla_rope.kernels`.
+        x: the tensor a query kernel rotates (or reads, for the copy kernel), kv or dkey.
+        y: None for a query kernel, else k_pos_emb or dvalue.
+        rope: the call's :class:`megatron_ext.fusions.mla_rope.checks.QueryRope` or
+            :class:`megatron_ext.fusions.mla_rope.checks.KeyValueRope`.
+        name: what a query kernel's error messages call ``x``.
+
+    Returns:
+        List[torch.Tensor]: the new tensors the kernel wrote (none for an in-place kernel).
+    """
+    # Both records hold the four tensors, then six scalars (a unit test checks it).
+    cos, sin, cu, pos, s0, s1, s2, s3, s4, s5 = rope
+    try:
+        # Inline rather than per-tensor helpers: this is every call's host cost. Pointers'
+        # 16-byte alignment is part of it (Triton specialises on it); the scalars' types too
+        # (8.0 == 8 and True == 1: the types keep such calls on the checked path).
+        key = (
+            kernel,
+            x.shape,
+            x.stride(),
+            x.dtype,
+            x.device,
+            x.data_ptr() & 15,
+            None if y is None else (y.shape, y.stride(), y.dtype, y.device, y.data_ptr() & 15),
+            cos.shape,
+            cos.stride(),
+            cos.dtype,
+            cos.device,
+            cos.data_ptr() & 15,
+            sin.shape,
+            sin.stride(),
+            sin.dtype,
+            sin.device,
+            sin.data_ptr() & 15,
+            (
+                None
+                if cu is None
+                else (cu.shape, cu.stride(), cu.dtype, cu.device, cu.data_ptr() & 15)
+            ),
+            (
+                None
+                if pos is None
+                else (pos.shape, pos.stride(), pos.dtype, pos.device, pos.data_ptr() & 15)
+            ),
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            type(s0),
+            type(s1),
+            type(s2),
+            type(s3),
+            type(s4),
+            type(s5),
+            PINNED.get(),
+            FORCED.get(),
+        )
+        launch = LAUNCHES.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+        key, launch = None, None
+    if launch is None:
+        plan = checks.plan(kernel, x, y, rope, name)
+        plan = plan.with_pairing(pairing_for(plan, x, y, rope))
+    else:
+        plan = launch.plan
+    if plan.contiguous_inputs:
+        x, y = x.contiguous(), y.contiguous()
+    if pos is not None and not pos.is_contiguous():  # indexed by flat row
+        pos = pos.contiguous()
+    outputs = [x.new_empty(shape) for shape in plan.outputs] if plan.outputs else []
+    if y is None:
+        pointers = (x, *outputs, cos, sin, cu, pos)
+    else:
+        pointers = (x, y, *outputs, cos, sin, cu, pos)
+    if launch is None:
+        launch = prepare(key, plan, pointers, x.device)
+    launch(*pointers)
+    return outputs

@@ -30,7 +30,7 @@ probe: it keeps the pairing that upstream's kernel compiles to under Triton 3.6 
 import contextlib
 import contextvars
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -59,6 +59,9 @@ class Pairing:
 
     first: int
     second: int
+    # Derived once, so that a launch plan reads them without a call (see __post_init__).
+    kernel_args: Dict[str, int] = field(init=False, repr=False, compare=False)
+    compile_options: Dict[str, bool] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if (UNFUSED in (self.first, self.second)) and self.first != self.second:
@@ -66,14 +69,18 @@ class Pairing:
             raise ValueError(f"an unfused pairing must be unfused in both outputs, got {self}")
         if not {self.first, self.second} <= {FUSE_FIRST, FUSE_SECOND, UNFUSED}:
             raise ValueError(f"unknown FMA pairing {self}")
+        object.__setattr__(self, "kernel_args", {"FMA_1": self.first, "FMA_2": self.second})
+        # FP fusion off for unfused arithmetic (the compiler would contract the products itself).
+        options = {"enable_fp_fusion": False} if self.first == UNFUSED else {}
+        object.__setattr__(self, "compile_options", options)
 
     def constexprs(self) -> Dict[str, int]:
-        """The kernels' FMA_1 / FMA_2 arguments."""
-        return {"FMA_1": self.first, "FMA_2": self.second}
+        """The kernels' FMA_1 / FMA_2 arguments (a copy of :attr:`kernel_args`)."""
+        return dict(self.kernel_args)
 
     def options(self) -> Dict[str, bool]:
-        """Triton compile options this pairing needs (FP fusion off for unfused arithmetic)."""
-        return {"enable_fp_fusion": False} if self.first == UNFUSED else {}
+        """Triton compile options this pairing needs (a copy of :attr:`compile_options`)."""
+        return dict(self.compile_options)
 
 
 UNFUSED_PAIRING = Pairing(UNFUSED, UNFUSED)
@@ -101,11 +108,13 @@ INVERSE_RIGHT_ON_COS = {
     (torch.bfloat16, torch.float32),
 }
 
-_FORCED: contextvars.ContextVar[Optional[Pairing]] = contextvars.ContextVar(
+# The pairing forced by forced_pairing (read directly by the launch cache key and plans).
+FORCED: contextvars.ContextVar[Optional[Pairing]] = contextvars.ContextVar(
     "megatron_ext_mla_rope_forced_pairing", default=None
 )
-# (kind, x dtype, table dtype, device) -> (pairing, how it was chosen)
-_CHOSEN: Dict[Tuple[str, torch.dtype, torch.dtype, str], Tuple[Pairing, str]] = {}
+# (kind, x dtype, table dtype, str(device)) -> (pairing, how it was chosen); a new launch plan
+# looks its pairing up here before asking the probe.
+CHOSEN: Dict[Tuple[str, torch.dtype, torch.dtype, str], Tuple[Pairing, str]] = {}
 
 
 @contextlib.contextmanager
@@ -120,16 +129,16 @@ def forced_pairing(pairing: Pairing) -> Iterator[Pairing]:
     """
     if not isinstance(pairing, Pairing):
         raise TypeError(f"pairing must be a Pairing, got {type(pairing).__name__}")
-    token = _FORCED.set(pairing)
+    token = FORCED.set(pairing)
     try:
         yield pairing
     finally:
-        _FORCED.reset(token)
+        FORCED.reset(token)
 
 
 def forced() -> Optional[Pairing]:
     """The pairing forced by :func:`forced_pairing`, or None."""
-    return _FORCED.get()
+    return FORCED.get()
 
 
 def inverse_pairing(x_dtype: torch.dtype, table_dtype: torch.dtype, backward: bool) -> Pairing:
@@ -162,11 +171,11 @@ def choose(
     Returns:
         Pairing: the pairing to launch with.
     """
-    pinned = _FORCED.get()
+    pinned = FORCED.get()
     if pinned is not None:
         return pinned
     key = (kind, x_dtype, table_dtype, str(device))
-    known = _CHOSEN.get(key)
+    known = CHOSEN.get(key)
     if known is not None:
         return known[0]
     if probe is None:
@@ -174,7 +183,7 @@ def choose(
     else:
         pairing, how = _probe_candidates(kind, x_dtype, table_dtype, probe)
     if cacheable:
-        _CHOSEN[key] = (pairing, how)
+        CHOSEN[key] = (pairing, how)
     return pairing
 
 
@@ -198,9 +207,9 @@ def _probe_candidates(kind, x_dtype, table_dtype, probe) -> Tuple[Pairing, str]:
 
 def chosen_pairings() -> Dict[Tuple[str, torch.dtype, torch.dtype, str], Tuple[Pairing, str]]:
     """Every pairing chosen so far: {(kind, x dtype, table dtype, device): (pairing, how)}."""
-    return dict(_CHOSEN)
+    return dict(CHOSEN)
 
 
 def clear_chosen_pairings() -> None:
     """Forget every choice (the next launch of each kind probes again)."""
-    _CHOSEN.clear()
+    CHOSEN.clear()

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional
 import torch
 from triton.runtime.autotuner import Autotuner, Heuristics
 
-from megatron_ext.fusions.mla_rope import pairing, plans
+from megatron_ext.fusions.mla_rope import checks, pairing
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 from megatron_ext.fusions.mla_rope.kernels import (
     mla_rope_q_bwd_kernel,
@@ -217,27 +217,32 @@ _MEGATRON_CORE = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _launch(plan: plans.LaunchPlan, candidate: pairing.Pairing, *pointers) -> None:
+def _launch(plan: checks.LaunchPlan, candidate: pairing.Pairing, *pointers) -> None:
     plan = plan.with_pairing(candidate)
     plan.kernel[plan.grid(1)[:2]](*pointers, **plan.args, **plan.options, BLOCK_H=1, num_warps=1)
 
 
 def _ours_q(kernel, candidate, x, cos, sin):
     out = x.clone()
-    plan = plans.plan_q(kernel, out, cos, sin, NOPE, EMB, None, 0, 1, False, False, None, "t")
+    rope = checks.QueryRope(cos, sin, None, None, NOPE, EMB, 0, 1, False, False)
+    plan = checks.plan_query(kernel, out, rope)
     _launch(plan, candidate, out, cos, sin, None, None)
     return out
 
 
+def _key_value_rope(cos, sin) -> checks.KeyValueRope:
+    return checks.KeyValueRope(cos, sin, None, None, EMB, NOPE, NOPE, 0, 1, False)
+
+
 def _ours_kv_fwd(candidate, kv, emb, cos, sin):
-    plan = plans.plan_kv_fwd(kv, emb, cos, sin, EMB, NOPE, NOPE, None, 0, 1, False, None)
+    plan = checks.plan_key_value(kv, emb, _key_value_rope(cos, sin))
     key, value = (kv.new_empty(shape) for shape in plan.outputs)
     _launch(plan, candidate, kv, emb, key, value, cos, sin, None, None)
     return key.view(ROWS, HEADS, NOPE + EMB)
 
 
 def _ours_kv_bwd(candidate, dkey, dvalue, cos, sin):
-    plan = plans.plan_kv_bwd(dkey, dvalue, cos, sin, EMB, NOPE, NOPE, None, 0, 1, False, None)
+    plan = checks.plan_key_value_grad(dkey, dvalue, _key_value_rope(cos, sin))
     d_kv, d_emb = (dkey.new_empty(shape) for shape in plan.outputs)
     _launch(plan, candidate, dkey, dvalue, d_kv, d_emb, cos, sin, None, None)
     return d_emb.view(ROWS, EMB)

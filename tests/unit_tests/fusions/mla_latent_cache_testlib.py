@@ -4,7 +4,7 @@
 laid out as megatron-core's ``DynamicInferenceContext`` lays them out (shuffled blocks, padded
 requests and tokens), guard regions, and float64 references that gather the pages explicitly.
 
-Import by file name (pytest puts this folder on sys.path; so does running a script from it).
+Imported as ``tests.unit_tests.fusions.mla_latent_cache_testlib`` (run from the repository root).
 """
 
 import types

@@ -4,7 +4,8 @@
 the kernels' FMA arithmetic, a two-load reference kernel for the modes megatron-core lacks, and
 megatron-core's kernels at the launch configs where they are a valid reference.
 
-Import by file name (pytest puts this folder on sys.path; so does running a script from it).
+Import it as ``tests.unit_tests.fusions.mla_rope_testlib`` (the tests are packages; scripts that
+use it run with ``python -m`` from the repository root).
 """
 
 import contextlib
@@ -326,7 +327,7 @@ def q_forward_reference(
     cos,
     sin,
     inverse=False,
-    keep_interleaved=False,
+    remove_interleaving=False,
     exact_model=False,
 ) -> torch.Tensor:
     """The query forward: float64 math (default), or the kernels' exact FMA arithmetic.
@@ -348,7 +349,7 @@ def q_forward_reference(
         left = x1 * cl - x2 * sl
         right = x2 * cr + x1 * sr
     out = x.to(ct).clone()
-    out[..., case.qk_head_dim :] = _merge_pairs(left, right, keep_interleaved)
+    out[..., case.qk_head_dim :] = _merge_pairs(left, right, remove_interleaving)
     return out.to(t.dtype) if exact_model else out
 
 
@@ -358,13 +359,13 @@ def q_backward_reference(
     cos,
     sin,
     inverse=False,
-    keep_interleaved=False,
+    remove_interleaving=False,
     exact_model=False,
 ) -> torch.Tensor:
     """The query backward (the forward rotation transposed), like :func:`q_forward_reference`."""
     ct = compute_dtype(g.dtype, cos.dtype) if exact_model else torch.float64
     x = g.reshape(case.rows, case.heads, -1)
-    g_l, g_r = _split_pairs(x[..., case.qk_head_dim :].to(ct), keep_interleaved)
+    g_l, g_r = _split_pairs(x[..., case.qk_head_dim :].to(ct), remove_interleaving)
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if inverse:
         sl, sr = -sl, -sr
@@ -381,7 +382,7 @@ def q_backward_reference(
 
 
 def kv_forward_reference(
-    case: Case, kv, k_pos_emb, cos, sin, k_dim, keep_interleaved=False, exact_model=False
+    case: Case, kv, k_pos_emb, cos, sin, k_dim, remove_interleaving=False, exact_model=False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(key, value) as [rows, heads, *], float64 or (exact_model) in kv's dtype."""
     ct = compute_dtype(k_pos_emb.dtype, cos.dtype) if exact_model else torch.float64
@@ -396,7 +397,7 @@ def kv_forward_reference(
     else:
         left = x1 * cl - x2 * sl
         right = x2 * cr + x1 * sr
-    rope = _merge_pairs(left, right, keep_interleaved).to(kv.dtype if exact_model else ct)
+    rope = _merge_pairs(left, right, remove_interleaving).to(kv.dtype if exact_model else ct)
     k = x[..., :k_dim].to(rope.dtype)
     key = torch.cat([k, rope.expand(-1, case.heads, -1)], dim=-1)
     value = x[..., k_dim:].to(rope.dtype)
@@ -404,7 +405,7 @@ def kv_forward_reference(
 
 
 def kv_backward_reference(
-    case: Case, dkey, dvalue, cos, sin, k_dim, keep_interleaved=False, exact_model=False
+    case: Case, dkey, dvalue, cos, sin, k_dim, remove_interleaving=False, exact_model=False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d_kv [rows, heads, k+v], d_emb [rows, emb]); the exact model sums heads in order in fp32."""
     dk = dkey.reshape(case.rows, case.heads, -1)
@@ -420,7 +421,7 @@ def kv_backward_reference(
     else:
         summed = rope.double().sum(dim=1)
         ct = torch.float64
-    g_l, g_r = _split_pairs(summed.to(ct)[:, None, :], keep_interleaved)
+    g_l, g_r = _split_pairs(summed.to(ct)[:, None, :], remove_interleaving)
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
         g1, g2 = _rotate_bwd(
@@ -617,39 +618,41 @@ def parallel_compile(threads: int = 8) -> Iterator[None]:
         yield
 
 
-def plan_ours_q(kernel, case: Case, x, cos, sin, inverse=False, keep=False):
+def plan_ours_q(kernel, case: Case, x, cos, sin, inverse=False, remove_interleaving=False):
     """megatron_ext's launch plan of a query kernel for these inputs, and its pointer arguments
     (the copying kernel's output left out: the caller allocates it)."""
-    from megatron_ext.fusions.mla_rope import kernels, plans
+    from megatron_ext.fusions.mla_rope import checks, launch
 
-    plan = plans.plan_q(
-        kernel,
-        x,
+    rope = checks.QueryRope(
         cos,
         sin,
+        case.cu_seqlens,
+        case.position_ids,
         case.qk_head_dim,
         case.emb_dim,
-        case.cu_seqlens,
         case.cp_rank,
         case.cp_size,
         inverse,
-        keep,
-        case.position_ids,
-        "t",
+        remove_interleaving,
     )
     # The pairing the product's launch takes (probed on a GPU), so that a launch at any config
     # through this plan has the public call's bits.
-    kind = "q_fwd" if kernel is kernels.mla_rope_q_fwd_kernel else "q_bwd"
-    plan = plan.with_pairing(kernel_pairing(kind, x.dtype, cos.dtype, inverse, x.device))
-    return plan, (cos, sin, case.cu_seqlens, plans.contiguous(case.position_ids))
+    plan = checks.plan_query(kernel, x, rope)
+    plan = plan.with_pairing(launch.pairing_for(plan, x, None, rope))
+    position_ids = case.position_ids
+    if position_ids is not None:
+        position_ids = position_ids.contiguous()  # the kernels index it by flat row
+    return plan, (cos, sin, case.cu_seqlens, position_ids)
 
 
-def warm_ours_q(backward: bool, case: Case, x, cos, sin, config, inverse=False, keep=False):
+def warm_ours_q(
+    backward: bool, case: Case, x, cos, sin, config, inverse=False, remove_interleaving=False
+):
     """Compile megatron_ext's query kernel for these inputs at one config, without launching."""
     from megatron_ext.fusions.mla_rope import kernels
 
     kernel = kernels.mla_rope_q_bwd_kernel if backward else kernels.mla_rope_q_fwd_kernel
-    plan, tables = plan_ours_q(kernel, case, x, cos, sin, inverse, keep)
+    plan, tables = plan_ours_q(kernel, case, x, cos, sin, inverse, remove_interleaving)
     kernel.warmup(
         x,
         *tables,
@@ -668,7 +671,7 @@ def run_two_load(
     sin,
     block_h: int,
     inverse: bool = False,
-    keep_interleaved: bool = False,
+    remove_interleaving: bool = False,
     warmup: bool = False,
 ) -> torch.Tensor:
     """Run a two-load reference kernel in place on x at one BLOCK_H (or only compile it, with
@@ -698,7 +701,7 @@ def run_two_load(
         sin.stride(0),
         EMB_DIM=case.emb_dim,
         INVERSE=inverse,
-        REMOVE_INTERLEAVING=keep_interleaved,
+        REMOVE_INTERLEAVING=remove_interleaving,
         BLOCK_H=block_h,
     )
     return x

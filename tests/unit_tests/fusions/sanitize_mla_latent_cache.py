@@ -3,9 +3,9 @@
 """Run the paged MLA latent-cache kernels on small shapes, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python tests/unit_tests/fusions/sanitize_mla_latent_cache.py
+        python -m tests.unit_tests.fusions.sanitize_mla_latent_cache
     compute-sanitizer --tool racecheck --error-exitcode 1 \\
-        python tests/unit_tests/fusions/sanitize_mla_latent_cache.py --quick
+        python -m tests.unit_tests.fusions.sanitize_mla_latent_cache --quick
 
 The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of the tables among
 the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 40 and 128 heads; block
@@ -25,7 +25,7 @@ import sys
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
-from mla_latent_cache_testlib import (  # noqa: E402
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
     build_step,
     check_attention_step,
     megatron_core_append,

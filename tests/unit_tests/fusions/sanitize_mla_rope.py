@@ -3,9 +3,11 @@
 """Run each MLA RoPE kernel once on small shapes, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python tests/unit_tests/fusions/sanitize_mla_rope.py
+        python -m tests.unit_tests.fusions.sanitize_mla_rope
     compute-sanitizer --tool racecheck --error-exitcode 1 \\
-        python tests/unit_tests/fusions/sanitize_mla_rope.py --quick
+        python -m tests.unit_tests.fusions.sanitize_mla_rope --quick
+
+(from the repository root).
 
 Covers the query forward and backward, in place and into a new tensor (sbhd, thd with CUDA-graph
 padding rows, thd with context parallelism, position ids; inverse and remove_interleaving) and the
@@ -23,7 +25,9 @@ import sys
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
-from mla_rope_testlib import (  # noqa: E402
+
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope  # noqa: E402
+from tests.unit_tests.fusions.mla_rope_testlib import (  # noqa: E402
     bits,
     kv_backward_reference,
     kv_forward_reference,
@@ -33,8 +37,6 @@ from mla_rope_testlib import (  # noqa: E402
     q_forward_reference,
     randn,
 )
-
-from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope  # noqa: E402
 
 CONFIGS = [rope.KernelConfig(4, 1), rope.KernelConfig(128, 4)]
 
@@ -59,7 +61,7 @@ def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfi
     t = randn(case.lead + (heads, 96), dtype, "cuda", g)
     cos, sin = make_tables(case.table_rows, 64, dtype, "cuda", generator=g)
     ok = True
-    for inverse, keep in ((False, False), (True, True)):
+    for inverse, remove_interleaving in ((False, False), (True, True)):
         for call, fn, in_place in _QUERY_CALLS:
             ref = q_forward_reference if call == "fwd" else q_backward_reference
             with rope.pinned_kernel_config(config.block_h, config.num_warps):
@@ -73,11 +75,14 @@ def _query(layout: str, heads: int, dtype: torch.dtype, config: rope.KernelConfi
                     case.cp_rank,
                     case.cp_size,
                     inverse=inverse,
-                    remove_interleaving=keep,
+                    remove_interleaving=remove_interleaving,
                     position_ids=case.position_ids,
                 )
-            expected = ref(case, t, cos, sin, inverse, keep, exact_model=True)
-            name = f"q {call} {layout} heads={heads} {dtype} {config} inverse={inverse} keep={keep}"
+            expected = ref(case, t, cos, sin, inverse, remove_interleaving, exact_model=True)
+            name = (
+                f"q {call} {layout} heads={heads} {dtype} {config} inverse={inverse} "
+                f"remove_interleaving={remove_interleaving}"
+            )
             ok &= _check(name, out.view(case.rows, heads, -1), expected)
     return ok
 
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
     """
     quick = "--quick" in (sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
-        print("sanitize_mla_rope.py needs a CUDA GPU")
+        print("tests.unit_tests.fusions.sanitize_mla_rope needs a CUDA GPU")
         return 2
     ok = True
     for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):

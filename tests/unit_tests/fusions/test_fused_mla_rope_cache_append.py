@@ -14,7 +14,10 @@ runs in the Triton interpreter in fp32 and fp16; tests marked ``gpu`` add bf16 a
 
 import pytest
 import torch
-from mla_latent_cache_testlib import (
+
+from megatron_ext.fusions import fused_mla_rope_cache_append as append
+from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     guarded_tensor,
     guards_intact,
     megatron_core_append,
@@ -22,10 +25,7 @@ from mla_latent_cache_testlib import (
     record_launches,
     yarn_rotary_embedding,
 )
-from mla_rope_testlib import assert_bitwise_equal
-
-from megatron_ext.fusions import fused_mla_rope_cache_append as append
-from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from tests.unit_tests.fusions.mla_rope_testlib import assert_bitwise_equal
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")

@@ -12,7 +12,21 @@ import itertools
 import pytest
 import torch
 import triton
-from mla_rope_testlib import (
+
+from megatron_ext import internals
+from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
+    KernelConfig,
+    fused_apply_mla_rope_for_kv,
+    fused_apply_mla_rope_for_q,
+    mla_rope_kv_bwd,
+    mla_rope_kv_fwd,
+    mla_rope_q_bwd_,
+    mla_rope_q_fwd_,
+    pinned_kernel_config,
+)
+from megatron_ext.fusions.mla_rope import kernels, launch, pairing
+from tests.unit_tests.fusions.mla_rope_testlib import (
     DTYPES,
     assert_bitwise_equal,
     assert_equals_reference_configs,
@@ -37,20 +51,6 @@ from mla_rope_testlib import (
     warm_ours_q,
 )
 
-from megatron_ext import internals
-from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
-    KernelConfig,
-    fused_apply_mla_rope_for_kv,
-    fused_apply_mla_rope_for_q,
-    mla_rope_kv_bwd,
-    mla_rope_kv_fwd,
-    mla_rope_q_bwd_,
-    mla_rope_q_fwd_,
-    pinned_kernel_config,
-)
-from megatron_ext.fusions.mla_rope import kernels, launch, ops, pairing
-
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -65,11 +65,13 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _q_inputs(layout, heads, q_dtype, table_dtype, seed=0, qk_head_dim=8, emb_dim=16, **kw):
+def _q_inputs(
+    layout, heads, q_dtype, table_dtype, seed=0, qk_head_dim=8, emb_dim=16, device=DEVICE, **kw
+):
     g = _gen(seed)
-    case = make_case(layout, heads, DEVICE, qk_head_dim, emb_dim, generator=g, **kw)
-    t = randn(case.lead + (heads, qk_head_dim + emb_dim), DTYPES[q_dtype], DEVICE, g)
-    cos, sin = make_tables(case.table_rows, emb_dim, DTYPES[table_dtype], DEVICE, generator=g)
+    case = make_case(layout, heads, device, qk_head_dim, emb_dim, generator=g, **kw)
+    t = randn(case.lead + (heads, qk_head_dim + emb_dim), DTYPES[q_dtype], device, g)
+    cos, sin = make_tables(case.table_rows, emb_dim, DTYPES[table_dtype], device, generator=g)
     return case, t, cos, sin
 
 
@@ -108,34 +110,46 @@ def _interpreted_or_bitwise(actual, expected, dtype, what):
 # --------------------------------------------------------------------------------------------------
 
 Q_MODES = [
-    (layout, dtypes, inverse, keep)
+    (layout, dtypes, inverse, remove_interleaving)
     for layout in LAYOUTS
     for dtypes in CPU_DTYPE_PAIRS[:2]
-    for inverse, keep in itertools.product([False, True], repeat=2)
+    for inverse, remove_interleaving in itertools.product([False, True], repeat=2)
 ] + [
-    (layout, dtypes, inverse, keep)
+    (layout, dtypes, inverse, remove_interleaving)
     for layout in ("sbhd", "thd_cp2")
     for dtypes in CPU_DTYPE_PAIRS[2:]
-    for inverse, keep in [(False, False), (True, True)]
+    for inverse, remove_interleaving in [(False, False), (True, True)]
 ]
 
 
 def _mode_id(mode):
-    layout, (qd, td), inverse, keep = mode
-    return f"{layout}-{qd}x{td}" + ("-inv" if inverse else "") + ("-keep" if keep else "")
+    layout, (qd, td), inverse, remove_interleaving = mode
+    return (
+        f"{layout}-{qd}x{td}"
+        + ("-inv" if inverse else "")
+        + ("-interleaved" if remove_interleaving else "")
+    )
 
 
 @pytest.mark.parametrize("mode", Q_MODES, ids=_mode_id)
 def test_q_forward(mode):
-    layout, (q_dtype, table_dtype), inverse, keep = mode
+    layout, (q_dtype, table_dtype), inverse, remove_interleaving = mode
     case, t, cos, sin = _q_inputs(layout, 5, q_dtype, table_dtype, seed=1)
     out = t.clone()
     with pinned_kernel_config(2, 1):
-        _q_call(mla_rope_q_fwd_, case, out, cos, sin, inverse=inverse, remove_interleaving=keep)
+        _q_call(
+            mla_rope_q_fwd_,
+            case,
+            out,
+            cos,
+            sin,
+            inverse=inverse,
+            remove_interleaving=remove_interleaving,
+        )
     flat = out.view(case.rows, case.heads, -1)
-    ref = q_forward_reference(case, t, cos, sin, inverse, keep)
+    ref = q_forward_reference(case, t, cos, sin, inverse, remove_interleaving)
     _close(flat, ref, t.dtype, "forward vs float64")
-    model = q_forward_reference(case, t, cos, sin, inverse, keep, exact_model=True)
+    model = q_forward_reference(case, t, cos, sin, inverse, remove_interleaving, exact_model=True)
     assert_bitwise_equal(flat, model, "forward vs exact FMA model")
     nope = t.view(case.rows, case.heads, -1)[..., : case.qk_head_dim]
     assert_bitwise_equal(flat[..., : case.qk_head_dim], nope, "nope part")
@@ -143,21 +157,34 @@ def test_q_forward(mode):
 
 @pytest.mark.parametrize("mode", Q_MODES, ids=_mode_id)
 def test_q_backward(mode):
-    layout, (q_dtype, table_dtype), inverse, keep = mode
+    layout, (q_dtype, table_dtype), inverse, remove_interleaving = mode
     case, g, cos, sin = _q_inputs(layout, 5, q_dtype, table_dtype, seed=2)
     out = g.clone()
     with pinned_kernel_config(4, 1):
-        _q_call(mla_rope_q_bwd_, case, out, cos, sin, inverse=inverse, remove_interleaving=keep)
+        _q_call(
+            mla_rope_q_bwd_,
+            case,
+            out,
+            cos,
+            sin,
+            inverse=inverse,
+            remove_interleaving=remove_interleaving,
+        )
     flat = out.view(case.rows, case.heads, -1)
-    _close(flat, q_backward_reference(case, g, cos, sin, inverse, keep), g.dtype, "backward")
-    model = q_backward_reference(case, g, cos, sin, inverse, keep, exact_model=True)
+    _close(
+        flat,
+        q_backward_reference(case, g, cos, sin, inverse, remove_interleaving),
+        g.dtype,
+        "backward",
+    )
+    model = q_backward_reference(case, g, cos, sin, inverse, remove_interleaving, exact_model=True)
     assert_bitwise_equal(flat, model, "backward vs exact FMA model")
 
 
-def _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse=False, keep=False):
+def _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse=False, remove_interleaving=False):
     """Launch the copying query backward at ``config`` into an output inside a guarded buffer."""
     kernel = kernels.mla_rope_q_bwd_copy_kernel
-    plan, tables = plan_ours_q(kernel, case, g, cos, sin, inverse, keep)
+    plan, tables = plan_ours_q(kernel, case, g, cos, sin, inverse, remove_interleaving)
     out, buf = guarded(torch.zeros(plan.outputs[0], dtype=g.dtype, device=g.device), slack, slack)
     launch.CachedLaunch(plan, config, g.device)(g, out, *tables)
     return out, buf
@@ -167,16 +194,18 @@ def _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse=False, keep=Fa
 def test_q_backward_into_a_new_tensor(mode):
     """One kernel writes a new tensor with the in-place backward's bits, at every config, inside
     its output only; the gradient is only read."""
-    layout, (q_dtype, table_dtype), inverse, keep = mode
+    layout, (q_dtype, table_dtype), inverse, remove_interleaving = mode
     case, g, cos, sin = _q_inputs(layout, 5, q_dtype, table_dtype, seed=50)
-    flags = dict(inverse=inverse, remove_interleaving=keep)
+    flags = dict(inverse=inverse, remove_interleaving=remove_interleaving)
     expected = g.clone()
     with pinned_kernel_config(1, 1):
         _q_call(mla_rope_q_bwd_, case, expected, cos, sin, **flags)
     before = g.clone()
     slack = 3 * g.shape[-1]
     for config in (KernelConfig(2, 1), KernelConfig(8, 2)):
-        out, buf = _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse, keep)
+        out, buf = _q_bwd_copy_guarded(
+            case, g, cos, sin, config, slack, inverse, remove_interleaving
+        )
         assert guard_intact(buf, slack, g.numel()), f"{config}: wrote outside the output"
         assert_bitwise_equal(out, expected, f"copying backward at {config}")
     with pinned_kernel_config(4, 1):
@@ -207,10 +236,10 @@ def test_q_backward_into_a_new_tensor_reads_any_layout():
 
 
 @pytest.mark.parametrize(
-    "layout,inverse,keep",
+    "layout,inverse,remove_interleaving",
     [("sbhd", False, False), ("thd_cp2", True, True), ("thd_pos", False, True)],
 )
-def test_q_autograd(layout, inverse, keep):
+def test_q_autograd(layout, inverse, remove_interleaving):
     case, t, cos, sin = _q_inputs(layout, 3, "fp32", "fp32", seed=3)
     weight = randn(t.shape, torch.float32, DEVICE, _gen(4))
     leaf = t.clone().requires_grad_(True)
@@ -226,7 +255,7 @@ def test_q_autograd(layout, inverse, keep):
             case.cp_rank,
             case.cp_size,
             inverse=inverse,
-            remove_interleaving=keep,
+            remove_interleaving=remove_interleaving,
             position_ids=case.position_ids,
         )
     assert out is q
@@ -235,13 +264,21 @@ def test_q_autograd(layout, inverse, keep):
     expected = weight.clone()
     with pinned_kernel_config(1, 1):
         _q_call(
-            mla_rope_q_bwd_, case, expected, cos, sin, inverse=inverse, remove_interleaving=keep
+            mla_rope_q_bwd_,
+            case,
+            expected,
+            cos,
+            sin,
+            inverse=inverse,
+            remove_interleaving=remove_interleaving,
         )
     assert_bitwise_equal(leaf.grad, expected, "autograd gradient vs backward kernel")
 
     # ... and the float64 reference's autograd gradient.
     leaf64 = t.double().requires_grad_(True)
-    ref = q_forward_reference(case, leaf64, cos.double(), sin.double(), inverse, keep)
+    ref = q_forward_reference(
+        case, leaf64, cos.double(), sin.double(), inverse, remove_interleaving
+    )
     (ref.view(weight.shape) * weight.double()).sum().backward()
     _close(leaf.grad, leaf64.grad, torch.float32, "gradient vs float64 autograd")
 
@@ -259,16 +296,25 @@ def test_q_marks_input_dirty():
 def _bwd_launch_addresses(monkeypatch):
     """Record the address of every tensor the query backward kernel is launched on."""
     addresses = []
-    run_q = ops.run_q
+    run = rope.run
 
-    def spy(kernel, t, *args, **kwargs):
-        written = run_q(kernel, t, *args, **kwargs)
+    def spy(kernel, x, *args, **kwargs):
+        outputs = run(kernel, x, *args, **kwargs)
         if kernel in (kernels.mla_rope_q_bwd_kernel, kernels.mla_rope_q_bwd_copy_kernel):
-            addresses.append(written.data_ptr())
-        return written
+            addresses.append((outputs[0] if outputs else x).data_ptr())
+        return outputs
 
-    monkeypatch.setattr(ops, "run_q", spy)
+    monkeypatch.setattr(rope, "run", spy)
     return addresses
+
+
+# The gradient-ownership tests run on the default device, and once more marked for the GPU suite
+# (which selects ``-m gpu``): a CUDA backward runs on autograd's device thread, whose counts the
+# ownership calibration measures separately.
+OWNERSHIP_DEVICES = [
+    pytest.param(DEVICE.type, id="default"),
+    pytest.param("cuda", id="gpu", marks=pytest.mark.gpu),
+]
 
 
 def _incoming_grad_address(out):
@@ -277,13 +323,14 @@ def _incoming_grad_address(out):
     return seen
 
 
-def test_backward_leaves_a_gradient_shared_with_another_branch_alone(monkeypatch):
+@pytest.mark.parametrize("device", OWNERSHIP_DEVICES)
+def test_backward_leaves_a_gradient_shared_with_another_branch_alone(device, monkeypatch):
     """The issue's reproducer: autograd hands one tensor to both branches of out + y."""
     addresses = _bwd_launch_addresses(monkeypatch)
     g = _gen(40)
-    cos, sin = torch.rand(8, 16, generator=g).to(DEVICE), torch.rand(8, 16, generator=g).to(DEVICE)
-    x = torch.randn(4, 2, 3, 24, generator=g).to(DEVICE).requires_grad_(True)
-    w = torch.randn(4, 2, 3, 24, generator=g).to(DEVICE).requires_grad_(True)
+    cos, sin = torch.rand(8, 16, generator=g).to(device), torch.rand(8, 16, generator=g).to(device)
+    x = torch.randn(4, 2, 3, 24, generator=g).to(device).requires_grad_(True)
+    w = torch.randn(4, 2, 3, 24, generator=g).to(device).requires_grad_(True)
     y = w * 2
     out = fused_apply_mla_rope_for_q(x * 1, cos, sin, 8, 16)
     seen = _incoming_grad_address(out)
@@ -296,11 +343,12 @@ def test_backward_leaves_a_gradient_shared_with_another_branch_alone(monkeypatch
     assert torch.equal(x.grad, expected)
 
 
-def test_backward_leaves_the_callers_gradient_alone():
-    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=41)
+@pytest.mark.parametrize("device", OWNERSHIP_DEVICES)
+def test_backward_leaves_the_callers_gradient_alone(device):
+    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=41, device=device)
     x = t.clone().requires_grad_(True)
     out = fused_apply_mla_rope_for_q(x * 1, cos, sin, 8, 16)
-    grad = randn(t.shape, torch.float32, DEVICE, _gen(42))
+    grad = randn(t.shape, torch.float32, device, _gen(42))
     before = grad.clone()
     out.backward(grad)
     assert torch.equal(grad, before)
@@ -308,12 +356,13 @@ def test_backward_leaves_the_callers_gradient_alone():
     assert torch.equal(grad, before)
 
 
-def test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch):
+@pytest.mark.parametrize("device", OWNERSHIP_DEVICES)
+def test_backward_rotates_a_gradient_it_owns_in_place(device, monkeypatch):
     """In a training step the gradient comes fresh from the next op: no copy is made."""
     addresses = _bwd_launch_addresses(monkeypatch)
-    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=43)
+    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=43, device=device)
     x = t.clone().requires_grad_(True)
-    weight = randn(t.shape, torch.float32, DEVICE, _gen(44))
+    weight = randn(t.shape, torch.float32, device, _gen(44))
     out = fused_apply_mla_rope_for_q(x * 1, cos, sin, 8, 16)
     seen = _incoming_grad_address(out)
     (out * weight).sum().backward()
@@ -331,19 +380,11 @@ def test_forward_without_autograd_bumps_the_version():
         y.sum().backward()
 
 
-@pytest.mark.gpu
-def test_gpu_gradient_ownership(monkeypatch):
-    """The ownership tests above, on the GPU: CUDA backward runs on autograd's device thread."""
-    test_backward_rotates_a_gradient_it_owns_in_place(monkeypatch)
-    test_backward_leaves_a_gradient_shared_with_another_branch_alone(monkeypatch)
-    test_backward_leaves_the_callers_gradient_alone()
-    test_backward_leaves_a_gradient_a_hook_kept_alone()
-
-
-def test_backward_leaves_a_gradient_a_hook_kept_alone():
-    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=45)
+@pytest.mark.parametrize("device", OWNERSHIP_DEVICES)
+def test_backward_leaves_a_gradient_a_hook_kept_alone(device):
+    _, t, cos, sin = _q_inputs("sbhd", 3, "fp32", "fp32", seed=45, device=device)
     x = t.clone().requires_grad_(True)
-    weight = randn(t.shape, torch.float32, DEVICE, _gen(46))
+    weight = randn(t.shape, torch.float32, device, _gen(46))
     out = fused_apply_mla_rope_for_q(x * 1, cos, sin, 8, 16)
     kept = []
     out.register_hook(kept.append)
@@ -369,10 +410,10 @@ def test_inverse_undoes_forward():
 # --------------------------------------------------------------------------------------------------
 
 KV_MODES = [
-    (layout, dtypes, keep)
+    (layout, dtypes, remove_interleaving)
     for layout in ("sbhd", "sbhd_pos", "thd", "thd_cp2")
     for dtypes in CPU_DTYPE_PAIRS[:2]
-    for keep in (False, True)
+    for remove_interleaving in (False, True)
 ] + [("sbhd", dtypes, False) for dtypes in CPU_DTYPE_PAIRS[2:]]
 
 K_DIM, V_DIM = 8, 4
@@ -388,24 +429,26 @@ def _kv_inputs(layout, heads, kv_dtype, table_dtype, seed=0, k_dim=K_DIM, v_dim=
 
 
 def _kv_id(mode):
-    layout, (kd, td), keep = mode
-    return f"{layout}-{kd}x{td}" + ("-keep" if keep else "")
+    layout, (kd, td), remove_interleaving = mode
+    return f"{layout}-{kd}x{td}" + ("-interleaved" if remove_interleaving else "")
 
 
 @pytest.mark.parametrize("mode", KV_MODES, ids=_kv_id)
 def test_kv_forward_and_backward(mode):
-    layout, (kv_dtype, table_dtype), keep = mode
+    layout, (kv_dtype, table_dtype), remove_interleaving = mode
     case, kv, emb, cos, sin = _kv_inputs(layout, 5, kv_dtype, table_dtype, seed=6)
     common = (case.emb_dim, K_DIM, V_DIM, case.cu_seqlens, case.cp_rank, case.cp_size)
-    flags = dict(remove_interleaving=keep, position_ids=case.position_ids)
+    flags = dict(remove_interleaving=remove_interleaving, position_ids=case.position_ids)
     with pinned_kernel_config(2, 1):
         key, value = mla_rope_kv_fwd(kv, emb, cos, sin, *common, **flags)
     assert key.shape == case.lead + (5, K_DIM + case.emb_dim)
     assert value.shape == case.lead + (5, V_DIM)
-    ref_k, ref_v = kv_forward_reference(case, kv, emb, cos, sin, K_DIM, keep)
+    ref_k, ref_v = kv_forward_reference(case, kv, emb, cos, sin, K_DIM, remove_interleaving)
     _close(key.view(case.rows, 5, -1), ref_k, kv.dtype, "key")
     _close(value.view(case.rows, 5, -1), ref_v, kv.dtype, "value")
-    mk, mv = kv_forward_reference(case, kv, emb, cos, sin, K_DIM, keep, exact_model=True)
+    mk, mv = kv_forward_reference(
+        case, kv, emb, cos, sin, K_DIM, remove_interleaving, exact_model=True
+    )
     assert_bitwise_equal(key.view(case.rows, 5, -1), mk, "key vs exact model")
     assert_bitwise_equal(value.view(case.rows, 5, -1), mv, "value vs exact model")
 
@@ -414,11 +457,15 @@ def test_kv_forward_and_backward(mode):
     with pinned_kernel_config(4, 1):
         d_kv, d_emb = mla_rope_kv_bwd(dkey, dvalue, cos, sin, *common, **flags)
     assert d_kv.shape == kv.shape and d_emb.shape == emb.shape
-    ref_dkv, ref_demb = kv_backward_reference(case, dkey, dvalue, cos, sin, K_DIM, keep)
+    ref_dkv, ref_demb = kv_backward_reference(
+        case, dkey, dvalue, cos, sin, K_DIM, remove_interleaving
+    )
     _close(d_kv.view(case.rows, 5, -1), ref_dkv, kv.dtype, "d_kv")
     # d_emb sums 5 heads in fp32 and rounds once to the output dtype before rotating.
     _close(d_emb.view(case.rows, -1), ref_demb, kv.dtype, "d_emb")
-    m_dkv, m_demb = kv_backward_reference(case, dkey, dvalue, cos, sin, K_DIM, keep, True)
+    m_dkv, m_demb = kv_backward_reference(
+        case, dkey, dvalue, cos, sin, K_DIM, remove_interleaving, True
+    )
     assert_bitwise_equal(d_kv.view(case.rows, 5, -1), m_dkv, "d_kv vs exact model")
     assert_bitwise_equal(d_emb.view(case.rows, -1), m_demb, "d_emb vs exact model")
 
@@ -700,19 +747,29 @@ MLA = dict(qk_head_dim=128, emb_dim=64)
 
 
 def _precompile(
-    backward, case, t, cos, sin, mcore=False, two_load=False, inverse=False, keep=False
+    backward,
+    case,
+    t,
+    cos,
+    sin,
+    mcore=False,
+    two_load=False,
+    inverse=False,
+    remove_interleaving=False,
 ):
     """Compile ours at OUR_CONFIGS and the references at the BLOCK_Hs they serve at, in parallel."""
     kernel = "q_bwd" if backward else "q_fwd"
     mcore_block_hs = megatron_core_reference_block_hs(kernel, case.heads)
     with parallel_compile():
         for config in OUR_CONFIGS:
-            warm_ours_q(backward, case, t, cos, sin, config, inverse, keep)
+            warm_ours_q(backward, case, t, cos, sin, config, inverse, remove_interleaving)
         for block_h in BLOCK_HS:
             if mcore and block_h in mcore_block_hs:
                 run_mcore_q(backward, case, t, cos, sin, block_h, warmup=True)
             if two_load:
-                run_two_load(backward, case, t, cos, sin, block_h, inverse, keep, warmup=True)
+                run_two_load(
+                    backward, case, t, cos, sin, block_h, inverse, remove_interleaving, warmup=True
+                )
 
 
 def _ours_at_configs(fn, case, t, cos, sin, **flags):
@@ -784,8 +841,8 @@ def test_gpu_q_thd_bitwise_vs_megatron_core(layout, backward, capsys):
 # The modes megatron-core lacks, in every dtype pair; position ids change only the indexing, so
 # one dtype pair covers them.
 TWO_LOAD_MODES = [
-    (layout, inverse, keep, dtypes)
-    for layout, inverse, keep in [
+    (layout, inverse, remove_interleaving, dtypes)
+    for layout, inverse, remove_interleaving in [
         ("sbhd", True, False),
         ("sbhd", False, True),
         ("sbhd", True, True),
@@ -798,8 +855,12 @@ TWO_LOAD_MODES = [
 
 
 def _two_load_id(mode):
-    layout, inverse, keep, dtypes = mode
-    return f"{layout}-{_pair_id(dtypes)}" + ("-inv" if inverse else "") + ("-keep" if keep else "")
+    layout, inverse, remove_interleaving, dtypes = mode
+    return (
+        f"{layout}-{_pair_id(dtypes)}"
+        + ("-inv" if inverse else "")
+        + ("-interleaved" if remove_interleaving else "")
+    )
 
 
 @pytest.mark.gpu
@@ -814,21 +875,34 @@ def test_gpu_q_bitwise_vs_two_load_reference(mode, backward, capsys):
     FMAs differently. There ours equals the reference's small-BLOCK_H output (BLOCK_H=1), as
     upstream's contiguous kernel does; the BLOCK_H values where the reference deviates are printed.
     """
-    layout, inverse, keep, dtypes = mode
+    layout, inverse, remove_interleaving, dtypes = mode
     case, t, cos, sin = _q_inputs(layout, 40, *dtypes, seed=32, seq_len=8, **MLA)
     fn = mla_rope_q_bwd_ if backward else mla_rope_q_fwd_
-    _precompile(backward, case, t, cos, sin, two_load=True, inverse=inverse, keep=keep)
-    ours = _ours_at_configs(fn, case, t, cos, sin, inverse=inverse, remove_interleaving=keep)
+    _precompile(
+        backward,
+        case,
+        t,
+        cos,
+        sin,
+        two_load=True,
+        inverse=inverse,
+        remove_interleaving=remove_interleaving,
+    )
+    ours = _ours_at_configs(
+        fn, case, t, cos, sin, inverse=inverse, remove_interleaving=remove_interleaving
+    )
     refs = {
-        block_h: run_two_load(backward, case, t.clone(), cos, sin, block_h, inverse, keep)
+        block_h: run_two_load(
+            backward, case, t.clone(), cos, sin, block_h, inverse, remove_interleaving
+        )
         for block_h in BLOCK_HS
     }
     reference = q_backward_reference if backward else q_forward_reference
-    exact = reference(case, t, cos, sin, inverse, keep)
+    exact = reference(case, t, cos, sin, inverse, remove_interleaving)
     tag = f"{_two_load_id(mode)} {'bwd' if backward else 'fwd'}"
     if inverse and not torch.equal(bits(ours), bits(refs[1])):
         _two_load_inverse_moved(
-            backward, case, t, cos, sin, keep, ours, refs[1], exact, tag, capsys
+            backward, case, t, cos, sin, remove_interleaving, ours, refs[1], exact, tag, capsys
         )
         return
     unstable = assert_equals_reference_configs(ours, refs, exact, "two-load reference")
@@ -840,7 +914,9 @@ def test_gpu_q_bitwise_vs_two_load_reference(mode, backward, capsys):
             )
 
 
-def _two_load_inverse_moved(backward, case, t, cos, sin, keep, ours, ref, exact, tag, capsys):
+def _two_load_inverse_moved(
+    backward, case, t, cos, sin, remove_interleaving, ours, ref, exact, tag, capsys
+):
     """The inverse rotation keeps a fixed FMA pairing (no megatron-core kernel to probe), while
     the two-load reference follows the installed Triton's contraction: where they differ, the
     reference must be ours at another pairing, and ours as accurate as the reference."""
@@ -850,7 +926,7 @@ def _two_load_inverse_moved(backward, case, t, cos, sin, keep, ours, ref, exact,
     for candidate in pairing.CANDIDATES[kind]:
         x = t.clone()
         with pairing.forced_pairing(candidate), pinned_kernel_config(16, 4):
-            _q_call(fn, case, x, cos, sin, inverse=True, remove_interleaving=keep)
+            _q_call(fn, case, x, cos, sin, inverse=True, remove_interleaving=remove_interleaving)
         if torch.equal(bits(x), bits(ref)):
             moved_to.append(candidate)
     err_ours = (ours.double() - exact.reshape(ours.shape)).abs().max().item()

@@ -13,19 +13,19 @@ import math
 
 import pytest
 import torch
-from mla_latent_cache_testlib import (
-    GUARD,
-    attention_reference,
-    build_step,
-    check_attention_step,
-    record_launches,
-)
 
 from megatron_ext.fusions import mla_paged_latent_attention as attention
 from megatron_ext.fusions.mla_paged_latent_attention import (
     MAX_KV_SPLITS,
     default_num_kv_splits,
     mla_paged_latent_attention,
+)
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (
+    GUARD,
+    attention_reference,
+    build_step,
+    check_attention_step,
+    record_launches,
 )
 
 ON_GPU = torch.cuda.is_available()

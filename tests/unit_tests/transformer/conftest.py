@@ -2,18 +2,11 @@
 
 """Fixtures for tests that build megatron-core attention modules."""
 
-import sys
-from pathlib import Path
 from typing import Dict, List
 
 import mla_rope_reference
 import pytest
 import torch
-
-# The MLA RoPE kernel tests' helpers (mla_rope_testlib) choose megatron-core's reference configs.
-_FUSIONS_TESTS = str(Path(__file__).resolve().parents[1] / "fusions")
-if _FUSIONS_TESTS not in sys.path:
-    sys.path.insert(0, _FUSIONS_TESTS)
 
 
 @pytest.fixture

@@ -70,7 +70,9 @@ def _small(device) -> bool:
     return device.type != "cuda"
 
 
-def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool, copy: bool = False):
+def _q_case(
+    backward: bool, thd: bool, inverse: bool, remove_interleaving: bool, copy: bool = False
+):
     def run(device, dtype, config) -> Outputs:
         heads = 5 if _small(device) else 129  # not a multiple of any head block but 1
         qk, emb = (8, 16) if _small(device) else (128, 64)
@@ -82,7 +84,7 @@ def _q_case(backward: bool, thd: bool, inverse: bool, keep: bool, copy: bool = F
         with _pinned(config):
             if copy:
                 return (mla_rope.mla_rope_q_bwd(t, cos, sin, qk, emb, cu, inverse=inverse),)
-            fn(t, cos, sin, qk, emb, cu, inverse=inverse, remove_interleaving=keep)
+            fn(t, cos, sin, qk, emb, cu, inverse=inverse, remove_interleaving=remove_interleaving)
         return (t,)
 
     return run

@@ -24,7 +24,17 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from mla_rope_testlib import (
+
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
+    KernelConfig,
+    mla_rope_kv_bwd,
+    mla_rope_kv_fwd,
+    mla_rope_q_bwd,
+    mla_rope_q_bwd_,
+    mla_rope_q_fwd_,
+    pinned_kernel_config,
+)
+from tests.unit_tests.fusions.mla_rope_testlib import (
     DTYPES,
     Case,
     bits,
@@ -35,16 +45,6 @@ from mla_rope_testlib import (
     run_mcore_kv_bwd,
     run_mcore_kv_fwd,
     run_mcore_q,
-)
-
-from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
-    KernelConfig,
-    mla_rope_kv_bwd,
-    mla_rope_kv_fwd,
-    mla_rope_q_bwd,
-    mla_rope_q_bwd_,
-    mla_rope_q_fwd_,
-    pinned_kernel_config,
 )
 
 REPORT_DIR_ENV = "MEGATRON_EXT_REPORT_DIR"

@@ -2,9 +2,11 @@
 
 """Survey: do megatron-core's MLA RoPE kernels give the same bits on every launch?
 
-    python tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py \\
+    python -m tests.unit_tests.fusions.mla_rope.survey_megatron_core_races \\
         [--launches N] [--num-warps 4 [8 ...]] [--quick] [--out DIR]
-    python tests/unit_tests/fusions/mla_rope/survey_megatron_core_races.py --summarize DIR
+    python -m tests.unit_tests.fusions.mla_rope.survey_megatron_core_races --summarize DIR
+
+(from the repository root).
 
 Relaunches each of megatron-core's four kernels (query forward and backward, key/value forward and
 backward) N times at every BLOCK_H of its autotuner whose output is defined for the head count
@@ -24,12 +26,14 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-# The MLA RoPE test helpers (mla_rope_testlib) live one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import mla_rope_relaunch as rl  # noqa: E402
-import torch  # noqa: E402
-from mla_rope_testlib import MCORE_BLOCK_HS, MCORE_NUM_WARPS, megatron_core_mask_correct  # noqa
+from tests.unit_tests.fusions.mla_rope import mla_rope_relaunch as rl
+from tests.unit_tests.fusions.mla_rope_testlib import (
+    MCORE_BLOCK_HS,
+    MCORE_NUM_WARPS,
+    megatron_core_mask_correct,
+)
 
 # (heads, seq_len, batch) per kernel. 128 heads is DeepSeek-V3, 16 a tensor-parallel shard of it,
 # 40 a head count most blocks do not divide; 64 tokens is a decode batch, 512 a prefill chunk.

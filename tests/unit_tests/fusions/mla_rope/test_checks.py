@@ -1,15 +1,17 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Input checks that run before any launch: aliasing inputs, devices, context-parallel lengths."""
+"""Input checks that run before any launch (aliasing inputs, devices, context-parallel lengths)
+and the launch plans of checked calls (every kernel argument named once, in signature order)."""
 
 import pytest
 import torch
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import checks, launch, ops
+from megatron_ext.fusions.mla_rope import checks, kernels, launch
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
+QK, EMB, K, V, HEADS = 8, 16, 8, 4, 3
 
 
 def _tables(rows=8, emb=16):
@@ -27,7 +29,7 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a launch was prepared")
 
-    monkeypatch.setattr(ops, "prepare", refuse)
+    monkeypatch.setattr(launch, "prepare", refuse)
     rope.clear_autotune_cache()
     yield
     rope.clear_autotune_cache()
@@ -125,3 +127,86 @@ def test_odd_local_length_is_what_the_kernels_cannot_see():
     assert positions == [[0.0, 4.0, 5.0], [1.0, 3.0, 4.0]]
     with pytest.raises(ValueError, match="multiple of 2 \\* cp_size"):
         checks.check_cp_sequence_lengths(torch.diff(cu).tolist(), 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch plans
+# --------------------------------------------------------------------------------------------------
+
+
+def _plan_tables(rows=6):
+    g = torch.Generator().manual_seed(0)
+    cos = torch.rand(rows, 1, 1, EMB, generator=g).to(DEVICE)
+    sin = torch.rand(rows, 1, 1, EMB, generator=g).to(DEVICE)
+    return cos, sin
+
+
+def _every_plan():
+    cos, sin = _plan_tables()
+    q = torch.zeros(4, 2, HEADS, QK + EMB, device=DEVICE)
+    kv = torch.zeros(4, 2, HEADS, K + V, device=DEVICE)
+    emb = torch.zeros(4, 2, 1, EMB, device=DEVICE)
+    dkey = torch.zeros(4, 2, HEADS, K + EMB, device=DEVICE)
+    dvalue = torch.zeros(4, 2, HEADS, V, device=DEVICE)
+    query = checks.QueryRope(cos, sin, None, None, QK, EMB, 0, 1, False, False)
+    key_value = checks.KeyValueRope(cos, sin, None, None, EMB, K, V, 0, 1, False)
+    return {
+        "q fwd": checks.plan(kernels.mla_rope_q_fwd_kernel, q, None, query),
+        "q bwd": checks.plan(kernels.mla_rope_q_bwd_kernel, q, None, query),
+        "q bwd copy": checks.plan(kernels.mla_rope_q_bwd_copy_kernel, q, None, query),
+        "kv fwd": checks.plan(kernels.mla_rope_kv_fwd_kernel, kv, emb, key_value),
+        "kv bwd": checks.plan(kernels.mla_rope_kv_bwd_kernel, dkey, dvalue, key_value),
+    }
+
+
+@pytest.mark.parametrize("name", ["q fwd", "q bwd", "q bwd copy", "kv fwd", "kv bwd"])
+def test_a_plan_names_every_argument_of_its_kernel(name):
+    plan = _every_plan()[name]
+    names = plan.kernel.arg_names
+    after_pointers = plan.args_after_pointers(4)
+    assert len(after_pointers) == len(names) - plan.pointers
+    for value, param in zip(after_pointers, names[plan.pointers :]):
+        assert value == (4 if param == "BLOCK_H" else plan.args[param]), param
+    assert set(plan.constexprs()) <= set(plan.args)
+    assert "EMB_DIM" in plan.constexprs() and "head_num" not in plan.constexprs()
+    assert plan.grid(2) == (8, 2, 1)
+
+
+def test_plans_hold_the_outputs_and_whether_they_write_in_place():
+    every = _every_plan()
+    assert every["q fwd"].in_place and every["q bwd"].in_place
+    assert not every["q bwd copy"].in_place and every["q bwd copy"].outputs == ((4, 2, 3, 24),)
+    assert every["kv fwd"].outputs == ((4, 2, 3, K + EMB), (4, 2, 3, V))
+    assert every["kv bwd"].outputs == ((4, 2, 3, K + V), (4, 2, 1, EMB))
+    # Strides of the copy's output are its own (contiguous), whatever the gradient's are.
+    assert every["q bwd copy"].args["stride_out_row"] == 3 * 24
+    assert every["q bwd copy"].args["stride_out_h"] == 24
+
+
+def test_an_empty_call_has_no_grid():
+    cos, sin = _plan_tables()
+    q = torch.zeros(0, 2, HEADS, QK + EMB, device=DEVICE)
+    query = checks.QueryRope(cos, sin, None, None, QK, EMB, 0, 1, False, False)
+    plan = checks.plan_query(kernels.mla_rope_q_fwd_kernel, q, query)
+    assert plan.grid(4) is None
+
+
+def test_a_plan_that_does_not_name_the_kernels_parameters_is_refused():
+    names = kernels.mla_rope_q_fwd_kernel.arg_names[5:]
+    args = {name: 1 for name in names if name != "BLOCK_H"}
+    with pytest.raises(RuntimeError, match="names .*'extra'"):
+        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, dict(args, extra=1), True)
+    del args["stride_h"]
+    with pytest.raises(RuntimeError, match="mla_rope_q_fwd_kernel"):
+        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, args, True)
+    with pytest.raises(RuntimeError, match="after its 4 pointers"):
+        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 4, args, True)
+
+
+def test_the_copying_backward_reads_an_expanded_gradient_the_in_place_one_refuses():
+    cos, sin = _plan_tables()
+    g = torch.zeros(4, 1, HEADS, QK + EMB, device=DEVICE).expand(4, 2, HEADS, QK + EMB)
+    query = checks.QueryRope(cos, sin, None, None, QK, EMB, 0, 1, False, False)
+    assert checks.plan_query(kernels.mla_rope_q_bwd_copy_kernel, g, query, "grad").rows == 8
+    with pytest.raises(ValueError, match="share memory"):
+        checks.plan_query(kernels.mla_rope_q_bwd_kernel, g, query, "grad")

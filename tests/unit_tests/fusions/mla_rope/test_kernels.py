@@ -15,24 +15,24 @@ launches cannot race.
 
 from typing import List
 
-import mla_rope_relaunch as rl
 import pytest
-import survey_megatron_core_races as survey
 import torch
-from mla_rope_testlib import (
-    MCORE_BLOCK_HS,
-    MCORE_NUM_WARPS,
-    assert_equals_reference_configs,
-    megatron_core_mask_correct,
-    megatron_core_reference_block_hs,
-    megatron_core_reference_skip_reason,
-)
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     AUTOTUNE_CONFIGS,
     BLOCK_H_CHOICES,
     KernelConfig,
     pinned_kernel_config,
+)
+from tests.unit_tests.fusions.mla_rope import mla_rope_relaunch as rl
+from tests.unit_tests.fusions.mla_rope import survey_megatron_core_races as survey
+from tests.unit_tests.fusions.mla_rope_testlib import (
+    MCORE_BLOCK_HS,
+    MCORE_NUM_WARPS,
+    assert_equals_reference_configs,
+    megatron_core_mask_correct,
+    megatron_core_reference_block_hs,
+    megatron_core_reference_skip_reason,
 )
 
 HAVE_CUDA = torch.cuda.is_available()

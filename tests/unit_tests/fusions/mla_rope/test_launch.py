@@ -8,7 +8,7 @@ import torch
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
-from megatron_ext.fusions.mla_rope import kernels, launch, ops, plans
+from megatron_ext.fusions.mla_rope import checks, kernels, launch
 from megatron_ext.fusions.mla_rope.launch import KernelConfig, pinned_kernel_config
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -75,7 +75,7 @@ def test_backward_uses_config_pinned_in_forward(monkeypatch):
         seen.append((plan.kernel, launch.current_config()))
         return prepare(key, plan, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "prepare", spy)
+    monkeypatch.setattr(launch, "prepare", spy)
     q = t.clone().requires_grad_(True) * 1.0
     with pinned_kernel_config(2, 1):
         out = rope.fused_apply_mla_rope_for_q(q, cos, sin, 8, 16)
@@ -88,8 +88,6 @@ def test_backward_uses_config_pinned_in_forward(monkeypatch):
 
 def test_autotuner_times_on_scratch_and_caches(monkeypatch):
     """The tuner times every config on a scratch copy, keeps the fastest, and caches it per size."""
-    from megatron_ext.fusions.mla_rope import checks
-
     monkeypatch.setattr(launch, "INTERPRETED", False)
     monkeypatch.setattr(checks, "INTERPRETED", True)  # CPU tensors stay allowed
     calls = []
@@ -133,7 +131,7 @@ def _count_prepares(monkeypatch):
         calls.append(args[1].kernel)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "prepare", spy)
+    monkeypatch.setattr(launch, "prepare", spy)
     return calls
 
 
@@ -225,7 +223,7 @@ def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
     # Handed over out of order: the plan names them, the kernel's signature orders them.
     args = {name: 100 + i for i, name in enumerate(names) if name != "BLOCK_H"}
     args = dict(reversed(list(args.items())))
-    plan = plans.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 6, 5, 5, args, True)
+    plan = checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 6, 5, 5, args, True)
     entry = launch.CachedLaunch(plan, KernelConfig(2, 4), torch.device("cuda", 0))
     calls = []
     entry.direct = lambda *args: calls.append(args)
@@ -299,3 +297,24 @@ def test_gpu_direct_launch_on_a_side_stream_and_in_a_graph():
     torch.cuda.synchronize()
     assert torch.equal(x.view(torch.int16), expected.view(torch.int16))
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_both_argument_records_hold_four_tensors_then_six_scalars():
+    """launch.run unpacks either record the same way, to build its cache key without a call."""
+    tensors = ("cos", "sin", "cu_seqlens", "position_ids")
+    for record in (checks.QueryRope, checks.KeyValueRope):
+        assert record._fields[:4] == tensors and len(record._fields) == 10, record
+    assert checks.RECORD_TENSORS == len(tensors)
+
+
+def test_a_cached_call_with_other_scalar_types_is_checked_again():
+    """8.0 == 8 and True == 1: the key tells them apart, so the checks refuse the odd one."""
+    t, cos, sin = _q_inputs()
+    with pinned_kernel_config(2, 1):
+        rope.mla_rope_q_fwd_(t.clone(), cos, sin, 8, 16, remove_interleaving=True)
+        with pytest.raises(TypeError, match="remove_interleaving must be a bool"):
+            rope.mla_rope_q_fwd_(t.clone(), cos, sin, 8, 16, remove_interleaving=1)
+        kv, emb, cos, sin = _kv_inputs()
+        rope.mla_rope_kv_fwd(kv, emb, cos, sin, 16, 8, 4)
+        with pytest.raises(TypeError, match="v_dim must be an int"):
+            rope.mla_rope_kv_fwd(kv, emb, cos, sin, 16, 8, 4.0)

@@ -7,19 +7,6 @@ import warnings
 
 import pytest
 import torch
-from mla_rope_testlib import (
-    DTYPES,
-    INTERPRETED,
-    assert_bitwise_equal,
-    interpreter_fma_is_fused,
-    kv_backward_reference,
-    kv_forward_reference,
-    make_case,
-    make_tables,
-    q_backward_reference,
-    q_forward_reference,
-    randn,
-)
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
     mla_rope_kv_bwd,
@@ -40,6 +27,19 @@ from megatron_ext.fusions.mla_rope.pairing import (
     choose,
     forced_pairing,
 )
+from tests.unit_tests.fusions.mla_rope_testlib import (
+    DTYPES,
+    INTERPRETED,
+    assert_bitwise_equal,
+    interpreter_fma_is_fused,
+    kv_backward_reference,
+    kv_forward_reference,
+    make_case,
+    make_tables,
+    q_backward_reference,
+    q_forward_reference,
+    randn,
+)
 
 CPU = torch.device("cpu")
 
@@ -50,7 +50,7 @@ def _fresh_choices():
     pairing.clear_chosen_pairings()
     yield
     pairing.clear_chosen_pairings()
-    pairing._CHOSEN.update(saved)
+    pairing.CHOSEN.update(saved)
 
 
 def _probe_matching(target):

@@ -11,7 +11,17 @@ megatron-core's bits on a fresh input too (what the bitwise tests then rely on).
 import pytest
 import torch
 import triton
-from mla_rope_testlib import (
+
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
+    mla_rope_kv_bwd,
+    mla_rope_kv_fwd,
+    mla_rope_q_bwd_,
+    mla_rope_q_fwd_,
+    pinned_kernel_config,
+)
+from megatron_ext.fusions.mla_rope import pairing
+from megatron_ext.fusions.mla_rope.probe import pairing_for, probe_pairing
+from tests.unit_tests.fusions.mla_rope_testlib import (
     DTYPES,
     INTERPRETED,
     assert_bitwise_equal,
@@ -23,16 +33,6 @@ from mla_rope_testlib import (
     run_mcore_kv_fwd,
     run_mcore_q,
 )
-
-from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
-    mla_rope_kv_bwd,
-    mla_rope_kv_fwd,
-    mla_rope_q_bwd_,
-    mla_rope_q_fwd_,
-    pinned_kernel_config,
-)
-from megatron_ext.fusions.mla_rope import pairing
-from megatron_ext.fusions.mla_rope.probe import pairing_for, probe_pairing
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAVE_CUDA else "cpu")
