@@ -55,11 +55,13 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from megatron.core.models.gpt import experimental_attention_variant_module_specs as mcore_dsa_specs
 from megatron.core.models.gpt import gpt_layer_specs as mcore_gpt_specs
 from megatron.core.post_training.modelopt.gpt import model_specs as mcore_modelopt_gpt_specs
+from megatron.core.transformer import cuda_graphs as mcore_cuda_graphs
 from megatron.core.transformer import multi_latent_attention as mcore_mla
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.extensions.transformer_engine import AbsentTELinear, is_mock_te_linear
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
+from megatron_ext.transformer.cuda_graphs import accept_context_subclasses
 from megatron_ext.transformer.multi_latent_attention import (
     ExtFusedMLASelfAttention,
     ExtMLASelfAttention,
@@ -279,6 +281,15 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
             "async_bookkeep",
             f"{_EXT_ENGINE}:failing_bookkeep",
             "a request whose logits row is not finite fails alone, without a token",
+            wraps=True,
+        ),
+        Patch(
+            mcore_cuda_graphs,
+            "_check_supported_type",
+            accept_context_subclasses,
+            "megatron-core's per-layer CUDA graphs (cuda_graph_impl='local') compare an "
+            "argument's exact type, so they refused the context this flag builds (a "
+            "DynamicInferenceContext subclass); they take it as they take megatron-core's",
             wraps=True,
         ),
     ),
