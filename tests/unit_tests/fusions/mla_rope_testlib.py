@@ -371,7 +371,14 @@ def q_backward_reference(
         sl, sr = -sl, -sr
     if exact_model:
         g1, g2 = _rotate_bwd(
-            g_l, g_r, cl, cr, sl, sr, kernel_pairing("q_bwd", g.dtype, cos.dtype, inverse, g.device), ct
+            g_l,
+            g_r,
+            cl,
+            cr,
+            sl,
+            sr,
+            kernel_pairing("q_bwd", g.dtype, cos.dtype, inverse, g.device),
+            ct,
         )
     else:
         g1 = g_l * cl + g_r * sr
@@ -425,7 +432,14 @@ def kv_backward_reference(
     cl, cr, sl, sr = _table_halves(case, cos, sin, ct)
     if exact_model:
         g1, g2 = _rotate_bwd(
-            g_l, g_r, cl, cr, sl, sr, kernel_pairing("kv_bwd", dkey.dtype, cos.dtype, device=dkey.device), ct
+            g_l,
+            g_r,
+            cl,
+            cr,
+            sl,
+            sr,
+            kernel_pairing("kv_bwd", dkey.dtype, cos.dtype, device=dkey.device),
+            ct,
         )
     else:
         g1 = g_l * cl + g_r * sr

@@ -15,10 +15,6 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import multi_latent_attention as mcore_mla
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from tests.unit_tests.fusions.mla_rope_testlib import (
-    assert_bitwise_equal,
-    pin_megatron_core_autotuners,
-)
 
 from megatron_ext import patches
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as ext_rope
@@ -27,6 +23,10 @@ from megatron_ext.transformer import multi_latent_attention as ext_mla
 from megatron_ext.transformer.multi_latent_attention import (
     ExtFusedMLASelfAttention,
     ExtMLASelfAttention,
+)
+from tests.unit_tests.fusions.mla_rope_testlib import (
+    assert_bitwise_equal,
+    pin_megatron_core_autotuners,
 )
 
 
