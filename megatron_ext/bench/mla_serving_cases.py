@@ -10,12 +10,13 @@ any device, so the no-GPU check uses the same code at small sizes.
 """
 
 import math
-import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from megatron_ext.testing.context_stand_in import LatentCacheContextStandIn
 
 # DeepSeek-V3's latent cache row: kv_lora_rank + qk_pos_emb_head_dim.
 LATENT, ROPE = 512, 64
@@ -296,30 +297,6 @@ class FlashInferMLA:
 # --- the key RoPE + append -----------------------------------------------------------------------
 
 
-class _ContextStandIn:
-    """The tensors megatron-core's ``DynamicInferenceContext.apply_rotary_emb_key`` and
-    ``append_key_value_cache`` read (0.16 on the context, 0.19 on its ``gpu_view``), so that those
-    methods run unbound, as megatron-core's MLA calls them, without a whole context."""
-
-    def __init__(self, memory_buffer, positions, block_idx, block_offset, decode_only):
-        self.cache_mla_latent = True
-        self.layer_map = {0: 0}
-        self.memory_buffer = memory_buffer
-        self.padded_active_token_count = positions.shape[0]
-        self.token_to_position_in_request = positions
-        self.token_to_block_idx = block_idx
-        self.token_to_local_position_within_kv_block = block_offset
-        self.gpu_view = types.SimpleNamespace(
-            token_to_position_in_request=positions,
-            token_to_block_idx=block_idx,
-            token_to_local_position_within_kv_block=block_offset,
-        )
-        self._decode_only = decode_only
-
-    def is_decode_only(self) -> bool:
-        return self._decode_only
-
-
 def rope_config(latent: int = LATENT, rope: int = ROPE):
     """A megatron-core MLA config with DeepSeek-V3's RoPE (yarn, factor 40, mscale and
     mscale_all_dim 1, so cos/sin carry an mscale of 1), RoPE fusion off as inference needs."""
@@ -449,7 +426,7 @@ def megatron_core_append(
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     buffer = step.memory_buffer if memory_buffer is None else memory_buffer
-    context = _ContextStandIn(
+    context = LatentCacheContextStandIn(
         buffer, step.positions, step.block_idx, step.block_offset, step.decode_only
     )
     key = DynamicInferenceContext.apply_rotary_emb_key(

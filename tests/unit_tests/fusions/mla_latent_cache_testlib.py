@@ -7,11 +7,12 @@ requests and tokens), guard regions, and float64 references that gather the page
 Imported as ``tests.unit_tests.fusions.mla_latent_cache_testlib`` (run from the repository root).
 """
 
-import types
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
+
+from megatron_ext.testing.context_stand_in import LatentCacheContextStandIn
 
 # What the guard elements around a cache or an output hold: no kernel writes it.
 GUARD = 1234.5
@@ -147,29 +148,6 @@ def attention_reference(step: Step, softmax_scale: float, query=None) -> torch.T
     return out
 
 
-class _ContextStandIn:
-    """The tensors megatron-core's ``DynamicInferenceContext`` methods read (0.16 on the context
-    itself, 0.19 on its ``gpu_view``), for calling those methods unbound."""
-
-    def __init__(self, memory_buffer, positions, block_idx, block_offset, decode_only):
-        self.cache_mla_latent = True
-        self.layer_map = {0: 0}
-        self.memory_buffer = memory_buffer
-        self.padded_active_token_count = positions.shape[0]
-        self.token_to_position_in_request = positions
-        self.token_to_block_idx = block_idx
-        self.token_to_local_position_within_kv_block = block_offset
-        self.gpu_view = types.SimpleNamespace(
-            token_to_position_in_request=positions,
-            token_to_block_idx=block_idx,
-            token_to_local_position_within_kv_block=block_offset,
-        )
-        self._decode_only = decode_only
-
-    def is_decode_only(self) -> bool:
-        return self._decode_only
-
-
 def megatron_core_append(
     config, yarn, rotary_seq_len, kv_latent, k_pos_emb, memory_buffer, index, decode_only
 ) -> None:
@@ -185,7 +163,9 @@ def megatron_core_append(
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
     positions, block_idx, block_offset = index
-    context = _ContextStandIn(memory_buffer, positions, block_idx, block_offset, decode_only)
+    context = LatentCacheContextStandIn(
+        memory_buffer, positions, block_idx, block_offset, decode_only
+    )
     rotary_pos_emb, mscale = yarn(rotary_seq_len)
     k_pos_emb = torch.unsqueeze(k_pos_emb, -2)
     k_pos_emb = DynamicInferenceContext.apply_rotary_emb_key(
