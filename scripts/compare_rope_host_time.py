@@ -1,0 +1,80 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Host time per call of the public MLA RoPE drop-ins, for comparing two source trees.
+
+Run once per tree, alternating, each in its own process (the tree first on PYTHONPATH):
+
+    PYTHONPATH=OLD_TREE python scripts/compare_rope_host_time.py old
+    PYTHONPATH=NEW_TREE python scripts/compare_rope_host_time.py new
+
+Prints one JSON line: the tree label and, per call, the median over 7 rounds of the host time of
+200 calls issued without a synchronisation (us per call; 50 for forward + backward). bf16,
+DeepSeek-V3 head sizes. Needs a CUDA GPU.
+"""
+
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
+    fused_apply_mla_rope_for_kv,
+    fused_apply_mla_rope_for_q,
+)
+
+QK, EMB, V = 128, 64, 128
+SHAPES = ((4096, 1, 128), (1, 64, 128), (16384, 1, 16))
+
+
+def tables(rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[rows, 1, 1, EMB]`` in bf16 on the GPU."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, EMB, 2, dtype=torch.float64) / EMB))
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat([angles, angles], -1)[:, None, None, :]
+    return angles.cos().bfloat16().cuda(), angles.sin().bfloat16().cuda()
+
+
+def host_us(fn: Callable[[], None], calls: int = 200, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the host time of ``calls`` calls without a sync, us per call."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main(label: str) -> Dict[str, float]:
+    """Time each call at each shape; returns {call: us}."""
+    results = {"tree": label}
+    for s, b, h in SHAPES:
+        cos, sin = tables(s)
+        q = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16()
+        leaf = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16().requires_grad_()
+        grad = torch.randn_like(leaf)
+        kv = torch.randn(s, b, h, QK + V, device="cuda").bfloat16()
+        emb = torch.randn(s, b, 1, EMB, device="cuda").bfloat16()
+
+        def forward_backward():
+            fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB).backward(grad)
+
+        name = f"{s}x{b}x{h}"
+        results[f"q fwd {name}"] = host_us(lambda: fused_apply_mla_rope_for_q(q, cos, sin, QK, EMB))
+        results[f"q fwd+bwd {name}"] = host_us(forward_backward, calls=50)
+        results[f"kv fwd {name}"] = host_us(
+            lambda: fused_apply_mla_rope_for_kv(kv, emb, cos, sin, EMB, QK, V)
+        )
+    return results
+
+
+if __name__ == "__main__":
+    out = main(sys.argv[1] if len(sys.argv) > 1 else "tree")
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}))
