@@ -292,3 +292,25 @@ def test_gpu_bf16_rows_bitwise_equal_to_megatron_core_at_serving_sizes(config, y
     tables = yarn.get_cached_cos_sin(POSITIONS, dtype=dtype)
     fused_mla_rope_cache_append(kv_latent, k_pos_emb, *tables, index[0], cache, *index[1:])
     assert_bitwise_equal(cache, expected[0], f"{tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+def test_gpu_relaunch_gives_identical_bits(yarn, kind):
+    """25 launches on fresh copies of one step's inputs and cache write one set of bits (the
+    determinism manifest's race test for this kernel). Without padding tokens: megatron-core sends
+    every padding token to the same dummy row, whose contents then depend on which write lands
+    last; no request reads that row."""
+    kv_latent, k_pos_emb, cache, index = make_tokens(kind, torch.bfloat16, seed=31, padding=0)
+    cos, sin = yarn.get_cached_cos_sin(POSITIONS, dtype=torch.bfloat16)
+
+    def launch():
+        out = cache.clone()
+        fused_mla_rope_cache_append(
+            kv_latent.clone(), k_pos_emb.clone(), cos, sin, index[0], out, index[1], index[2]
+        )
+        return out.view(torch.int16)
+
+    first = launch()
+    differing = [i for i in range(25) if not torch.equal(launch(), first)]
+    assert not differing, f"{kind}: launches {differing} wrote other bits"

@@ -408,3 +408,31 @@ def test_gpu_graph_replay_with_changing_lengths_equals_eager_bitwise(dtype):
         mixed.query.copy_(torch.randn(mixed.query.shape, generator=gen).to(dtype))
 
     _graph_replays_equal_eager(mixed, None, 1, refresh_mixed, tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4, None], ids=["1_split", "4_splits", "default_splits"])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_gpu_relaunch_gives_identical_bits(heads, splits):
+    """25 launches on fresh copies of one input give one set of bits: no race between a launch's
+    programs, nor between the split-KV partials and their fixed-order combine (the determinism
+    manifest's race test for this kernel)."""
+    step = build_step(
+        MIXED,
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        seed=21,
+    )
+    inputs = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+
+    def launch():
+        fresh = [x.clone() for x in inputs]
+        return mla_paged_latent_attention(*fresh, SCALE, rope_dim=64, num_kv_splits=splits)
+
+    first = launch().view(torch.int16)
+    differing = [i for i in range(25) if not torch.equal(launch().view(torch.int16), first)]
+    assert not differing, f"{heads} heads, splits {splits}: launches {differing} gave other bits"

@@ -14,12 +14,15 @@ test that relaunches the kernel many times on fresh copies of one input at every
 its autotuner tries or a user can pin, and requires identical bits every time.
 """
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as mla_rope
+from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
 
 Outputs = Tuple[torch.Tensor, ...]
 
@@ -35,7 +38,8 @@ class KernelCase:
         gpu_dtypes: dtypes tested on a GPU.
         cpu_dtypes: dtypes tested in the Triton interpreter (it cannot do bf16 arithmetic).
         race_test: the pytest node id of the GPU test that holds the kernel race-free (relaunched
-            at every config, identical bits required); ``race_kernel``: the kernel's name there.
+            at every config, identical bits required); ``race_kernel``: the kernel's name there,
+            where that test serves several kernels (the MLA RoPE relaunch test), else empty.
     """
 
     run: Callable[[torch.device, torch.dtype, Optional[object]], Outputs]
@@ -126,6 +130,56 @@ def _rope(run, kernel: str) -> KernelCase:
     return KernelCase(run, _CONFIGS, race_test=_RACE_TEST, race_kernel=kernel)
 
 
+def _latent_step(device, dtype, seed):
+    """One mixed dynamic-batching step over a paged latent cache (shuffled blocks), as the
+    latent-cache kernels take it: (query, cache, block table, cu query lengths, kv lengths,
+    rope width)."""
+    heads, latent, rope, block = (3, 32, 16, 16) if _small(device) else (16, 512, 64, 64)
+    g = torch.Generator().manual_seed(seed)
+    requests = [(40, 1), (0, 19), (17, 9), (63, 1)]  # (cached tokens, new tokens)
+    counts = [-(-(cached + new) // block) for cached, new in requests]
+    order = torch.randperm(sum(counts) + 2, generator=g).to(torch.int32)
+    table = torch.full((len(requests), max(counts)), -1, dtype=torch.int32)
+    for row, (start, count) in enumerate(zip([0, *itertools.accumulate(counts)], counts)):
+        table[row, :count] = order[start : start + count]
+    cu = torch.tensor([0, *itertools.accumulate(new for _, new in requests)], dtype=torch.int32)
+    kv_lengths = torch.tensor([cached + new for cached, new in requests], dtype=torch.int32)
+    cache = torch.randn(len(order), block, latent + rope, generator=g).to(dtype)
+    query = torch.randn(int(cu[-1]), heads, latent + rope, generator=g).to(dtype)
+    return [x.to(device) for x in (query, cache, table, cu, kv_lengths)] + [rope]
+
+
+def _latent_attention_case(device, dtype, config) -> Outputs:
+    query, cache, table, cu, kv_lengths, rope = _latent_step(device, dtype, seed=6)
+    scale = 1 / (query.shape[-1] - rope + 128) ** 0.5
+    return (
+        mla_paged_latent_attention(
+            query, cache, table, cu, kv_lengths, scale, rope_dim=rope, num_kv_splits=config
+        ),
+    )
+
+
+def _latent_append_case(device, dtype, config) -> Outputs:
+    """Every row of the cache after one append of 19 tokens at distinct rows (megatron-core never
+    gives two real tokens one row); ``config`` is unused: the kernel has one launch shape."""
+    _, cache, _, _, _, rope = _latent_step(device, dtype, seed=7)
+    latent = cache.shape[-1] - rope
+    g = torch.Generator().manual_seed(8)
+    tokens = 19
+    rows = torch.randperm(cache.shape[0] * cache.shape[1], generator=g)[:tokens].to(device)
+    positions = torch.randint(0, 8, (tokens,), generator=g).to(device)
+    kv_latent = torch.randn(tokens, latent, generator=g).to(dtype).to(device)
+    k_pos_emb = torch.randn(tokens, rope, generator=g).to(dtype).to(device)
+    cos, sin = _tables(device, dtype, 8, rope, seed=9)
+    block_size = cache.shape[1]
+    fused_mla_rope_cache_append(
+        kv_latent, k_pos_emb, cos, sin, positions, cache, rows // block_size, rows % block_size
+    )
+    return (cache,)
+
+
+_LATENT_TESTS = "tests/unit_tests/fusions/test_{}.py::test_gpu_relaunch_gives_identical_bits"
+
 KERNELS: Dict[str, KernelCase] = {
     "mla_rope_q_fwd_sbhd": _rope(_q_case(False, False, False, False), "q_fwd"),
     "mla_rope_q_fwd_thd_inverse_keep": _rope(_q_case(False, True, True, True), "q_fwd"),
@@ -134,4 +188,16 @@ KERNELS: Dict[str, KernelCase] = {
     "mla_rope_q_bwd_copy_thd_inverse": _rope(_q_case(True, True, True, False, True), "q_bwd_copy"),
     "mla_rope_kv_fwd": _rope(_kv_case(False), "kv_fwd"),
     "mla_rope_kv_bwd": _rope(_kv_case(True), "kv_bwd"),
+    # Split-KV changes the order of the softmax sums, so each split count has its own bits: one
+    # config, the determinism across launches at it (the race test covers 1, 4 and the default).
+    "mla_paged_latent_attention_mixed": KernelCase(
+        _latent_attention_case,
+        configs=(3,),
+        race_test=_LATENT_TESTS.format("mla_paged_latent_attention"),
+    ),
+    "fused_mla_rope_cache_append": KernelCase(
+        _latent_append_case,
+        configs=(None,),
+        race_test=_LATENT_TESTS.format("fused_mla_rope_cache_append"),
+    ),
 }
