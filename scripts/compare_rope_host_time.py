@@ -52,26 +52,33 @@ def host_us(fn: Callable[[], None], calls: int = 200, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-def main(label: str) -> Dict[str, float]:
-    """Time each call at each shape; returns {call: us}."""
-    results = {"tree": label}
-    for s, b, h in SHAPES:
-        cos, sin = tables(s)
-        q = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16()
-        leaf = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16().requires_grad_()
-        grad = torch.randn_like(leaf)
-        kv = torch.randn(s, b, h, QK + V, device="cuda").bfloat16()
-        emb = torch.randn(s, b, 1, EMB, device="cuda").bfloat16()
+def time_shape(s: int, b: int, h: int) -> Dict[str, float]:
+    """Host us per call of each drop-in at one query shape ``[s, b, h, 192]``."""
+    cos, sin = tables(s)
+    q = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16()
+    leaf = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16().requires_grad_()
+    grad = torch.randn_like(leaf)
+    kv = torch.randn(s, b, h, QK + V, device="cuda").bfloat16()
+    emb = torch.randn(s, b, 1, EMB, device="cuda").bfloat16()
 
-        def forward_backward():
-            fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB).backward(grad)
+    def forward_backward():
+        fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB).backward(grad)
 
-        name = f"{s}x{b}x{h}"
-        results[f"q fwd {name}"] = host_us(lambda: fused_apply_mla_rope_for_q(q, cos, sin, QK, EMB))
-        results[f"q fwd+bwd {name}"] = host_us(forward_backward, calls=50)
-        results[f"kv fwd {name}"] = host_us(
+    name = f"{s}x{b}x{h}"
+    return {
+        f"q fwd {name}": host_us(lambda: fused_apply_mla_rope_for_q(q, cos, sin, QK, EMB)),
+        f"q fwd+bwd {name}": host_us(forward_backward, calls=50),
+        f"kv fwd {name}": host_us(
             lambda: fused_apply_mla_rope_for_kv(kv, emb, cos, sin, EMB, QK, V)
-        )
+        ),
+    }
+
+
+def main(label: str) -> Dict[str, object]:
+    """Time each call at each shape; returns {"tree": label, call: us, ...}."""
+    results: Dict[str, object] = {"tree": label}
+    for shape in SHAPES:
+        results.update(time_shape(*shape))
     return results
 
 
