@@ -16,7 +16,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_ext.testing.context_stand_in import LatentCacheContextStandIn
+from megatron_ext.testing.latent_cache_baseline import (
+    LatentCacheContextStandIn,
+    yarn_rotary_embedding,
+)
 
 # DeepSeek-V3's latent cache row: kv_lora_rank + qk_pos_emb_head_dim.
 LATENT, ROPE = 512, 64
@@ -332,24 +335,6 @@ def _rope_module_device(device: torch.device) -> Iterator[None]:
         torch.cuda.current_device = saved
 
 
-def yarn_rope(config):
-    """megatron-core's ``YarnRotaryEmbedding`` as ``MLASelfAttention`` builds it from ``config``."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-
-    return YarnRotaryEmbedding(
-        config.qk_pos_emb_head_dim,
-        rotary_base=config.rotary_base,
-        scaling_factor=config.rotary_scaling_factor,
-        original_max_position_embeddings=config.original_max_position_embeddings,
-        beta_fast=config.beta_fast,
-        beta_slow=config.beta_slow,
-        mscale=config.mscale,
-        mscale_all_dim=config.mscale_all_dim,
-    )
-
-
 @dataclass
 class AppendStep:
     """One step's key RoPE + append: inputs, context indices, tables and the layer's cache."""
@@ -387,7 +372,7 @@ def build_append(
     rows = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     config = rope_config(latent, rope)
     with _rope_module_device(device):
-        yarn = yarn_rope(config)
+        yarn = yarn_rotary_embedding(config)
         freqs, mscale = yarn(positions)
         cos, sin = yarn.get_cached_cos_sin(positions, dtype=dtype)
     to = lambda x: x.to(device)  # noqa: E731

@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from megatron_ext.testing.context_stand_in import LatentCacheContextStandIn
+from megatron_ext.testing.latent_cache_baseline import LatentCacheContextStandIn
 
 # What the guard elements around a cache or an output hold: no kernel writes it.
 GUARD = 1234.5
@@ -190,24 +190,6 @@ def mla_rope_config(latent_dim: int = 512, rope_dim: int = 64):
         apply_rope_fusion=False,
         rotary_scaling_factor=40.0,
         original_max_position_embeddings=64,
-    )
-
-
-def yarn_rotary_embedding(config):
-    """megatron-core's ``YarnRotaryEmbedding`` as ``MLASelfAttention`` builds it from ``config``."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-        YarnRotaryEmbedding,
-    )
-
-    return YarnRotaryEmbedding(
-        config.qk_pos_emb_head_dim,
-        rotary_base=config.rotary_base,
-        scaling_factor=config.rotary_scaling_factor,
-        original_max_position_embeddings=config.original_max_position_embeddings,
-        beta_fast=config.beta_fast,
-        beta_slow=config.beta_slow,
-        mscale=config.mscale,
-        mscale_all_dim=config.mscale_all_dim,
     )
 
 

@@ -29,12 +29,12 @@ import torch  # noqa: E402
 from megatron_ext.fusions.fused_mla_rope_cache_append import (  # noqa: E402
     fused_mla_rope_cache_append,
 )
+from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
     build_step,
     check_attention_step,
     megatron_core_append,
     mla_rope_config,
-    yarn_rotary_embedding,
 )
 
 SCALE = 1 / math.sqrt(192)

@@ -17,13 +17,13 @@ import torch
 
 from megatron_ext.fusions import fused_mla_rope_cache_append as append
 from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     guarded_tensor,
     guards_intact,
     megatron_core_append,
     mla_rope_config,
     record_launches,
-    yarn_rotary_embedding,
 )
 from tests.unit_tests.fusions.mla_rope_testlib import assert_bitwise_equal
 

@@ -1,14 +1,40 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""A stand-in for megatron-core's ``DynamicInferenceContext`` holding only what its latent-cache
-methods read, so that those methods run unbound, as megatron-core's MLA calls them, without a
-whole context (the benchmark's and the tests' baseline of megatron-core's unfused path)."""
+"""megatron-core's unfused latent-cache path without a whole context, the baseline of the
+benchmark and the kernel tests: its RoPE module as ``MLASelfAttention`` builds it, and a stand-in
+for ``DynamicInferenceContext`` holding only what its latent-cache methods read, so that those
+methods run unbound, as megatron-core's MLA calls them."""
 
 import types
 
 import torch
 
-__all__ = ["LatentCacheContextStandIn"]
+__all__ = ["LatentCacheContextStandIn", "yarn_rotary_embedding"]
+
+
+def yarn_rotary_embedding(config):
+    """megatron-core's ``YarnRotaryEmbedding`` as ``MLASelfAttention`` builds it from ``config``.
+
+    Args:
+        config: an ``MLATransformerConfig`` with yarn RoPE.
+
+    Returns:
+        YarnRotaryEmbedding: the module (its frequencies on ``torch.cuda.current_device()``).
+    """
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    return YarnRotaryEmbedding(
+        config.qk_pos_emb_head_dim,
+        rotary_base=config.rotary_base,
+        scaling_factor=config.rotary_scaling_factor,
+        original_max_position_embeddings=config.original_max_position_embeddings,
+        beta_fast=config.beta_fast,
+        beta_slow=config.beta_slow,
+        mscale=config.mscale,
+        mscale_all_dim=config.mscale_all_dim,
+    )
 
 
 class LatentCacheContextStandIn:
