@@ -20,7 +20,8 @@
 #   --repeat-unit N    run the GPU unit tests N times in a row (a race shows as a flaky failure)
 #   --unit-paths P     run only these test paths (default: tests/unit_tests), e.g. while iterating
 #                      on one component: "tests/unit_tests/inference tests/unit_tests/testing"
-#   --bench NAME       rope, inference, mla-serving or all (default): which benchmarks to run
+#   --bench NAME       rope, inference, mla-serving, mla-engine or all (default; all but
+#                      mla-engine, which runs only when named): which benchmarks to run
 #   --megatron-lm DIR  also run megatron-core's own unit tests from this Megatron-LM checkout (at
 #                      the installed release's tag) stock and with megatron_ext swapped in
 #                      (scripts/run_megatron_core_tests.py; MEGATRON_LM_TEST_FILES picks files)
@@ -52,7 +53,7 @@ while [ $# -gt 0 ]; do
     --unit-paths) unit_paths="$2"; shift ;;
     --bench) bench="$2"; shift ;;
     --megatron-lm) megatron_lm="$2"; shift ;;
-    -h|--help) sed -n '3,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,32p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -153,6 +154,10 @@ if [ -z "$skip_bench" ]; then
     step "benchmark mla-serving" bench_mla_serving.log \
       python3 -m megatron_ext.bench mla-serving --out "$results" $quick
   fi
+  if [ "$bench" = mla-engine ]; then
+    step "benchmark mla-engine" bench_mla_engine.log \
+      python3 -m megatron_ext.bench mla-engine --out "$results" $quick
+  fi
 fi
 
 if [ -z "$skip_san" ]; then
@@ -196,7 +201,7 @@ fi
   if [ -f "$results/megatron_core_tests.log" ]; then
     echo; sed -n '/^| test file/,$p' "$results/megatron_core_tests.log"
   fi
-  for log in bench_rope.log bench_inference.log bench_mla_serving.log; do
+  for log in bench_rope.log bench_inference.log bench_mla_serving.log bench_mla_engine.log; do
     if [ -f "$results/$log" ]; then
       echo; echo '```'; sed -n '/^=== table/,$p' "$results/$log" | tail -n +2; echo '```'
     fi

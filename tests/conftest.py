@@ -3,6 +3,7 @@
 """Test-wide set-up: the Triton interpreter on CPU-only machines, and the ``gpu`` marker."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -25,6 +26,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def no_patch_outlives_its_test(request):
+    """Fail the test that leaves one of megatron_ext's patches applied, and undo it there.
+
+    A leaked patch changes what later tests in the same process run (under pytest-xdist, which
+    tests those are depends on the worker), so the failure would otherwise show up elsewhere.
+    """
+    patches = sys.modules.get("megatron_ext.patches")
+    before = set(patches.applied_extensions()) if patches else set()
+    yield
+    patches = sys.modules.get("megatron_ext.patches")
+    leaked = sorted(set(patches.applied_extensions()) - before) if patches else []
+    for extension in leaked:
+        patches.undo_patches(extension)
+    # The spec builders apply te_free_mla by design (to_megatron_ext_spec); undone above so that
+    # later tests start without it, but not a failure.
+    leaked = [extension for extension in leaked if extension != patches.TE_FREE_MLA]
+    if leaked:
+        pytest.fail(
+            f"{request.node.nodeid} left megatron_ext's {leaked} applied: undo what a test "
+            "applies (undo_megatron_ext() in a finally block or a fixture)"
+        )
 
 
 @pytest.fixture(scope="session")

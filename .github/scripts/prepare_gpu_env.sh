@@ -18,13 +18,17 @@
 #   4. with --transformer-engine VERSION, installs Transformer Engine the way
 #      scripts/transformer_engine_offline.sh does (its torch extension built against the image's
 #      torch release; the build is kept in --te-cache, default ~/.cache/megatron_ext/te);
-#   5. on GitHub Actions, puts the environment first on PATH for the following steps and exports
+#   5. with --server, installs the `server` extra of pyproject.toml (megatron-core 0.19's
+#      OpenAI-compatible server's Quart/Hypercorn/ZMQ dependencies and the openai client), with
+#      torch pinned to the image's so that pip cannot replace it;
+#   6. on GitHub Actions, puts the environment first on PATH for the following steps and exports
 #      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`) and
 #      PYTHONPATH (the checkout, so megatron_ext imports from it, and Transformer Engine's site).
 #
 # Usage:
 #   bash .github/scripts/prepare_gpu_env.sh --python 3.12 --mcore 0.16.1 [--min-gpus 1]
 #       [--venv DIR] [--wheels-dir DIR] [--transformer-engine VERSION] [--te-cache DIR]
+#       [--server]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -36,6 +40,7 @@ venv=""
 wheels_root="$tmp/megatron-core-wheels"
 te_version=""
 te_cache="${HOME:-$tmp}/.cache/megatron_ext/te"
+server=""
 
 while (($#)); do
     case "$1" in
@@ -46,7 +51,8 @@ while (($#)); do
         --wheels-dir) wheels_root="$2"; shift 2 ;;
         --transformer-engine) te_version="$2"; shift 2 ;;
         --te-cache) te_cache="$2"; shift 2 ;;
-        -h | --help) sed -n '3,28p' "$0"; exit 0 ;;
+        --server) server=1; shift ;;
+        -h | --help) sed -n '3,32p' "$0"; exit 0 ;;
         *) echo "prepare_gpu_env.sh: unknown argument '$1'" >&2; exit 2 ;;
     esac
 done
@@ -125,6 +131,15 @@ if [[ -n "$te_version" ]]; then
         --parts "$te_out/parts" --target "$te_site"
     PYTHONPATH="$te_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONPATH
+fi
+
+if [[ -n "$server" ]]; then
+    echo "== the server extra"
+    mapfile -t server_reqs < <("$python" -c 'import tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["server"]))')
+    torch_pin=$("$python" -c 'import torch; print(torch.__version__)')
+    "$python" -m pip install --quiet "${server_reqs[@]}" "torch==$torch_pin"
 fi
 
 if [[ -n "${GITHUB_PATH:-}" ]]; then

@@ -30,6 +30,11 @@ BENCHMARKS: Dict[str, str] = {
     "inference": "dynamic-inference bookkeeping (static slices) and static MLA generation",
     "mla-serving": "MLA paged latent attention and RoPE+append vs the copy ceiling and FlashInfer",
 }
+# Benchmarks that run only when named: `all` leaves them out (minutes of model builds, graph
+# captures and engine rounds on a GPU).
+NAMED_ONLY: Dict[str, str] = {
+    "mla-engine": "MLA decode tokens/s: dynamic engine with CUDA graphs vs static batching",
+}
 DEFAULT_OUT = Path("results") / "bench"
 REPORT_NAME = "report.md"
 # Options that every benchmark accepts, so that `all` can pass them on.
@@ -38,14 +43,18 @@ _HELP = ("-h", "--help")
 
 
 def _parser() -> argparse.ArgumentParser:
-    listing = "\n".join(f"  {name:<12} {text}" for name, text in BENCHMARKS.items())
+    listing = "\n".join(
+        [f"  {name:<12} {text}" for name, text in BENCHMARKS.items()]
+        + [f"  {name:<12} {text} (not in `all`)" for name, text in NAMED_ONLY.items()]
+    )
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ext.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,
         epilog=(
-            f"benchmarks:\n{listing}\n  {'all':<12} every benchmark above, in turn (the default)"
+            f"benchmarks:\n{listing}\n  {'all':<12} every benchmark above but those marked, in "
+            "turn (the default)"
             "\n\nEach benchmark's own options: python -m megatron_ext.bench BENCHMARK --help\n"
             "(with `all`, only --out and --quick)"
         ),
@@ -57,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "benchmark",
         nargs="?",
         default="all",
-        choices=["all", *BENCHMARKS],
+        choices=["all", *BENCHMARKS, *NAMED_ONLY],
         help="which benchmark to run (default: all)",
     )
     parser.add_argument(
@@ -94,6 +103,10 @@ def _benchmark_main(name: str) -> Callable[[List[str]], int]:
         from megatron_ext.bench import mla_serving
 
         return mla_serving.main
+    if name == "mla-engine":
+        from megatron_ext.bench import mla_engine
+
+        return mla_engine.main
     from megatron_ext.bench import inference
 
     return inference.main

@@ -52,41 +52,43 @@ def run_static_mla(
 
     # Built off, then on: the flag's patch stays applied, which the off model (fusion off, stock
     # MLA class) never reaches.
-    models = {
-        mode: build_small_mla_gpt(mode, dtype=torch.bfloat16, device="cuda", **SIZES)
-        for mode in ("off", "on")
-    }
-    rows = []
-    for batch in batches:
-        prompts = prompts_for(batch, prompt, SIZES["vocab_size"], batch, "cuda")
-        timings: Dict[str, Dict[str, List[float]]] = {
-            mode: {"prefill": [], "decode": []} for mode in models
+    try:
+        models = {
+            mode: build_small_mla_gpt(mode, dtype=torch.bfloat16, device="cuda", **SIZES)
+            for mode in ("off", "on")
         }
-        tokens = {}
-        for round_ in range(rounds + 1):
-            for mode, model in models.items():
-                generation = greedy_generate(model, prompts, new_tokens)
-                tokens[mode] = generation.tokens
-                if round_:
-                    timings[mode]["prefill"].append(generation.prefill_seconds * 1e3)
-                    timings[mode]["decode"].append(
-                        statistics.median(generation.decode_seconds) * 1e3
-                    )
-        same = bool(torch.equal(tokens["off"], tokens["on"]))
-        for mode in models:
-            rows.append(
-                {
-                    "batch": batch,
-                    "prompt": prompt,
-                    "new_tokens": new_tokens,
-                    "mode": mode,
-                    "prefill_ms": statistics.median(timings[mode]["prefill"]),
-                    "decode_ms_per_token": statistics.median(timings[mode]["decode"]),
-                    "decode_ms_rounds": timings[mode]["decode"],
-                    "tokens_equal_off_on": same,
-                }
-            )
-    undo_megatron_ext()
+        rows = []
+        for batch in batches:
+            prompts = prompts_for(batch, prompt, SIZES["vocab_size"], batch, "cuda")
+            timings: Dict[str, Dict[str, List[float]]] = {
+                mode: {"prefill": [], "decode": []} for mode in models
+            }
+            tokens = {}
+            for round_ in range(rounds + 1):
+                for mode, model in models.items():
+                    generation = greedy_generate(model, prompts, new_tokens)
+                    tokens[mode] = generation.tokens
+                    if round_:
+                        timings[mode]["prefill"].append(generation.prefill_seconds * 1e3)
+                        timings[mode]["decode"].append(
+                            statistics.median(generation.decode_seconds) * 1e3
+                        )
+            same = bool(torch.equal(tokens["off"], tokens["on"]))
+            for mode in models:
+                rows.append(
+                    {
+                        "batch": batch,
+                        "prompt": prompt,
+                        "new_tokens": new_tokens,
+                        "mode": mode,
+                        "prefill_ms": statistics.median(timings[mode]["prefill"]),
+                        "decode_ms_per_token": statistics.median(timings[mode]["decode"]),
+                        "decode_ms_rounds": timings[mode]["decode"],
+                        "tokens_equal_off_on": same,
+                    }
+                )
+    finally:
+        undo_megatron_ext()
     return rows
 
 

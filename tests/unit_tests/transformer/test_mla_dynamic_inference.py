@@ -30,6 +30,7 @@ from megatron_ext.testing.mla_dynamic_engine import (
     TINY_MLA_SIZES,
     build_dynamic_mla_model,
     build_mla_dynamic_engine,
+    inference_rng_tracker,
     teacher_forced_errors,
 )
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
@@ -69,24 +70,10 @@ def stack():
     """
     with cpu_torch_compat(), contextlib.ExitStack() as exits:
         ensure_model_parallel()
-        yield exits
-
-
-@contextlib.contextmanager
-def _inference_rng_tracker():
-    """megatron-core's inference RNG tracker (what its CUDA graphs accept) for the block; the
-    process-wide tracker that was there before afterwards (other tests use its seeds)."""
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    saved = (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    try:
-        yield
-    finally:
-        mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
-            saved
-        )
-    undo_megatron_ext()
+        try:
+            yield exits
+        finally:
+            undo_megatron_ext()
 
 
 def build_model(sizes: Dict[str, Any], dtype: torch.dtype = torch.float32) -> Any:
@@ -467,7 +454,7 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
         if impl == "local":
             # megatron-core's CUDA graphs refuse a training RNG tracker; inference scripts set up
             # an inference one, as here (the process-wide tracker is put back afterwards).
-            stack.enter_context(_inference_rng_tracker())
+            stack.enter_context(inference_rng_tracker())
         model = small_mla_gpt.build_small_mla_gpt(
             "on",
             dtype=torch.float32,

@@ -1,0 +1,807 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Benchmark: decode tokens/s of an MLA GPT through megatron-core's ``DynamicInferenceEngine``
+with its CUDA graphs, against the same model through megatron-core's static batching.
+
+    python -m megatron_ext.bench mla-engine [--quick] [--models dsv3_shard small]
+        [--requests 256 1024] [--rounds N] [--prompt P] [--generate G] [--no-eager] [--out DIR]
+
+Engines, per model and request count (bf16, random weights from one seed, random prompt tokens,
+greedy):
+
+* ``dynamic-graphed``: megatron-core's ``DynamicInferenceEngine`` with its own CUDA graphs
+  (``cuda_graph_impl="local"`` in the model's config, ``num_cuda_graphs=1`` in the context: the
+  engine captures its per-layer graphs on construction, for the full batch and its mixed-step
+  shapes, and replays them in decode steps), served the documented way: ``mla_rope_contiguous_load``
+  and ``inference_static_active_slices`` (static active slices and the graph-safe sampling region,
+  replayed from megatron_ext's own CUDA graphs).
+* ``dynamic-eager``: the same model and flags, a context without CUDA graphs (``--no-eager``
+  leaves it out).
+* ``static``: megatron-core's static batching (``StaticInferenceContext``, one prefill forward,
+  then one forward per token, as :func:`megatron_ext.testing.small_mla_gpt.greedy_generate`
+  drives it) with the RoPE flag, the same weights: the baseline. It decompresses keys and values
+  per head into its cache, so where ``requests`` rows would not fit :data:`STATIC_CACHE_BUDGET`
+  it serves them in batches of a power-of-two fraction (one such batch per round, whose decode
+  tokens/s is what the batches served one after the other would give).
+
+Models (:data:`ENGINE_MODELS`): ``dsv3_shard``, DeepSeek-V3's attention per layer (q_lora_rank
+1536, kv_lora_rank 512, 128 + 64 query/key head dims, v 128, yarn RoPE, all 128 heads) at hidden
+2048 and 8 layers with a dense MLP: the forward dominates the step; ``small``, two layers at
+hidden 256 and 4 heads with DeepSeek-V3's head widths: host-bound.
+
+Method: every round gives each engine the same ``requests`` prompts of ``--prompt`` tokens,
+``--generate`` tokens each. The prefill (every prompt in one step, up to
+:data:`MAX_PREFILL_TOKENS`) is timed per engine and reported apart; then the engines' decode steps
+run in alternating turns (step ``i`` of each, back to back, synchronised before and after; the
+order rotates between rounds), after one discarded warm-up round (Triton compiles, megatron_ext's
+sampling graphs). A round's ratio of two engines is the median over its step pairs of their
+per-token time ratio (:func:`~megatron_ext.bench.mla_engine_report.paired_round_ratio`); the
+comparison is the geometric mean of the rounds' ratios with a 95% bootstrap interval
+(:mod:`megatron_ext.bench.stats`). Decode tokens/s of a round: its decode tokens over its decode
+time; a row's: the median over rounds. Host share: after the timed rounds, one more round per
+engine runs its decode steps under ``torch.profiler`` (CUDA activity only); the sum of the
+kernels' and copies' durations per step against the timed rounds' median step wall time is how
+far the step is from its kernels (``1 - kernels / wall``).
+
+Printed last: the verdicts (``>= 2x static at 256 requests: met/missed by X`` per model, the
+graphed rows' host share) and the table; ``mla_engine.json`` goes to ``--out``. A configuration
+that raises is reported with its traceback and the others still run (exit status 1).
+
+Without a GPU it says so and times nothing: on a tiny MLA model (fp32, Triton interpreter) the
+dynamic engine (flags on, no CUDA graphs) and the static path must generate the same greedy tokens.
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
+
+import torch
+
+from megatron_ext.bench import mla_engine_report as report_lib
+from megatron_ext.bench.stats import spread
+from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES, inference_rng_tracker
+
+__all__ = [
+    "ENGINE_MODELS",
+    "MAX_PREFILL_TOKENS",
+    "STATIC_CACHE_BUDGET",
+    "DynamicUnit",
+    "StaticUnit",
+    "build_models",
+    "check_cpu",
+    "main",
+    "measure_config",
+    "parse_args",
+    "static_batch",
+    "static_cache_bytes",
+    "timed_round",
+]
+
+# DeepSeek-V3's MLA widths. "dsv3_shard" keeps all 128 heads: its static cache at 256 requests of
+# 192 tokens is 30 GiB (static_cache_bytes), which fits an H200 beside everything else, so no TP
+# shard of the heads is needed; its depth and width are a shard of DeepSeek-V3's (61 layers,
+# hidden 7168, MoE), with a dense 4 x hidden MLP.
+_DSV3_HEADS = dict(kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+ENGINE_MODELS: Dict[str, Dict[str, Any]] = {
+    "dsv3_shard": dict(
+        num_layers=8,
+        hidden_size=2048,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        vocab_size=32000,
+        max_sequence_length=256,
+        init_method_std=0.02,
+        **_DSV3_HEADS,
+    ),
+    "small": dict(
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        vocab_size=1024,
+        max_sequence_length=256,
+        init_method_std=0.02,
+        **_DSV3_HEADS,
+    ),
+    # The CPU check's and the tests' model (widths the interpreter runs quickly).
+    "tiny": dict(TINY_MLA_SIZES),
+}
+DEFAULT_MODELS = ("dsv3_shard", "small")
+DEFAULT_REQUESTS = (256, 1024)
+PROMPT = 128
+GENERATE, QUICK_GENERATE = 64, 32
+ROUNDS, QUICK_ROUNDS = 8, 3
+BLOCK_SIZE_TOKENS = 64
+# The static engine's decompressed cache per batch at most: 1024 dsv3_shard requests (120 GiB)
+# would not fit beside the models, the dynamic engines and a prefill's activations.
+STATIC_CACHE_BUDGET = 40 << 30
+# One prefill step for every prompt: 1024 x 128 tokens, about 25 GiB of activations at dsv3_shard.
+MAX_PREFILL_TOKENS = 131072
+
+
+def static_cache_bytes(sizes: Dict[str, Any], batch: int, tokens: int, itemsize: int = 2) -> int:
+    """Bytes of megatron-core's static-batching cache for an MLA model: per layer, token and row,
+    a key of ``heads x (qk + rope)`` and a value of ``heads x v`` (decompressed, per head).
+
+    Args:
+        sizes: an :data:`ENGINE_MODELS` entry.
+        batch: rows.
+        tokens: prompt + generated tokens per row.
+        itemsize: bytes per element.
+
+    Returns:
+        int: the cache's size.
+    """
+    head = sizes["qk_head_dim"] + sizes["qk_pos_emb_head_dim"] + sizes["v_head_dim"]
+    per_token = sizes["num_layers"] * sizes["num_attention_heads"] * head * itemsize
+    return batch * tokens * per_token
+
+
+def static_batch(
+    sizes: Dict[str, Any], requests: int, tokens: int, budget: int = STATIC_CACHE_BUDGET
+) -> int:
+    """The static engine's batch: ``requests``, halved until its cache fits ``budget``.
+
+    Args:
+        sizes: an :data:`ENGINE_MODELS` entry.
+        requests: concurrent requests.
+        tokens: prompt + generated tokens per row.
+        budget: bytes the cache may take.
+
+    Returns:
+        int: rows per static batch (at least 1).
+    """
+    batch = requests
+    while batch > 1 and static_cache_bytes(sizes, batch, tokens) > budget:
+        batch //= 2
+    return batch
+
+
+@contextlib.contextmanager
+def _q_lora_rank(rank: Optional[int]) -> Iterator[None]:
+    """Make ``build_small_mla_gpt`` build with this q_lora_rank (it derives hidden / 2 otherwise;
+    DeepSeek-V3's 1536 belongs to hidden 7168). The config is megatron-core's own class."""
+    if rank is None:
+        yield
+        return
+    from megatron.core.transformer import transformer_config
+
+    config_class = transformer_config.MLATransformerConfig
+
+    def config(**kwargs: Any) -> Any:
+        return config_class(**dict(kwargs, q_lora_rank=rank))
+
+    with mock.patch.object(transformer_config, "MLATransformerConfig", config):
+        yield
+
+
+def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
+    """The model of :data:`ENGINE_MODELS` for each path, with the same weights.
+
+    The dynamic path's model has a latent cache (``cache_mla_latents``), both flags applied for
+    its config, and on a GPU megatron-core's local CUDA graphs in its config; the static path's
+    has megatron-core's static cache and the RoPE flag. Undo with ``undo_megatron_ext()``.
+
+    Args:
+        name: a key of :data:`ENGINE_MODELS`.
+        dtype: parameter dtype.
+        device: where the models live.
+
+    Returns:
+        Tuple[GPTModel, GPTModel]: the dynamic and the static path's model, in eval mode.
+
+    Raises:
+        RuntimeError: if a parameter of one model has no counterpart in the other.
+    """
+    from megatron_ext import apply_megatron_ext
+    from megatron_ext.testing.small_mla_gpt import build_small_mla_gpt
+
+    sizes = dict(ENGINE_MODELS[name])
+    rank = sizes.pop("q_lora_rank", None)
+    overrides = dict(cuda_graph_impl="local") if device == "cuda" else None
+    with _q_lora_rank(rank):
+        # Static first, so that both flags are applied last, for the dynamic model's config. Its
+        # weights come from the dynamic model's: skipping the initialisation halves the build
+        # (seconds per 1e9 parameters on the CPU).
+        static = build_small_mla_gpt(
+            "on",
+            dtype=dtype,
+            device=device,
+            config_overrides=dict(perform_initialization=False),
+            **sizes,
+        )
+        dynamic = build_small_mla_gpt(
+            "on",
+            dtype=dtype,
+            device=device,
+            cache_mla_latents=True,
+            config_overrides=overrides,
+            **sizes,
+        )
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=dynamic.config
+    )
+    missing, unexpected = static.load_state_dict(dynamic.state_dict(), strict=False)
+    stray = [key for key in (*missing, *unexpected) if not key.endswith("_extra_state")]
+    if stray:
+        raise RuntimeError(f"the two paths' models differ in parameters {stray}")
+    return dynamic, static
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class DynamicUnit:
+    """megatron-core's dynamic engine as the benchmark steps it: a batch of greedy requests
+    added at once, prefilled, then decoded one step at a time.
+
+    Args:
+        engine: a ``DynamicInferenceEngine``.
+        context: its context.
+        generate: tokens to generate per request.
+        batch: the requests it serves at once.
+    """
+
+    def __init__(self, engine: Any, context: Any, generate: int, batch: int) -> None:
+        self.engine, self.context, self.generate, self.batch = engine, context, generate, batch
+        self.outputs: Dict[int, List[int]] = {}
+        self._first_id = self._next_id = 0
+
+    def start(self, prompts: Sequence[List[int]]) -> None:
+        """Add one request per prompt."""
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        self.outputs, self._first_id = {}, self._next_id
+        for prompt in prompts:
+            params = SamplingParams(
+                num_tokens_to_generate=self.generate, termination_id=-1, top_k=1
+            )
+            self.engine.add_request(self._next_id, list(prompt), params)
+            self._next_id += 1
+
+    def _decode_active(self) -> int:
+        """Active requests of the next step if it is a decode-only step, else 0."""
+        if self.engine.waiting_request_ids or not self.context.is_decode_only():
+            return 0
+        return self.context.total_request_count - self.context.paused_request_count
+
+    def _step(self) -> None:
+        result = self.engine.step_modern()
+        for record in result["finished_request_records"]:
+            request = record.merge() if hasattr(record, "merge") else record
+            tokens = [int(t) for t in request.generated_tokens]
+            self.outputs[int(request.request_id) - self._first_id] = tokens
+
+    def prefill(self) -> None:
+        """Step until every request decodes (one step when the prompts fit the token budget)."""
+        while self.engine.has_unfinished_requests() and self._decode_active() == 0:
+            self._step()
+
+    def decode_step(self) -> int:
+        """One engine step; the tokens it decoded (0 if it was not a decode-only step)."""
+        active = self._decode_active()
+        self._step()
+        return active
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has finished."""
+        return not self.engine.has_unfinished_requests()
+
+    def drain(self) -> None:
+        """Step until every request has finished (after a failed round)."""
+        while not self.done:
+            self._step()
+
+
+class StaticUnit:
+    """megatron-core's static batching with the RoPE flag, stepped one forward at a time: the
+    loop of :func:`megatron_ext.testing.small_mla_gpt.greedy_generate` over the first
+    ``batch`` prompts.
+
+    Args:
+        model: the static path's model.
+        batch: rows per generation.
+        generate: tokens to generate per row.
+    """
+
+    def __init__(self, model: Any, batch: int, generate: int) -> None:
+        self.model, self.batch, self.generate = model, batch, generate
+        self.context: Any = None
+        self.outputs: Dict[int, List[int]] = {}
+        self._next = self._total = 0
+
+    def start(self, prompts: Sequence[List[int]]) -> None:
+        """Set up a generation of the first ``batch`` prompts (equal lengths)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        device = next(self.model.parameters()).device
+        rows = torch.tensor([list(p) for p in prompts[: self.batch]], device=device)
+        batch, self._prompt = rows.shape
+        self._total = self._prompt + self.generate
+        # The previous generation's cache goes before this one's is allocated.
+        self.context = None
+        self.context = StaticInferenceContext(batch, self._total)
+        self._tokens = torch.empty(batch, self._total, dtype=rows.dtype, device=device)
+        self._tokens[:, : self._prompt] = rows
+        self._positions = torch.arange(self._total, device=device).expand(batch, self._total)
+        self._next, self.outputs = self._prompt, {}
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        self._tokens[:, self._next] = logits[:, -1].float().argmax(-1)
+        self.context.sequence_len_offset = self._next
+        self._next += 1
+        if self.done:
+            generated = self._tokens[:, self._prompt :].tolist()
+            self.outputs = dict(enumerate(generated))
+
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """The prompts' forward and the first token."""
+        batch, prompt = self._tokens.shape[0], self._prompt
+        causal = torch.ones(prompt, prompt, dtype=torch.bool, device=self._tokens.device).triu(1)
+        logits = self.model(
+            self._tokens[:, :prompt],
+            self._positions[:, :prompt],
+            causal.expand(batch, 1, prompt, prompt),
+            inference_context=self.context,
+            runtime_gather_output=True,
+        )
+        self._choose(logits)
+
+    @torch.no_grad()
+    def decode_step(self) -> int:
+        """One token per row; the tokens decoded."""
+        self.context.enable_decode_mode()
+        at = self._next - 1
+        logits = self.model(
+            self._tokens[:, at : at + 1],
+            self._positions[:, at : at + 1],
+            None,
+            inference_context=self.context,
+            runtime_gather_output=True,
+        )
+        self._choose(logits)
+        return self._tokens.shape[0]
+
+    @property
+    def done(self) -> bool:
+        """Whether every token has been generated."""
+        return self._next >= self._total
+
+    def drain(self) -> None:
+        """Decode to the end (after a failed round)."""
+        while not self.done:
+            self.decode_step()
+
+
+def timed_round(
+    units: Dict[str, Any], prompts: Sequence[List[int]], order: Sequence[str]
+) -> Dict[str, Dict[str, Any]]:
+    """One batch on each engine: the prefills one after the other, then the decode steps in
+    alternating turns (step ``i`` of each engine in ``order``), each synchronised before and
+    after.
+
+    Args:
+        units: per engine name, a :class:`DynamicUnit` or :class:`StaticUnit`.
+        prompts: the round's prompts.
+        order: the engines' order within a turn.
+
+    Returns:
+        Dict[str, Dict[str, Any]]: per engine, ``prefill_s`` and ``steps``
+        (``(seconds, tokens)`` per decode step).
+    """
+    for name in order:
+        units[name].start(prompts)
+    result: Dict[str, Dict[str, Any]] = {}
+    for name in order:
+        _sync()
+        began = time.perf_counter()
+        units[name].prefill()
+        _sync()
+        result[name] = {"prefill_s": time.perf_counter() - began, "steps": []}
+    while any(not units[name].done for name in order):
+        for name in order:
+            if units[name].done:
+                continue
+            _sync()
+            began = time.perf_counter()
+            tokens = units[name].decode_step()
+            _sync()
+            if tokens:
+                result[name]["steps"].append((time.perf_counter() - began, tokens))
+    return result
+
+
+def kernel_time_per_step(unit: Any, prompts: Sequence[List[int]]) -> Dict[str, Optional[float]]:
+    """GPU work per decode step of one engine: its decode steps under ``torch.profiler`` (CUDA
+    activity only), the durations of every kernel and copy summed.
+
+    Args:
+        unit: the engine.
+        prompts: the batch's prompts.
+
+    Returns:
+        Dict[str, Optional[float]]: ``kernel_ms_per_step`` and ``kernels_per_step`` (None where
+        the profiler saw no GPU work, e.g. without CUPTI).
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    unit.start(prompts)
+    unit.prefill()
+    _sync()
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while not unit.done:
+            steps += 1 if unit.decode_step() else 0
+        _sync()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not events or not steps:
+        return {"kernel_ms_per_step": None, "kernels_per_step": None}
+    busy_us = sum(e.time_range.elapsed_us() for e in events)
+    return {"kernel_ms_per_step": busy_us / steps / 1e3, "kernels_per_step": len(events) / steps}
+
+
+def _dynamic_unit(model: Any, requests: int, prompt: int, generate: int, graphed: bool) -> Any:
+    """A :class:`DynamicUnit` around ``model`` sized for ``requests`` of ``prompt + generate``."""
+    from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine
+
+    blocks_per_request = -(-(prompt + generate) // BLOCK_SIZE_TOKENS) + 1
+    cuda = torch.cuda.is_available()
+    engine, context, _ = build_mla_dynamic_engine(
+        model,
+        max_requests=requests,
+        # megatron-core pads a step's tokens to a multiple of 64; the budget must hold the padding.
+        max_tokens=min(-(-requests * prompt // 64) * 64, MAX_PREFILL_TOKENS),
+        max_sequence_length=model.max_sequence_length,
+        block_size_tokens=BLOCK_SIZE_TOKENS,
+        kv_blocks=requests * blocks_per_request + 16,
+        paused_kv_blocks=16,
+        # megatron-core's GPT wrapper is what a serving script uses; it needs CUDA.
+        megatron_wrapper=cuda,
+        num_cuda_graphs=1 if graphed else None,
+    )
+    return DynamicUnit(engine, context, generate, requests)
+
+
+def _release_graphs() -> None:
+    """megatron-core's captured graphs and their memory, before the next engines are built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+        delete_cuda_graphs()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure_config(
+    model_name: str,
+    requests: int,
+    args: argparse.Namespace,
+    models: Tuple[Any, Any],
+) -> Dict[str, Any]:
+    """Rows and per-round comparisons of one model and request count (see the module docstring).
+
+    Args:
+        model_name: a key of :data:`ENGINE_MODELS`.
+        requests: concurrent requests.
+        args: ``prompt``, ``generate``, ``rounds`` and ``engines`` (names of
+            :data:`~megatron_ext.bench.mla_engine_report.ENGINES`).
+        models: :func:`build_models`' pair.
+
+    Returns:
+        Dict[str, Any]: ``rows`` (one per engine), ``comparisons`` (per-round ratios of each
+        dynamic engine over the static one, and graphed over eager) and ``dropped`` (an engine
+        left out after failing its warm-up, with the error).
+    """
+    from megatron_ext.testing.synthetic import ensure_model_parallel
+
+    ensure_model_parallel()
+    dynamic_model, static_model = models
+    sizes = ENGINE_MODELS[model_name]
+    prompt, generate = args.prompt, args.generate
+    if prompt + generate > sizes["max_sequence_length"]:
+        raise ValueError(
+            f"prompt + generate ({prompt + generate}) exceeds the model's "
+            f"{sizes['max_sequence_length']} positions"
+        )
+    units: Dict[str, Any] = {}
+    setup: Dict[str, Dict[str, Any]] = {}
+    # Eager first: the graphed engine's construction captures megatron-core's graphs, last.
+    for name in sorted(e for e in args.engines if e != "static"):
+        began = time.perf_counter()
+        units[name] = _dynamic_unit(
+            dynamic_model, requests, prompt, generate, graphed=name == "dynamic-graphed"
+        )
+        capture = getattr(units[name].engine, "capture_stats", None)
+        setup[name] = {
+            "build_s": time.perf_counter() - began,
+            "graph_capture_s": capture["time"] if capture else None,
+            "cuda_graph_shapes": len(units[name].context.cuda_graph_batch_dimensions_list or []),
+        }
+    units["static"] = StaticUnit(
+        static_model, static_batch(sizes, requests, prompt + generate), generate
+    )
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, sizes["vocab_size"], (requests, prompt), generator=gen).tolist()
+    names = list(units)
+    dropped = {}
+    try:
+        timed_round(units, prompts, names)  # warm-up, discarded
+    except Exception:  # noqa: BLE001 - the eager engine is optional; the others go on without it
+        if "dynamic-eager" not in units:
+            raise
+        dropped["dynamic-eager"] = traceback.format_exc()
+        print(f"dynamic-eager failed its warm-up and is left out:\n{dropped['dynamic-eager']}")
+        for unit in units.values():
+            unit.drain()
+        del units["dynamic-eager"]
+        names = list(units)
+        timed_round(units, prompts, names)
+    turns: List[Dict[str, Dict[str, Any]]] = []
+    for index in range(args.rounds):
+        shift = index % len(names)
+        turns.append(timed_round(units, prompts, names[shift:] + names[:shift]))
+    kernels = {}
+    if torch.cuda.is_available():
+        kernels = {name: kernel_time_per_step(unit, prompts) for name, unit in units.items()}
+    rows = []
+    for name, unit in units.items():
+        seconds = [sum(s for s, _ in t[name]["steps"]) for t in turns]
+        tokens = [sum(n for _, n in t[name]["steps"]) for t in turns]
+        steps = [len(t[name]["steps"]) for t in turns]
+        rates = [n / s for n, s in zip(tokens, seconds)]
+        step_s = statistics.median(s / k for s, k in zip(seconds, steps))
+        kernel = kernels.get(name, {}).get("kernel_ms_per_step")
+        rows.append(
+            {
+                "model": model_name,
+                "requests": requests,
+                "engine": name,
+                "batch": unit.batch,
+                "prompt": prompt,
+                "generate": generate,
+                "rounds": args.rounds,
+                "decode_steps_per_round": statistics.median(steps),
+                "median_decode_step_ms": step_s * 1e3,
+                "decode_tokens_per_s": statistics.median(rates),
+                "decode_tokens_per_s_spread": spread(rates),
+                "decode_tokens_per_s_rounds": rates,
+                "prefill_ms": statistics.median(t[name]["prefill_s"] for t in turns) * 1e3,
+                "kernel_ms_per_step": kernel,
+                "kernels_per_step": kernels.get(name, {}).get("kernels_per_step"),
+                "host_share": report_lib.host_share(
+                    step_s, None if kernel is None else kernel / 1e3
+                ),
+                "static_cache_gib": (
+                    static_cache_bytes(sizes, unit.batch, prompt + generate) / 2**30
+                    if name == "static"
+                    else None
+                ),
+                "context_class": type(getattr(unit, "context", None)).__name__,
+                "controller_class": (
+                    type(unit.engine.controller).__name__ if name != "static" else None
+                ),
+                **setup.get(name, {}),
+            }
+        )
+    pairs = [(name, "static") for name in units if name != "static"]
+    if {"dynamic-graphed", "dynamic-eager"} <= set(units):
+        pairs.append(("dynamic-graphed", "dynamic-eager"))
+    comparisons = [
+        {
+            "model": model_name,
+            "requests": requests,
+            "candidate": candidate,
+            "baseline": baseline,
+            "rounds": [
+                report_lib.paired_round_ratio(t[baseline]["steps"], t[candidate]["steps"])
+                for t in turns
+            ],
+        }
+        for candidate, baseline in pairs
+    ]
+    return {"rows": rows, "comparisons": comparisons, "dropped": dropped}
+
+
+def check_cpu() -> Dict[str, Any]:
+    """The no-GPU check: on the tiny model (fp32), the dynamic engine with both flags and the
+    static path generate the same greedy tokens.
+
+    Returns:
+        Dict[str, Any]: ``identical_tokens``, ``requests``, ``generate`` and both engines'
+        tokens per request.
+    """
+    from megatron_ext import undo_megatron_ext
+    from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
+
+    requests, prompt, generate = 4, 6, 5
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        try:
+            dynamic_model, static_model = build_models("tiny", torch.float32, "cpu")
+            units = {
+                "dynamic-eager": _dynamic_unit(dynamic_model, requests, prompt, generate, False),
+                "static": StaticUnit(static_model, requests, generate),
+            }
+            gen = torch.Generator().manual_seed(0)
+            vocab = ENGINE_MODELS["tiny"]["vocab_size"]
+            prompts = torch.randint(0, vocab, (requests, prompt), generator=gen).tolist()
+            timed_round(units, prompts, list(units))
+        finally:
+            undo_megatron_ext()
+    tokens = {name: [unit.outputs.get(i) for i in range(requests)] for name, unit in units.items()}
+    return {
+        "identical_tokens": tokens["dynamic-eager"] == tokens["static"],
+        "requests": requests,
+        "generate": generate,
+        "tokens": tokens,
+    }
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.bench mla-engine")
+    parser.add_argument("--out", default=None, help="directory for mla_engine.json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_ROUNDS} rounds of {QUICK_GENERATE} generated tokens (default {ROUNDS} of "
+        f"{GENERATE})",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(DEFAULT_MODELS),
+        choices=sorted(ENGINE_MODELS),
+        help=f"models (default: {' '.join(DEFAULT_MODELS)})",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_REQUESTS),
+        help=f"concurrent requests (default: {' '.join(map(str, DEFAULT_REQUESTS))})",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per configuration")
+    parser.add_argument(
+        "--prompt", type=int, default=PROMPT, help=f"prompt tokens (default {PROMPT})"
+    )
+    parser.add_argument("--generate", type=int, default=None, help="generated tokens per request")
+    parser.add_argument(
+        "--no-eager", action="store_true", help="leave out the dynamic engine without CUDA graphs"
+    )
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
+    if args.generate is None:
+        args.generate = QUICK_GENERATE if args.quick else GENERATE
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (an interval needs two rounds)")
+    if args.prompt < 1 or args.generate < 2:
+        parser.error("--prompt must be >= 1 and --generate >= 2 (one decode step at least)")
+    if any(r < 1 for r in args.requests):
+        parser.error("--requests values must be >= 1")
+    args.engines = [e for e in report_lib.ENGINES if not (args.no_eager and e == "dynamic-eager")]
+    return args
+
+
+def bench_gpu(args: argparse.Namespace) -> int:
+    """Every configuration, then the verdicts and the table; the JSON to ``args.out``.
+
+    Args:
+        args: :func:`parse_args`' namespace.
+
+    Returns:
+        int: 0, or 1 if a configuration failed.
+    """
+    from megatron.core import package_info
+
+    from megatron_ext import undo_megatron_ext
+    from megatron_ext.testing.synthetic import ensure_model_parallel
+
+    ensure_model_parallel()
+    report: Dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "megatron_core": package_info.__version__,
+        "torch": torch.__version__,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": [],
+        "comparisons": [],
+        "failed": [],
+        "dropped": [],
+    }
+    with inference_rng_tracker():
+        for model_name in args.models:
+            try:
+                began = time.perf_counter()
+                models = build_models(model_name, torch.bfloat16, "cuda")
+                print(f"{model_name}: models built in {time.perf_counter() - began:.0f} s")
+            except Exception:  # noqa: BLE001 - reported; the other models still run
+                report["failed"].append({"model": model_name, "error": traceback.format_exc()})
+                print(f"FAILED building {model_name}:\n{report['failed'][-1]['error']}")
+                continue
+            for requests in args.requests:
+                began = time.perf_counter()
+                try:
+                    result = measure_config(model_name, requests, args, models)
+                except Exception:  # noqa: BLE001 - reported; the other configurations still run
+                    error = traceback.format_exc()
+                    report["failed"].append({"model": model_name, "requests": requests})
+                    report["failed"][-1]["error"] = error
+                    print(f"FAILED {model_name} at {requests} requests:\n{error}", flush=True)
+                    _release_graphs()
+                    continue
+                report["rows"] += result["rows"]
+                report["comparisons"] += result["comparisons"]
+                report["dropped"] += [
+                    {"model": model_name, "requests": requests, "engine": name, "error": error}
+                    for name, error in result["dropped"].items()
+                ]
+                rates = ", ".join(
+                    f"{row['engine']} {row['decode_tokens_per_s']:.0f}" for row in result["rows"]
+                )
+                print(
+                    f"{model_name} at {requests} requests done in "
+                    f"{time.perf_counter() - began:.0f} s: decode tokens/s {rates}",
+                    flush=True,
+                )
+                _release_graphs()
+            del models
+            undo_megatron_ext()
+            _release_graphs()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mla_engine.json"), "w") as f:
+            json.dump(report, f, indent=2)
+    # The suite's summary (scripts/run_gpu_suite.sh) prints what follows this header.
+    print("=== table: MLA decode through the engines (bf16)")
+    for failure in report["failed"]:
+        print(f"FAILED: {failure['model']} {failure.get('requests', '(build)')}")
+    for line in report_lib.verdicts(report):
+        print(line)
+    print(report_lib.table(report))
+    return 1 if report["failed"] else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the benchmark (on a GPU) or the correctness check (without one).
+
+    Args:
+        argv: command-line arguments (see ``--help``).
+
+    Returns:
+        int: 0 on success; 1 if a configuration failed or the CPU check found different tokens.
+    """
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "mla-engine benchmark: no CUDA GPU. This is a correctness check, not a benchmark: no "
+            "timing or speedup is reported. The dynamic engine (both flags) and the static path "
+            "generate greedily on a tiny MLA model (fp32, Triton interpreter)."
+        )
+        result = check_cpu()
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "mla_engine.json"), "w") as f:
+                json.dump({"cuda": False, "cpu_check": result}, f, indent=2)
+        verdict = "the same" if result["identical_tokens"] else "DIFFERENT"
+        print(
+            f"dynamic vs static engine, {result['requests']} requests x {result['generate']} "
+            f"greedy tokens: {verdict} tokens"
+        )
+        return 0 if result["identical_tokens"] else 1
+    return bench_gpu(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
