@@ -61,7 +61,9 @@ FAKE_ENTRY = textwrap.dedent("""
     """)
 
 
-def make_case(tmp_path: Path, name="case", nproc=1, args=None, extra_yaml="") -> Path:
+def make_case(
+    tmp_path: Path, name="case", nproc=1, args=None, extra_yaml="", compare_modes=True
+) -> Path:
     entry = tmp_path / "fake_entry.py"
     entry.write_text(FAKE_ENTRY)
     case = tmp_path / "gpt" / name
@@ -70,7 +72,8 @@ def make_case(tmp_path: Path, name="case", nproc=1, args=None, extra_yaml="") ->
     (case / "model_config.yaml").write_text(
         f"ENTRYPOINT: {entry}\nNPROC: {nproc}\nTIMEOUT: 60\n"
         f"ARGS:{arg_lines or ' {}'}\n"
-        'METRICS: ["lm loss", "grad norm"]\nCOMPARE_MODES: true\n' + extra_yaml
+        f'METRICS: ["lm loss", "grad norm"]\nCOMPARE_MODES: {str(compare_modes).lower()}\n'
+        + extra_yaml
     )
     return case
 
@@ -221,6 +224,20 @@ def test_modes_that_differ_fail_and_write_no_golden(tmp_path):
     assert any("differs at 1 of 5 steps, first at step 3" in m for m in outcome.messages)
     assert any("NOT written" in m for m in outcome.messages)
     assert not list(case.glob("golden_values_*.json"))
+
+
+def test_runs_that_may_differ_need_a_case_each(tmp_path):
+    """Golden values hold one series per metric: two runs allowed to differ (two dtypes, say)
+    cannot share them (the second would be compared with the first's values), so writing them is
+    refused; one run per case works."""
+    case = make_case(tmp_path, args={"--differ-at": 3}, compare_modes=False)
+    outcome = run(case, tmp_path, generate_golden=True)
+    assert outcome.status == runner.FAILED
+    assert any("against one series of golden values" in m for m in outcome.messages)
+    assert not list(case.glob("golden_values_*.json"))
+    single = make_case(tmp_path, name="single", args={"--modes": "bf16"}, compare_modes=False)
+    assert run(single, tmp_path, generate_golden=True).status == runner.GOLDEN_WRITTEN
+    assert run(single, tmp_path).status == runner.PASSED
 
 
 def test_golden_mismatch_fails(tmp_path):

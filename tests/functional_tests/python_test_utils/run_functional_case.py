@@ -21,7 +21,9 @@ A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`
 * ``METRICS``: the per-step metrics to check (default ``["lm loss"]``).
 * ``COMPARE_MODES``: when true, every run in the output must equal the first bit for bit (e.g.
   the flag off and on).
-* ``GOLDEN``: ``bitwise`` (default) or ``none``.
+* ``GOLDEN``: ``bitwise`` (default) or ``none``. Golden values hold one series per metric, so a
+  ``bitwise`` case with several runs must set ``COMPARE_MODES`` (runs that should differ, such as
+  two dtypes, are separate cases).
 * ``REQUIRES``: Python modules the case needs (e.g. ``megatron.training``, which only some
   megatron-core wheels ship); where one cannot be found the case is not run, and says why.
 * ``GOLDEN_PENDING``: why a case has no golden values yet (e.g. no machine of its size has run it).
@@ -767,6 +769,12 @@ def run_case(
     problems = []
     if returncode != 0:
         problems.append(f"the entry point exited with status {returncode}; log: {log_path}")
+    if case.golden == "bitwise" and not case.compare_modes and len(result["runs"]) > 1:
+        problems.append(
+            f"{len(result['runs'])} runs ({', '.join(str(r.get('mode')) for r in result['runs'])})"
+            " against one series of golden values: set COMPARE_MODES if they must be equal, "
+            "or make each run its own case"
+        )
     if case.compare_modes:
         if len(result["runs"]) < 2:
             problems.append("COMPARE_MODES is set but the output has a single run")
