@@ -17,18 +17,21 @@
 #      pre-seeded) and installs it into the environment;
 #   4. with --transformer-engine VERSION, installs Transformer Engine the way
 #      scripts/transformer_engine_offline.sh does (its torch extension built against the image's
-#      torch release; the build is kept in --te-cache, default ~/.cache/megatron_ext/te);
+#      torch release; the build is kept in --te-cache, default ~/.cache/megatron_ext/te); with
+#      --flashinfer VERSION, FlashInfer's MLA decode the way scripts/flashinfer_offline.sh does
+#      (the parts kept in ~/.cache/megatron_ext/flashinfer, the site in <venv>/flashinfer);
 #   5. with --server, installs the `server` extra of pyproject.toml (megatron-core 0.19's
 #      OpenAI-compatible server's Quart/Hypercorn/ZMQ dependencies and the openai client), with
 #      torch pinned to the image's so that pip cannot replace it;
 #   6. on GitHub Actions, puts the environment first on PATH for the following steps and exports
 #      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`) and
-#      PYTHONPATH (the checkout, so megatron_ext imports from it, and Transformer Engine's site).
+#      PYTHONPATH (the checkout, so megatron_ext imports from it, Transformer Engine's and
+#      FlashInfer's sites).
 #
 # Usage:
 #   bash .github/scripts/prepare_gpu_env.sh --python 3.12 --mcore 0.16.1 [--min-gpus 1]
 #       [--venv DIR] [--wheels-dir DIR] [--transformer-engine VERSION] [--te-cache DIR]
-#       [--server]
+#       [--flashinfer VERSION] [--server]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -40,6 +43,7 @@ venv=""
 wheels_root="$tmp/megatron-core-wheels"
 te_version=""
 te_cache="${HOME:-$tmp}/.cache/megatron_ext/te"
+fi_version=""
 server=""
 
 while (($#)); do
@@ -51,8 +55,9 @@ while (($#)); do
         --wheels-dir) wheels_root="$2"; shift 2 ;;
         --transformer-engine) te_version="$2"; shift 2 ;;
         --te-cache) te_cache="$2"; shift 2 ;;
+        --flashinfer) fi_version="$2"; shift 2 ;;
         --server) server=1; shift ;;
-        -h | --help) sed -n '3,32p' "$0"; exit 0 ;;
+        -h | --help) sed -n '3,34p' "$0"; exit 0 ;;
         *) echo "prepare_gpu_env.sh: unknown argument '$1'" >&2; exit 2 ;;
     esac
 done
@@ -130,6 +135,19 @@ if [[ -n "$te_version" ]]; then
     PATH="$venv/bin:$PATH" bash scripts/transformer_engine_offline.sh install \
         --parts "$te_out/parts" --target "$te_site"
     PYTHONPATH="$te_site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH
+fi
+
+if [[ -n "$fi_version" ]]; then
+    fi_out="${HOME:-$tmp}/.cache/megatron_ext/flashinfer/flashinfer-$fi_version-py$py_version"
+    echo "== FlashInfer $fi_version ($fi_out)"
+    if [[ ! -f "$fi_out/parts/SHA256SUMS" ]]; then
+        PATH="$venv/bin:$PATH" bash scripts/flashinfer_offline.sh prepare --out "$fi_out" \
+            --flashinfer "$fi_version" --python-version "$py_version"
+    fi
+    PATH="$venv/bin:$PATH" bash scripts/flashinfer_offline.sh install \
+        --parts "$fi_out/parts" --target "$venv/flashinfer"
+    PYTHONPATH="$venv/flashinfer:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONPATH
 fi
 
