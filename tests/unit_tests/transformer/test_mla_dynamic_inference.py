@@ -334,6 +334,72 @@ def test_step_runs_the_kernels_and_none_of_megatron_cores_cache_path(stack, monk
     assert attention_module.mla_paged_latent_attention is not None
 
 
+def _head_shard(module: Any, rank: int, size: int) -> Any:
+    """What tensor-parallel rank ``rank`` of ``size`` holds of ``module``, as
+    :func:`mla_dynamic_attention` reads it: its ``heads / size`` query heads' rows of the
+    column-parallel ``linear_q_up_proj`` and ``linear_kv_up_proj``, its columns of the
+    row-parallel ``linear_proj`` (a partial output, summed across ranks by megatron-core), and
+    the rest (down projections, norms, RoPE) whole, as after megatron-core's gather."""
+    from types import SimpleNamespace
+
+    config = module.config
+    heads = module.num_attention_heads_per_partition // size
+
+    def rows(weight: torch.Tensor, per_head: int) -> torch.Tensor:
+        return weight[rank * heads * per_head : (rank + 1) * heads * per_head]
+
+    q_up = rows(module.linear_q_up_proj.weight, config.qk_head_dim + config.qk_pos_emb_head_dim)
+    proj = module.linear_proj.weight[
+        :, rank * heads * config.v_head_dim : (rank + 1) * heads * config.v_head_dim
+    ]
+    return SimpleNamespace(
+        config=config,
+        num_attention_heads_per_partition=heads,
+        linear_q_down_proj=module.linear_q_down_proj,
+        q_layernorm=module.q_layernorm,
+        linear_q_up_proj=lambda x: (x @ q_up.t(), None),
+        linear_kv_down_proj=module.linear_kv_down_proj,
+        kv_layernorm=module.kv_layernorm,
+        linear_kv_up_proj=SimpleNamespace(
+            weight=rows(module.linear_kv_up_proj.weight, config.qk_head_dim + config.v_head_dim)
+        ),
+        _modules={"rotary_pos_emb": module._modules["rotary_pos_emb"]},
+        layer_number=module.layer_number,
+        softmax_scale=module.softmax_scale,
+        linear_proj=lambda x: (x @ proj.t(), None),
+    )
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_step_over_each_ranks_head_shard_sums_to_the_whole_step(stack, size):
+    """Tensor parallelism in one process: the step run on each rank's shard of the heads (what
+    megatron-core's column- and row-parallel layers hold at TP=size) gives partial outputs whose
+    sum, megatron-core's all-reduce, is the unsharded step's output, for a prefill with several
+    requests."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    n = int(context.padded_active_token_count)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, 1, TINY["hidden_size"], generator=generator).to(DEVICE)
+    with torch.no_grad():
+        whole, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        parts = [
+            mla_dynamic_inference.mla_dynamic_attention(
+                _head_shard(module, rank, size), hidden, context
+            )[0]
+            for rank in range(size)
+        ]
+    assert parts[0].shape == whole.shape
+    active = context.active_token_count
+    summed = torch.stack(parts).sum(0)
+    scale = float(whole[:active].abs().max())
+    assert scale > 0
+    assert float((summed[:active] - whole[:active]).abs().max()) <= 2**-18 * scale
+    # No rank's part is the whole: each shard really holds only some heads.
+    assert all(float((part - whole)[:active].abs().max()) > 2**-10 * scale for part in parts)
+
+
 def test_dynamic_step_needs_the_flag(stack):
     model = build_model(TINY)
     context = _context_step(model, [4])

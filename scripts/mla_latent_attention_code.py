@@ -1,0 +1,314 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Print the code shape of the MLA paged latent-attention kernels as the installed Triton compiles
+them for sm_90, without a GPU: registers, spills, shared memory and tensor-core instructions.
+
+    python scripts/mla_latent_attention_code.py [--launch decode prefill ...] [--num-warps 8]
+        [--num-stages 3] [--block-n 64] [--splits 4] [--ptxas-options "..."] [--dump DIR]
+
+The launches mirror ``mla_paged_latent_attention``'s launcher
+(megatron_ext/fusions/mla_paged_latent_attention.py) on an H200 (132 SMs), bf16, 128 heads,
+page size 64, 4096-row block tables:
+
+* ``decode``: one token per request (``max_query_len=1``), 64 requests: ``BLOCK_Q=1``,
+  ``BLOCK_H=16``, ``BLOCK_N=32``, one split (512 programs fill the GPU).
+* ``decode-split``: the same tile with ``--splits`` kv splits (fewer requests), and the
+  ``_combine_splits_kernel`` launch (``combine``) that follows it.
+* ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,
+  ``BLOCK_N=32``, 8 warps.
+
+``--num-warps``, ``--num-stages`` and ``--block-n`` override the launcher's choice for the
+attention kernel, to see which settings change the code. Registers and spills come from the ptxas
+log of the compile, shared memory from the kernel's metadata, the instruction counts from its
+PTX (``wgmma``: ``wgmma.mma_async``; ``mma``: ``mma.sync``; ``cp.async``: asynchronous global to
+shared copies; ``tma``: ``cp.async.bulk``; ``ld.b16``: scalar 2-byte global loads, the sign of an
+unvectorised cache tile). Run it under two Tritons and compare. ``--dump DIR``
+writes each kernel's TTGIR, PTX and ptxas log there.
+"""
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_ext.fusions import mla_paged_latent_attention as mla
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMS = 132  # H200
+HEADS = 128
+LATENT_DIM = 512
+ROPE_DIM = 64
+PAGE = 64
+MAX_BLOCKS = 4096 // PAGE
+# Arguments the kernels' JIT leaves unspecialised (no divisibility hint).
+RUNTIME_SIZES = {
+    "num_tokens",
+    "num_heads",
+    "num_requests",
+    "num_blocks",
+    "max_blocks",
+}
+DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+@dataclass
+class Launch:
+    """One kernel launch: its kernel, constexprs and compile options.
+
+    Args:
+        name: the launch's label in the table.
+        kernel: ``attention`` or ``combine``.
+        constexprs: the kernel's constexpr arguments.
+        pointers: pointer arguments and their element types.
+        num_warps: warps per program.
+        num_stages: software-pipelining stages.
+    """
+
+    name: str
+    kernel: str
+    constexprs: Dict[str, object]
+    pointers: Dict[str, str]
+    num_warps: int
+    num_stages: int
+
+
+def attention_launch(
+    name: str, dtype: str, tokens: int, requests: int, max_query_len: int, splits: Optional[int]
+) -> Launch:
+    """The launcher's stage-1 launch for one batch shape (its tile and warp choice, copied).
+
+    Args:
+        name: the launch's label.
+        dtype: ``bf16``, ``fp16`` or ``fp32``, of the query, cache and output.
+        tokens: new tokens of the step.
+        requests: requests of the step.
+        max_query_len: the static bound on new tokens per request.
+        splits: the kv split count; None computes the launcher's default on an H200.
+
+    Returns:
+        Launch: the launch.
+    """
+    fp32 = dtype == "fp32"
+    decode = max_query_len == 1
+    block_h = mla.BLOCK_H if decode else min(mla.BLOCK_H, triton.next_power_of_2(HEADS))
+    max_rows = 32 if fp32 else 64
+    block_q = (
+        1
+        if decode
+        else min(max(triton.next_power_of_2(max_query_len), 16 // block_h), max_rows // block_h)
+    )
+    block_n = 16 if fp32 else 32
+    if splits is None:
+        programs = max(1, triton.cdiv(tokens, block_q) * triton.cdiv(HEADS, block_h))
+        target = 2 * SMS
+        by_length = max(1, MAX_BLOCKS * PAGE // mla.MIN_KEYS_PER_SPLIT)
+        splits = (
+            1
+            if programs >= target
+            else max(1, min(mla.MAX_KV_SPLITS, triton.cdiv(target, programs), by_length))
+        )
+    part = dtype if splits == 1 else "fp32"
+    rows = block_q * block_h
+    constexprs = dict(
+        LATENT_DIM=LATENT_DIM,
+        ROPE_DIM=ROPE_DIM,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        SEQ_BLOCK=mla.SEQ_BLOCK,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+    )
+    pointers = dict(
+        q_ptr=dtype,
+        cache_ptr=dtype,
+        block_table_ptr="i32",
+        cu_q_ptr="i32",
+        kv_len_ptr="i32",
+        out_ptr=part,
+        lse_ptr=part,
+    )
+    warps = 8 if rows * LATENT_DIM > 16 * 512 else 4
+    return Launch(name, "attention", constexprs, pointers, warps, 2)
+
+
+def combine_launch(name: str, dtype: str, splits: int) -> Launch:
+    """The launcher's stage-2 launch after ``splits`` kv splits.
+
+    Args:
+        name: the launch's label.
+        dtype: the output's dtype.
+        splits: the kv split count.
+
+    Returns:
+        Launch: the launch (4 warps and Triton's default stages, as the launcher leaves them).
+    """
+    constexprs = dict(LATENT_DIM=LATENT_DIM, BLOCK_H=min(mla.BLOCK_H, HEADS), NUM_SPLITS=splits)
+    pointers = dict(partial_ptr="fp32", lse_ptr="fp32", cu_q_ptr="i32", out_ptr=dtype)
+    return Launch(name, "combine", constexprs, pointers, 4, 3)
+
+
+def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, str]:
+    """Compile one launch for sm_90 and return its TTGIR, PTX and ptxas log.
+
+    Every integer argument but the per-step sizes gets the divisibility-by-16 hint the JIT gives
+    the launcher's strides and page size; every pointer gets it too (torch allocations).
+
+    Args:
+        launch: the launch.
+        ptxas_options: extra ptxas options (Triton's ``ptx_options``), or None.
+
+    Returns:
+        Dict[str, str]: ``ttgir``, ``ptx``, ``log`` (the ptxas ``-v`` output) and ``shared``
+        (bytes of shared memory, as text).
+    """
+    fn = (
+        mla._latent_attention_kernel if launch.kernel == "attention" else mla._combine_splits_kernel
+    )
+    signature: Dict[str, str] = {}
+    attrs = {}
+    for index, name in enumerate(fn.arg_names):
+        if name in launch.constexprs:
+            signature[name] = "constexpr"
+        elif name in launch.pointers:
+            signature[name] = "*" + launch.pointers[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name not in RUNTIME_SIZES:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=launch.constexprs, attrs=attrs)
+    options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    if ptxas_options:
+        options["ptx_options"] = ptxas_options
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=TARGET, options=options)
+    return {
+        "ttgir": compiled.asm["ttgir"],
+        "ptx": compiled.asm["ptx"],
+        "log": log.getvalue(),
+        "shared": str(compiled.metadata.shared),
+    }
+
+
+def count(pattern: str, text: str) -> int:
+    """Occurrences of the regular expression ``pattern`` at the start of a PTX instruction.
+
+    Args:
+        pattern: the instruction's regular expression.
+        text: the PTX.
+
+    Returns:
+        int: the count.
+    """
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?" + pattern, text, flags=re.MULTILINE))
+
+
+def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
+    """One table row for a compiled launch.
+
+    Args:
+        launch: the launch.
+        code: what :func:`compile_launch` returned.
+
+    Returns:
+        Dict[str, str]: the row's columns.
+    """
+    regs = re.search(r"Used (\d+) registers", code["log"])
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
+    ptx = code["ptx"]
+    c = launch.constexprs
+    return {
+        "launch": launch.name,
+        "kernel": launch.kernel,
+        "Q/H/N/S": "/".join(str(c.get(k, "-")) for k in ("BLOCK_Q", "BLOCK_H", "BLOCK_N"))
+        + f"/{c['NUM_SPLITS']}",
+        "warps": str(launch.num_warps),
+        "stages": str(launch.num_stages),
+        "regs": regs.group(1) if regs else "?",
+        "spill st/ld": f"{spills.group(1)}/{spills.group(2)}" if spills else "?",
+        "smem": code["shared"],
+        "wgmma": str(count(r"wgmma\.mma_async", ptx)),
+        "mma": str(count(r"mma\.sync", ptx)),
+        "cp.async": str(count(r"cp\.async\.(?:ca|cg)", ptx)),
+        "tma": str(count(r"cp\.async\.bulk", ptx)),
+        "ld.b16": str(count(r"ld\.global[\w.:]*\.b16\s", ptx)),
+    }
+
+
+def print_table(rows: List[Dict[str, str]]) -> None:
+    """Print rows as an aligned text table.
+
+    Args:
+        rows: the rows, each with the same columns.
+    """
+    columns = list(rows[0])
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in columns}
+    print("  ".join(k.ljust(widths[k]) for k in columns).rstrip())
+    for row in rows:
+        print("  ".join(row[k].ljust(widths[k]) for k in columns).rstrip())
+
+
+def main() -> None:
+    """Parse the arguments, compile the launches and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    launches = ("decode", "decode-split", "combine", "prefill")
+    parser.add_argument("--launch", nargs="+", choices=launches, default=list(launches))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--splits", type=int, default=4, help="kv splits of decode-split")
+    parser.add_argument("--num-warps", type=int, default=None, help="override (attention)")
+    parser.add_argument("--num-stages", type=int, default=None, help="override (attention)")
+    parser.add_argument("--block-n", type=int, default=None, help="override BLOCK_N")
+    parser.add_argument("--ptxas-options", default=None, help="extra ptxas options")
+    parser.add_argument("--dump", default=None, help="folder for TTGIR, PTX and ptxas logs")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+
+    made = {
+        "decode": lambda: attention_launch("decode", args.dtype, 64, 64, 1, None),
+        "decode-split": lambda: attention_launch(
+            "decode-split", args.dtype, 8, 8, 1, max(2, args.splits)
+        ),
+        "combine": lambda: combine_launch("combine", args.dtype, max(2, args.splits)),
+        "prefill": lambda: attention_launch("prefill", args.dtype, 2048, 1, 2048, None),
+    }
+    knobs.nvidia.dump_ptxas_log = True
+    knobs.compilation.always_compile = True
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        knobs.cache.dir = cache
+        for name in args.launch:
+            launch = made[name]()
+            if launch.kernel == "attention":
+                if args.num_warps is not None:
+                    launch.num_warps = args.num_warps
+                if args.num_stages is not None:
+                    launch.num_stages = args.num_stages
+                if args.block_n is not None:
+                    launch.constexprs["BLOCK_N"] = args.block_n
+            code = compile_launch(launch, args.ptxas_options)
+            rows.append(summary(launch, code))
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                for ext in ("ttgir", "ptx", "log"):
+                    with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                        f.write(code[ext])
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {HEADS} heads")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
