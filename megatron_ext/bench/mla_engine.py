@@ -66,7 +66,7 @@ import torch
 
 from megatron_ext.bench import mla_engine_report as report_lib
 from megatron_ext.bench.stats import spread
-from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES, inference_rng_tracker
+from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
 
 __all__ = [
     "ENGINE_MODELS",
@@ -337,7 +337,7 @@ class StaticUnit:
 
     def _choose(self, logits: torch.Tensor) -> None:
         self._tokens[:, self._next] = logits[:, -1].float().argmax(-1)
-        self.context.sequence_len_offset = self._next
+        self.context.sequence_len_offset = self._next  # not megatron-core state: our context
         self._next += 1
         if self.done:
             generated = self._tokens[:, self._prompt :].tolist()
@@ -720,45 +720,49 @@ def bench_gpu(args: argparse.Namespace) -> int:
         "failed": [],
         "dropped": [],
     }
-    with inference_rng_tracker():
-        for model_name in args.models:
+    # megatron-core's CUDA graphs accept only its inference RNG tracker; this process keeps it (as
+    # an inference script does).
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    for model_name in args.models:
+        try:
+            began = time.perf_counter()
+            models = build_models(model_name, torch.bfloat16, "cuda")
+            print(f"{model_name}: models built in {time.perf_counter() - began:.0f} s")
+        except Exception:  # noqa: BLE001 - reported; the other models still run
+            report["failed"].append({"model": model_name, "error": traceback.format_exc()})
+            print(f"FAILED building {model_name}:\n{report['failed'][-1]['error']}")
+            continue
+        for requests in args.requests:
+            began = time.perf_counter()
             try:
-                began = time.perf_counter()
-                models = build_models(model_name, torch.bfloat16, "cuda")
-                print(f"{model_name}: models built in {time.perf_counter() - began:.0f} s")
-            except Exception:  # noqa: BLE001 - reported; the other models still run
-                report["failed"].append({"model": model_name, "error": traceback.format_exc()})
-                print(f"FAILED building {model_name}:\n{report['failed'][-1]['error']}")
-                continue
-            for requests in args.requests:
-                began = time.perf_counter()
-                try:
-                    result = measure_config(model_name, requests, args, models)
-                except Exception:  # noqa: BLE001 - reported; the other configurations still run
-                    error = traceback.format_exc()
-                    report["failed"].append({"model": model_name, "requests": requests})
-                    report["failed"][-1]["error"] = error
-                    print(f"FAILED {model_name} at {requests} requests:\n{error}", flush=True)
-                    _release_graphs()
-                    continue
-                report["rows"] += result["rows"]
-                report["comparisons"] += result["comparisons"]
-                report["dropped"] += [
-                    {"model": model_name, "requests": requests, "engine": name, "error": error}
-                    for name, error in result["dropped"].items()
-                ]
-                rates = ", ".join(
-                    f"{row['engine']} {row['decode_tokens_per_s']:.0f}" for row in result["rows"]
-                )
-                print(
-                    f"{model_name} at {requests} requests done in "
-                    f"{time.perf_counter() - began:.0f} s: decode tokens/s {rates}",
-                    flush=True,
-                )
+                result = measure_config(model_name, requests, args, models)
+            except Exception:  # noqa: BLE001 - reported; the other configurations still run
+                error = traceback.format_exc()
+                report["failed"].append({"model": model_name, "requests": requests})
+                report["failed"][-1]["error"] = error
+                print(f"FAILED {model_name} at {requests} requests:\n{error}", flush=True)
                 _release_graphs()
-            del models
-            undo_megatron_ext()
+                continue
+            report["rows"] += result["rows"]
+            report["comparisons"] += result["comparisons"]
+            report["dropped"] += [
+                {"model": model_name, "requests": requests, "engine": name, "error": error}
+                for name, error in result["dropped"].items()
+            ]
+            rates = ", ".join(
+                f"{row['engine']} {row['decode_tokens_per_s']:.0f}" for row in result["rows"]
+            )
+            print(
+                f"{model_name} at {requests} requests done in "
+                f"{time.perf_counter() - began:.0f} s: decode tokens/s {rates}",
+                flush=True,
+            )
             _release_graphs()
+        del models
+        undo_megatron_ext()
+        _release_graphs()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mla_engine.json"), "w") as f:

@@ -12,10 +12,9 @@ too), which keeps each step's last-token logits with the request and position th
 :func:`teacher_forced_errors` checks them against a full-sequence forward of a float64 copy.
 """
 
-import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,7 +27,6 @@ __all__ = [
     "RecordingModelWrapper",
     "build_dynamic_mla_model",
     "build_mla_dynamic_engine",
-    "inference_rng_tracker",
     "teacher_forced_errors",
 ]
 
@@ -308,19 +306,3 @@ def teacher_forced_errors(
         "argmax_mismatches": mismatches,
         "worst": worst_at,
     }
-
-
-@contextlib.contextmanager
-def inference_rng_tracker() -> Iterator[None]:
-    """megatron-core's inference RNG tracker (the one its CUDA graphs accept) for the block, and
-    the process-wide tracker that was there before afterwards (other users keep their seeds)."""
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    saved = (mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    try:
-        yield
-    finally:
-        mcore_random._CUDA_RNG_STATE_TRACKER, mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = (
-            saved
-        )

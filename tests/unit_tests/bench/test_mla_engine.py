@@ -12,6 +12,7 @@ import torch
 
 from megatron_ext.bench import mla_engine
 from megatron_ext.bench import mla_engine_report as report_lib
+from tests.unit_tests.mcore_rng import inference_rng_tracker
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU smoke test runs instead")
 
@@ -214,7 +215,9 @@ def test_gpu_smoke_run_of_the_tiny_model(tmp_path, capsys):
     """A --quick-like run of the tiny model: three engines, megatron-core's graphs captured, the
     profiler's kernel times, the table and the JSON."""
     argv = ["--models", "tiny", "--requests", "8", "--rounds", "2", "--prompt", "16"]
-    assert mla_engine.main([*argv, "--generate", "6", "--out", str(tmp_path)]) == 0
+    # The benchmark installs megatron-core's inference RNG tracker for its process; put back.
+    with inference_rng_tracker():
+        assert mla_engine.main([*argv, "--generate", "6", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "| model | requests | engine |" in printed
     saved = json.loads((tmp_path / "mla_engine.json").read_text())

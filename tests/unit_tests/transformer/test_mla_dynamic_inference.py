@@ -30,12 +30,12 @@ from megatron_ext.testing.mla_dynamic_engine import (
     TINY_MLA_SIZES,
     build_dynamic_mla_model,
     build_mla_dynamic_engine,
-    inference_rng_tracker,
     teacher_forced_errors,
 )
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
 from megatron_ext.transformer import mla_dynamic_inference
 from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
+from tests.unit_tests.mcore_rng import inference_rng_tracker
 
 HAVE_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAVE_CUDA else "cpu"
