@@ -304,9 +304,17 @@ def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str,
     cases.megatron_core_append(step, sets[0][0], sets[0][1].clone(), theirs_buffer)
     cases.fused_append(step, *sets[0], ours_buffer)
     bits_equal = torch.equal(theirs_buffer.view(torch.uint8), ours_buffer.view(torch.uint8))
+    # The copy ceiling at this size: a copy moving the same bytes (half read, half written), timed
+    # the same way; at a few MB a single kernel's latency, not bandwidth, bounds it.
+    half = max(1, nbytes // 2)
+    copies = [
+        tuple(torch.empty(half, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+        for _ in range(len(sets))
+    ]
     contenders = {
         "mcore": (functools.partial(cases.megatron_core_append, step), sets),
         "ours": (functools.partial(cases.fused_append, step), sets),
+        "copy": (_copy_into, copies),
     }
     times = _timed(contenders, quick)
     mc, ours = times["mcore"], times["ours"]
@@ -321,8 +329,14 @@ def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str,
         "eager_speedup": mc["eager_us"] / ours["eager_us"],
         "ours_pct_ceiling": pct_of_ceiling(nbytes, ours["gpu_us"], ceiling["tb_per_s"]),
         "mcore_pct_ceiling": pct_of_ceiling(nbytes, mc["gpu_us"], ceiling["tb_per_s"]),
+        "copy": times["copy"],
+        "copy_pct_ceiling": pct_of_ceiling(nbytes, times["copy"]["gpu_us"], ceiling["tb_per_s"]),
         "bits_equal": bits_equal,
     }
+
+
+def _copy_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 def _progress(row: Dict[str, Any]) -> str:

@@ -142,6 +142,7 @@ def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_pa
     assert prefill["flashinfer"]["max_abs_diff"] < 1e-5
     assert decode["bytes"]["minimum"] == cases.step_bytes([(39, 1)] * 2, 16)["minimum"]
     assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
+    assert all(r["copy"]["gpu_us"] > 0 for r in result["rows"] if r["section"] == "rope_append")
     assert result["rows"][2]["decode_only"] and not result["rows"][4]["decode_only"]
     printed = capsys.readouterr().out
     if importlib.util.find_spec("matplotlib") is not None:  # the bench extra; not the test one

@@ -185,6 +185,19 @@ def test_plot_written_only_with_decode_rows(tmp_path):
     assert report.plot_decode(result_of([append_row(1, 1.0, 4.0)]), str(tmp_path / "q.png")) is None
 
 
+def test_append_rows_show_the_same_size_copy_beside_the_ceiling():
+    """A row's copy of the same bytes (the ceiling at that size) is printed and named in the
+    verdict; rows measured before the copy was timed print dashes."""
+    row = append_row(1024, 20.0, 11.0)
+    row.update(copy={"gpu_us": 2.5, "eager_us": 5.0, "host_us": 4.0}, copy_pct_ceiling=25.0)
+    text = report.tables(result_of([row, append_row(4096, 50.0, 11.0)]))
+    lines = text.splitlines()
+    assert "   2.5  25.0% | yes" in [x for x in lines if x.startswith("  1024 ")][0]
+    assert "      -      - | yes" in [x for x in lines if x.startswith("  4096 ")][0]
+    verdict = [x for x in lines if "RoPE+append >= 85%" in x][0]
+    assert "1024 tokens: 20.0% (a copy of the same bytes: 25.0%)" in verdict
+
+
 def test_decode_table_counts_the_kernels_head_tile_passes():
     row = decode_row(16, 4096, 50.0, heads=128)
     nbytes = row["bytes"]
