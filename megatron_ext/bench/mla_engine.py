@@ -52,15 +52,13 @@ dynamic engine (flags on, no CUDA graphs) and the static path must generate the 
 """
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import statistics
 import time
 import traceback
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
-from unittest import mock
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -163,24 +161,6 @@ def static_batch(
     return batch
 
 
-@contextlib.contextmanager
-def _q_lora_rank(rank: Optional[int]) -> Iterator[None]:
-    """Make ``build_small_mla_gpt`` build with this q_lora_rank (it derives hidden / 2 otherwise;
-    DeepSeek-V3's 1536 belongs to hidden 7168). The config is megatron-core's own class."""
-    if rank is None:
-        yield
-        return
-    from megatron.core.transformer import transformer_config
-
-    config_class = transformer_config.MLATransformerConfig
-
-    def config(**kwargs: Any) -> Any:
-        return config_class(**dict(kwargs, q_lora_rank=rank))
-
-    with mock.patch.object(transformer_config, "MLATransformerConfig", config):
-        yield
-
-
 def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
     """The model of :data:`ENGINE_MODELS` for each path, with the same weights.
 
@@ -202,28 +182,26 @@ def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
     from megatron_ext import apply_megatron_ext
     from megatron_ext.testing.small_mla_gpt import build_small_mla_gpt
 
-    sizes = dict(ENGINE_MODELS[name])
-    rank = sizes.pop("q_lora_rank", None)
+    sizes = ENGINE_MODELS[name]
     overrides = dict(cuda_graph_impl="local") if device == "cuda" else None
-    with _q_lora_rank(rank):
-        # Static first, so that both flags are applied last, for the dynamic model's config. Its
-        # weights come from the dynamic model's: skipping the initialisation halves the build
-        # (seconds per 1e9 parameters on the CPU).
-        static = build_small_mla_gpt(
-            "on",
-            dtype=dtype,
-            device=device,
-            config_overrides=dict(perform_initialization=False),
-            **sizes,
-        )
-        dynamic = build_small_mla_gpt(
-            "on",
-            dtype=dtype,
-            device=device,
-            cache_mla_latents=True,
-            config_overrides=overrides,
-            **sizes,
-        )
+    # Static first, so that both flags are applied last, for the dynamic model's config. Its
+    # weights come from the dynamic model's: skipping the initialisation halves the build
+    # (seconds per 1e9 parameters on the CPU).
+    static = build_small_mla_gpt(
+        "on",
+        dtype=dtype,
+        device=device,
+        config_overrides=dict(perform_initialization=False),
+        **sizes,
+    )
+    dynamic = build_small_mla_gpt(
+        "on",
+        dtype=dtype,
+        device=device,
+        cache_mla_latents=True,
+        config_overrides=overrides,
+        **sizes,
+    )
     apply_megatron_ext(
         mla_rope_contiguous_load=True, inference_static_active_slices=True, config=dynamic.config
     )

@@ -64,6 +64,7 @@ def build_small_mla_gpt(
     dtype: torch.dtype = torch.bfloat16,
     device: Any = "cuda",
     seed: int = 1234,
+    q_lora_rank: Optional[int] = None,
     kv_lora_rank: Optional[int] = None,
     qk_head_dim: int = 128,
     qk_pos_emb_head_dim: int = 64,
@@ -81,6 +82,7 @@ def build_small_mla_gpt(
         dtype: parameter dtype.
         device: where the model lives.
         seed: weight initialisation seed (the same weights in both modes).
+        q_lora_rank: the query's down-projection width (None: ``hidden_size // 2``).
         kv_lora_rank: latent width (None: ``hidden_size // 4``).
         qk_head_dim, qk_pos_emb_head_dim, v_head_dim: head sizes (default DeepSeek-V3's,
             128 + 64 RoPE and 128).
@@ -110,7 +112,7 @@ def build_small_mla_gpt(
         hidden_size=hidden_size,
         ffn_hidden_size=4 * hidden_size,
         num_attention_heads=num_attention_heads,
-        q_lora_rank=hidden_size // 2,
+        q_lora_rank=hidden_size // 2 if q_lora_rank is None else q_lora_rank,
         kv_lora_rank=hidden_size // 4 if kv_lora_rank is None else kv_lora_rank,
         qk_head_dim=qk_head_dim,
         qk_pos_emb_head_dim=qk_pos_emb_head_dim,
