@@ -11,7 +11,7 @@ The launches mirror ``mla_paged_latent_attention``'s launcher
 page size 64, 4096-row block tables:
 
 * ``decode``: one token per request (``max_query_len=1``), 64 requests: ``BLOCK_Q=1``,
-  ``BLOCK_H=16``, ``BLOCK_N=32``, one split (512 programs fill the GPU).
+  ``BLOCK_H=64`` (16 in fp32), ``BLOCK_N=32``, the launcher's split count.
 * ``decode-split``: the same tile with ``--splits`` kv splits (fewer requests), and the
   ``_combine_splits_kernel`` launch (``combine``) that follows it.
 * ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,
@@ -100,7 +100,7 @@ def attention_launch(
     """
     fp32 = dtype == "fp32"
     decode = max_query_len == 1
-    block_h = mla.BLOCK_H if decode else min(mla.BLOCK_H, triton.next_power_of_2(HEADS))
+    block_h = mla.head_tile(HEADS, decode, fp32)
     max_rows = 32 if fp32 else 64
     block_q = (
         1

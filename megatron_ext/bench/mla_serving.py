@@ -258,7 +258,7 @@ def decode_row(
     row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
     blocks = -(-context // cases.BLOCK_SIZE)
     splits = default_num_kv_splits(
-        batch, -(-heads // cases.HEAD_TILE), blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
+        batch, row["bytes"]["head_tiles"], blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
     )
     row.update(section="decode", batch=batch, context=context, splits=splits)
     row["ours_pct_ceiling"] = pct_of_ceiling(

@@ -29,8 +29,6 @@ BLOCK_SIZE = 64
 # MLA's logit scale uses the unabsorbed head size (qk_head_dim 128 + rope 64); yarn's mscale**2 is
 # 1 for DeepSeek-V3 (mscale == mscale_all_dim).
 SOFTMAX_SCALE = (128 + ROPE) ** -0.5
-# Heads per query tile of the decode kernel: the cache rows are read once per head tile.
-HEAD_TILE = 16
 
 DECODE_BATCHES = (1, 16, 64, 128)
 DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
@@ -82,8 +80,9 @@ def step_bytes(
     ``minimum``: each attended cache row read once (``(cached + new) x width x elt`` per request),
     the query read and the output written once: what the call must move at least, and the
     figure its share of the copy ceiling is computed from. ``kernel``: megatron_ext's kernel reads
-    the rows once per head tile of ``HEAD_TILE`` heads (the L2 may serve some of the repeats), so
-    this is its traffic at most, not counting the split-KV partials.
+    the rows once per head tile (:func:`megatron_ext.fusions.mla_paged_latent_attention.head_tile`;
+    the L2 may serve some of the repeats), so this is its traffic at most, not counting the split-KV
+    partials.
 
     Args:
         requests: (cached, new) per request.
@@ -101,7 +100,10 @@ def step_bytes(
     cache = rows * width * elt
     query = tokens * heads * width * elt
     output = tokens * heads * latent * elt
-    tiles = math.ceil(heads / HEAD_TILE)
+    from megatron_ext.fusions.mla_paged_latent_attention import head_tile
+
+    decode = all(new == 1 for _, new in requests)
+    tiles = math.ceil(heads / head_tile(heads, decode, fp32=elt == 4))
     return {
         "cache": cache,
         "query": query,

@@ -217,9 +217,9 @@ def _decode_table(rows: List[Dict[str, Any]], tb_per_s: float) -> List[str]:
         "=== table: decode attention (bf16, page size 64, shuffled pages), megatron_ext vs "
         f"FlashInfer; copy ceiling {tb_per_s:.2f} TB/s (same run)",
         "MB: the minimum bytes (each attended cache row once + query + output); %ceil: MB / gpu "
-        "time against the ceiling; kern%: the same with the rows counted once per 16-head tile "
-        "as the kernel reads them (over 100: the L2 served repeats); x: ours / FlashInfer GPU "
-        "time (< 1: ours faster); diff: max |ours - FlashInfer|",
+        "time against the ceiling; kern%: the same with the rows counted once per head tile "
+        "(up to 64 heads) as the kernel reads them (over 100: the L2 served repeats); x: ours / "
+        "FlashInfer GPU time (< 1: ours faster); diff: max |ours - FlashInfer|",
         f"{'batch':>5} {'ctx':>6} {'heads':>5} {'MB':>8} {'splits':>6} | {'gpu us':>9} "
         f"{'%ceil':>6} {'kern%':>7} {'eager':>8} {'host':>6} | {'FI gpu':>9} {'%ceil':>6} "
         f"{'eager':>8} {'host':>6} {'x':>7} {'diff':>8}",

@@ -16,7 +16,8 @@ Kernel design:
 
 * Stage 1 (:func:`_latent_attention_kernel`), grid ``(query tiles, head tiles, kv splits)``. A
   query tile is up to ``BLOCK_Q`` consecutive new tokens of one request times ``BLOCK_H`` heads
-  (rows of one ``tl.dot``); its program walks the request's cache rows ``BLOCK_N`` at a time
+  (rows of one ``tl.dot``; :func:`head_tile`: decode tiles of up to 64 heads, so each cache row
+  is read once per 64 heads); its program walks the request's cache rows ``BLOCK_N`` at a time
   (each row's block looked up in the block table, so any block size works), with an online
   softmax in fp32. The number of query tiles is bounded by static sizes
   (``tokens // BLOCK_Q + requests + 1``: each request's tiles start at
@@ -54,7 +55,12 @@ from megatron_ext.fusions.latent_cache_checks import (
 )
 from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, check_int, check_tensor
 
-__all__ = ["MAX_KV_SPLITS", "default_num_kv_splits", "mla_paged_latent_attention"]
+__all__ = [
+    "MAX_KV_SPLITS",
+    "default_num_kv_splits",
+    "head_tile",
+    "mla_paged_latent_attention",
+]
 
 # Upper bound of the split count (stage 2 combines at most this many partials per token).
 MAX_KV_SPLITS = 64
@@ -65,6 +71,10 @@ MIN_KEYS_PER_SPLIT = 256
 SEQ_BLOCK = 128
 # Heads per query tile: the smallest row count of a tensor-core dot at one token per tile.
 BLOCK_H = 16
+# Heads per decode tile with 16-bit inputs: each head tile reads the request's cache rows once,
+# so wider tiles read the cache fewer times (twice, not eight times, at 128 heads). 64 rows of a
+# 512-wide fp32 accumulator is what fits in registers; fp32 inputs keep BLOCK_H.
+MAX_DECODE_BLOCK_H = 64
 LOG2E = 1.4426950408889634
 
 
@@ -135,11 +145,11 @@ def _latent_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
-    head_tile = tl.program_id(1)
+    head_block = tl.program_id(1)
     split = tl.program_id(2).to(tl.int64)
     ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
     rows = tl.arange(0, ROWS)
-    heads = head_tile * BLOCK_H + rows % BLOCK_H
+    heads = head_block * BLOCK_H + rows % BLOCK_H
     head_ok = heads < num_heads
     lat = tl.arange(0, LATENT_DIM)
     rope = tl.arange(0, ROPE_DIM)
@@ -170,7 +180,12 @@ def _latent_attention_kernel(
     positions = kv_len - q_len + local
     capacity = tl.minimum(kv_len, max_blocks * block_size)
     row_end = tl.minimum(positions + 1, capacity)
-    tile_end = tl.max(tl.where(row_ok, row_end, 0), axis=0)
+    # The tile's key bound from scalars, not a reduction over row_end: Triton 3.7 turns a bound
+    # derived from a reduction into scalar 16-bit loads of the key rows (no async copies,
+    # register spills), 3-5x slower. Rows end in position order, so the tile's last valid row
+    # has the largest end.
+    last = tl.minimum(tl.minimum(tile_start + BLOCK_Q, q_len), num_tokens - q_start) - 1
+    tile_end = tl.where(last >= tile_start, tl.minimum(kv_len - q_len + last + 1, capacity), 0)
     chunk = tl.cdiv(tl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, tile_end)
@@ -307,6 +322,26 @@ def default_num_kv_splits(
         return 1
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(MAX_KV_SPLITS, triton.cdiv(target, programs), by_length))
+
+
+def head_tile(heads: int, decode: bool, fp32: bool) -> int:
+    """Heads per query tile of a launch.
+
+    Args:
+        heads: query heads of the launch (a tensor-parallel shard's count).
+        decode: whether every request has one new token (``max_query_len == 1``).
+        fp32: whether the inputs are fp32.
+
+    Returns:
+        int: a power of two. Decode: ``BLOCK_H`` with fp32 inputs; with 16-bit inputs the heads
+        rounded up to a power of two, from ``BLOCK_H`` to ``MAX_DECODE_BLOCK_H``. Other steps:
+        the heads rounded up to a power of two, at most ``BLOCK_H`` (tokens fill the tile).
+    """
+    if not decode:
+        return min(BLOCK_H, triton.next_power_of_2(heads))
+    if fp32:
+        return BLOCK_H
+    return min(MAX_DECODE_BLOCK_H, max(BLOCK_H, triton.next_power_of_2(heads)))
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -477,7 +512,7 @@ def mla_paged_latent_attention(
     decode = max_query_len == 1
     # Rows of one dot: BLOCK_Q tokens x BLOCK_H heads, at least 16 (a tensor-core tile) and at
     # most what keeps the fp32 accumulator [rows, latent_dim] in registers.
-    block_h = BLOCK_H if decode else min(BLOCK_H, triton.next_power_of_2(heads))
+    block_h = head_tile(heads, decode, fp32)
     max_rows = 32 if fp32 else 64
     bound = tokens if max_query_len is None else max_query_len
     block_q = (

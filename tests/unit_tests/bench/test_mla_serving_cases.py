@@ -8,14 +8,17 @@ from megatron_ext.bench import mla_serving_cases as cases
 
 
 def test_decode_bytes_minimum_is_each_row_once_plus_query_and_output():
-    nbytes = cases.step_bytes(cases.decode_requests(2, 100), heads=32)
+    nbytes = cases.step_bytes(cases.decode_requests(2, 100), heads=128)
     assert nbytes["cache"] == 2 * 100 * 576 * 2
-    assert nbytes["query"] == 2 * 32 * 576 * 2 and nbytes["output"] == 2 * 32 * 512 * 2
+    assert nbytes["query"] == 2 * 128 * 576 * 2 and nbytes["output"] == 2 * 128 * 512 * 2
     assert nbytes["minimum"] == nbytes["cache"] + nbytes["query"] + nbytes["output"]
-    # The kernel reads the rows once per tile of 16 heads.
+    # 16-bit decode reads the rows once per tile of 64 heads.
     assert nbytes["head_tiles"] == 2
     assert nbytes["kernel"] == 2 * nbytes["cache"] + nbytes["query"] + nbytes["output"]
-    assert cases.step_bytes(cases.decode_requests(1, 10), heads=17)["head_tiles"] == 2
+    assert cases.step_bytes(cases.decode_requests(1, 10), heads=17)["head_tiles"] == 1
+    # fp32 decode and prefill keep 16-head tiles.
+    assert cases.step_bytes(cases.decode_requests(1, 10), heads=32, elt=4)["head_tiles"] == 2
+    assert cases.step_bytes([(0, 8)], heads=128)["head_tiles"] == 8
 
 
 def test_the_largest_decode_row_fits_a_gpu():

@@ -170,6 +170,33 @@ def test_default_split_count_comes_from_static_sizes():
     run_and_check(step, max_query_len=1)  # the default split count, whatever it is
 
 
+def test_head_tiles_are_wide_only_for_16_bit_decode():
+    assert attention.head_tile(128, decode=True, fp32=False) == 64
+    assert attention.head_tile(40, decode=True, fp32=False) == 64
+    assert attention.head_tile(32, decode=True, fp32=False) == 32
+    assert attention.head_tile(3, decode=True, fp32=False) == 16  # a tensor-core tile at least
+    assert attention.head_tile(128, decode=True, fp32=True) == 16
+    assert attention.head_tile(128, decode=False, fp32=False) == 16
+    assert attention.head_tile(3, decode=False, fp32=False) == 4  # tokens fill the tile
+
+
+# fp16 (the interpreter has no bf16 dot): the keys, the probabilities cast for the value product
+# and the output are each rounded to 2**-11 relative, so outputs of magnitude <= ~3 stay within
+# ~3e-3 of float64.
+FP16_TOLERANCE = dict(rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("heads", [40, 128])
+def test_wide_decode_tile_matches_float64(heads, monkeypatch):
+    step = build_step(
+        DECODE, heads=heads, block_size=16, dtype=torch.float16, seed=heads, device=DEVICE
+    )
+    launches = _record_launches(monkeypatch)
+    run_and_check(step, tolerance=FP16_TOLERANCE, max_query_len=1, num_kv_splits=2)
+    # Stage 1's grid is (query tiles, head tiles, splits): one head tile per 64 heads.
+    assert [grid[1:] for grid in launches if len(grid) == 3] == [(-(-heads // 64), 2)]
+
+
 def test_no_tokens_is_no_launch(monkeypatch):
     step = build_step([(3, 1)], heads=2, seed=11, device=DEVICE)
     launches = _record_launches(monkeypatch)
@@ -317,7 +344,7 @@ def test_gpu_step_kinds_match_float64(requests, block_size, heads, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_DTYPES), ids=str)
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, 32, 128])
 @pytest.mark.parametrize("batch", [1, 16, 64, 128])
 def test_gpu_decode_batches_with_contexts_to_4k(batch, heads, dtype):
     torch_dtype, tolerance = GPU_DTYPES[dtype]
