@@ -189,7 +189,8 @@ def mla_dynamic_attention(
     GRAPH-SAFE (no host synchronisation); writes no state of ``module``.
 
     Args:
-        module: an ``ExtMLASelfAttention`` (megatron-core's ``MLASelfAttention`` fields).
+        module: an ``ExtMLASelfAttention`` or ``ExtFusedMLASelfAttention`` (megatron-core's
+            ``MLASelfAttention`` fields; the fused class's one q/kv down projection).
         hidden_states: ``[tokens, 1, hidden]``, the step's padded token rows.
         context: a ``DynamicInferenceContext`` with ``cache_mla_latent`` whose attention state
             is initialised for this step.
@@ -220,13 +221,21 @@ def mla_dynamic_attention(
     tokens = context_token_tensors(context)
 
     # Projections and norms: megatron-core's, without its training-only branches.
-    if config.q_lora_rank is not None:
+    if hasattr(module, "linear_qkv_down_proj"):
+        # 0.19's FusedMLASelfAttention: one down projection (the input norm fused into it in
+        # Transformer Engine's spec), split and the query part gathered by the module's own method.
+        q_compressed, kv_combined = module._qkv_down_projection(hidden_states)
+    elif config.q_lora_rank is not None:
         q_compressed, _ = module.linear_q_down_proj(hidden_states)
+        kv_combined, _ = module.linear_kv_down_proj(hidden_states)
+    else:
+        q_compressed = None
+        kv_combined, _ = module.linear_kv_down_proj(hidden_states)
+    if q_compressed is not None:
         q_compressed = module.q_layernorm(_full_width(q_compressed, config.q_lora_rank))
         q, _ = module.linear_q_up_proj(q_compressed)
     else:
         q, _ = module.linear_q_proj(hidden_states)
-    kv_combined, _ = module.linear_kv_down_proj(hidden_states)
     kv_combined = _full_width(kv_combined, latent_dim + rope_dim)
     kv_compressed, k_pos_emb = torch.split(kv_combined, [latent_dim, rope_dim], dim=-1)
     kv_latent = _latent_norm(module, kv_compressed)

@@ -6,8 +6,10 @@ megatron-core's MLA calls its fused RoPE through the module globals
 ``fused_apply_mla_rope_for_q/kv``, which the ``mla_rope_contiguous_load`` patch
 (:data:`megatron_ext.patches.PATCHES`) points at megatron_ext's bit-identical kernels. The
 subclasses here refuse to run when that patch is not in effect (the flag would silently do
-nothing), check context-parallel thd lengths, and run the fused RoPE under static-batching
-inference, which megatron-core refuses (Megatron-LM #7106); everything else is megatron-core's.
+nothing), check context-parallel thd lengths, run the fused RoPE under static-batching
+inference, which megatron-core refuses (Megatron-LM #7106), and run dynamic-batching steps through
+:mod:`megatron_ext.transformer.mla_dynamic_inference` (megatron-core's own needs FlashMLA and
+flash-attn); everything else is megatron-core's.
 """
 
 from contextvars import ContextVar
@@ -150,7 +152,78 @@ def _step_rotary_embedding(
 
 
 class _ContiguousLoadRopeMixin:
-    """The checks shared by megatron_ext's MLA subclasses (see the module docstring)."""
+    """What megatron_ext's MLA subclasses share (see the module docstring): the dynamic-batching
+    route and the fused-RoPE checks."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        position_ids=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
+        """megatron-core's forward; a dynamic-batching step runs
+        :func:`~megatron_ext.transformer.mla_dynamic_inference.mla_dynamic_attention` instead
+        (megatron-core's needs FlashMLA and flash-attn, and raises TypeError on both releases).
+
+        GRAPH-SAFE for dynamic-batching steps (no host synchronisation), and writes no state of
+        the module.
+
+        Raises:
+            MegatronExtRopeNotAppliedError: for a dynamic-batching step while megatron_ext's RoPE
+                patch is not applied.
+            ValueError: for a dynamic-batching step with arguments the path does not take
+                (key/value states, RoPE tensors, attention bias, packed sequences) or a context
+                without ``cache_mla_latent``.
+        """
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is None or inference_context.is_static_batching():
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                key_value_states,
+                inference_context,
+                rotary_pos_emb,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                rotary_pos_cos_sin,
+                attention_bias,
+                packed_seq_params,
+                position_ids,
+                sequence_len_offset,
+            )
+        if not _rope_patched():
+            raise MegatronExtRopeNotAppliedError(
+                f"{type(self).__name__} serves dynamic batching with megatron_ext's kernels only "
+                "while --mla-rope-contiguous-load is applied: call megatron_ext.apply_megatron_ext("
+                "mla_rope_contiguous_load=True, config=...) first"
+            )
+        unused = {
+            "key_value_states": key_value_states,
+            "rotary_pos_emb": rotary_pos_emb,
+            "rotary_pos_cos": rotary_pos_cos,
+            "rotary_pos_sin": rotary_pos_sin,
+            "rotary_pos_cos_sin": rotary_pos_cos_sin,
+            "attention_bias": attention_bias,
+            "packed_seq_params": packed_seq_params,
+        }
+        given = [name for name, value in unused.items() if value is not None]
+        if given:
+            raise ValueError(
+                "MLA under dynamic batching takes its positions and lengths from the context; "
+                f"got {', '.join(given)}"
+            )
+        return mla_dynamic_attention(self, hidden_states, inference_context)
 
     def get_query_key_value_tensors(
         self,
@@ -246,83 +319,16 @@ class ExtMLASelfAttention(_ContiguousLoadRopeMixin, _mcore_mla.MLASelfAttention)
     ``apply_megatron_ext`` refuses configurations where the flag would change nothing.
     """
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask,
-        key_value_states=None,
-        inference_context=None,
-        rotary_pos_emb=None,
-        rotary_pos_cos=None,
-        rotary_pos_sin=None,
-        rotary_pos_cos_sin=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        position_ids=None,
-        sequence_len_offset=None,
-        *,
-        inference_params=None,
-    ):
-        """megatron-core's forward; a dynamic-batching step runs
-        :func:`~megatron_ext.transformer.mla_dynamic_inference.mla_dynamic_attention` instead
-        (megatron-core's needs FlashMLA and flash-attn, and raises TypeError on both releases).
-
-        GRAPH-SAFE for dynamic-batching steps (no host synchronisation), and writes no state of
-        the module.
-
-        Raises:
-            MegatronExtRopeNotAppliedError: for a dynamic-batching step while megatron_ext's RoPE
-                patch is not applied.
-            ValueError: for a dynamic-batching step with arguments the path does not take
-                (key/value states, RoPE tensors, attention bias, packed sequences) or a context
-                without ``cache_mla_latent``.
-        """
-        inference_context = deprecate_inference_params(inference_context, inference_params)
-        if inference_context is None or inference_context.is_static_batching():
-            return super().forward(
-                hidden_states,
-                attention_mask,
-                key_value_states,
-                inference_context,
-                rotary_pos_emb,
-                rotary_pos_cos,
-                rotary_pos_sin,
-                rotary_pos_cos_sin,
-                attention_bias,
-                packed_seq_params,
-                position_ids,
-                sequence_len_offset,
-            )
-        if not _rope_patched():
-            raise MegatronExtRopeNotAppliedError(
-                f"{type(self).__name__} serves dynamic batching with megatron_ext's kernels only "
-                "while --mla-rope-contiguous-load is applied: call megatron_ext.apply_megatron_ext("
-                "mla_rope_contiguous_load=True, config=...) first"
-            )
-        unused = {
-            "key_value_states": key_value_states,
-            "rotary_pos_emb": rotary_pos_emb,
-            "rotary_pos_cos": rotary_pos_cos,
-            "rotary_pos_sin": rotary_pos_sin,
-            "rotary_pos_cos_sin": rotary_pos_cos_sin,
-            "attention_bias": attention_bias,
-            "packed_seq_params": packed_seq_params,
-        }
-        given = [name for name, value in unused.items() if value is not None]
-        if given:
-            raise ValueError(
-                "MLA under dynamic batching takes its positions and lengths from the context; "
-                f"got {', '.join(given)}"
-            )
-        return mla_dynamic_attention(self, hidden_states, inference_context)
-
 
 _McoreFusedMLA = getattr(_mcore_mla, "FusedMLASelfAttention", None)
 
 if _McoreFusedMLA is not None:
 
     class ExtFusedMLASelfAttention(_ContiguousLoadRopeMixin, _McoreFusedMLA):
-        """megatron-core's ``FusedMLASelfAttention`` with megatron_ext's RoPE kernels."""
+        """megatron-core's ``FusedMLASelfAttention`` (one q/kv down projection, 0.19's
+        ``mla_down_proj_fusion``) with megatron_ext's RoPE kernels, and its dynamic-batching steps
+        through :mod:`megatron_ext.transformer.mla_dynamic_inference`, as
+        :class:`ExtMLASelfAttention`'s."""
 
 else:
     # megatron-core releases before FusedMLASelfAttention existed (0.16) have nothing to extend.

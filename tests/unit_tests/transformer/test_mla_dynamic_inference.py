@@ -34,7 +34,10 @@ from megatron_ext.testing.mla_dynamic_engine import (
 )
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
 from megatron_ext.transformer import mla_dynamic_inference
-from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
+from megatron_ext.transformer.multi_latent_attention import (
+    ExtFusedMLASelfAttention,
+    ExtMLASelfAttention,
+)
 from tests.unit_tests.mcore_rng import inference_rng_tracker
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -400,6 +403,68 @@ def test_step_over_each_ranks_head_shard_sums_to_the_whole_step(stack, size):
     assert all(float((part - whole)[:active].abs().max()) > 2**-10 * scale for part in parts)
 
 
+def _fused_down_projection_copy(module: Any) -> Any:
+    """0.19's ``FusedMLASelfAttention`` (``mla_down_proj_fusion``) built as megatron_ext's class
+    beside ``module``, with ``module``'s weights: its one q/kv down projection holds the two down
+    projections' weights stacked (their outputs side by side, as megatron-core splits them)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ext.models.gpt.gpt_layer_specs import get_gpt_layer_local_mla_spec
+
+    layer = get_gpt_layer_local_mla_spec(module.config)
+    submodules = dataclasses.replace(
+        layer.submodules.self_attention.submodules, linear_qkv_down_proj=ColumnParallelLinear
+    )
+    fused = ExtFusedMLASelfAttention(
+        config=module.config,
+        submodules=submodules,
+        layer_number=module.layer_number,
+        attn_mask_type=AttnMaskType.causal,
+    )
+    state = {
+        name: value
+        for name, value in module.state_dict().items()
+        if not name.startswith(("linear_q_down_proj.", "linear_kv_down_proj."))
+    }
+    state["linear_qkv_down_proj.weight"] = torch.cat(
+        [module.linear_q_down_proj.weight, module.linear_kv_down_proj.weight]
+    )
+    missing, unexpected = fused.load_state_dict(state, strict=False)
+    assert not [name for name in missing if not name.endswith("_extra_state")], missing
+    assert not unexpected, unexpected
+    return fused.to(device=module.linear_proj.weight.device, dtype=module.linear_proj.weight.dtype)
+
+
+@pytest.mark.skipif(
+    ExtFusedMLASelfAttention is None,
+    reason="megatron-core 0.16 has no FusedMLASelfAttention (0.19's mla_down_proj_fusion)",
+)
+def test_fused_down_projection_module_serves_the_same_step(stack):
+    """0.19's FusedMLASelfAttention, swapped for megatron_ext's, runs a dynamic step through the
+    same path (its forward, not megatron-core's dynamic branch) and gives the unfused module's
+    output from the same weights, its one down projection called once per step."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    fused = _fused_down_projection_copy(module)
+    assert not hasattr(fused, "linear_q_down_proj") and not hasattr(fused, "linear_kv_down_proj")
+    calls = []
+    fused.linear_qkv_down_proj.register_forward_hook(lambda *args: calls.append(1))
+    n = int(context.padded_active_token_count)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(n, 1, TINY["hidden_size"], generator=generator).to(DEVICE)
+    with torch.no_grad():
+        expected, _ = module(hidden, None, inference_context=context)
+        got, _ = fused(hidden, None, inference_context=context)
+    assert calls == [1]
+    active = context.active_token_count
+    scale = float(expected[:active].abs().max())
+    assert scale > 0
+    # The same arithmetic but the down projection's one GEMM for two (fp32).
+    assert float((got[:active] - expected[:active]).abs().max()) <= 2**-18 * scale
+
+
 def test_dynamic_step_needs_the_flag(stack):
     model = build_model(TINY)
     context = _context_step(model, [4])
@@ -580,20 +645,22 @@ def test_gpu_attention_step_has_no_host_sync(stack, lengths):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _te_spec_model(config: Any, dtype: torch.dtype) -> Any:
+def _te_spec_model(config: Any, dtype: torch.dtype, down_proj_fusion: bool = False) -> Any:
     """A GPT with Transformer Engine's MLA layer spec (the kv norm fused into
-    ``linear_kv_up_proj``), built by megatron-core's builder (so the flag's patch decides the
-    attention class), seeded like ``build_small_mla_gpt``."""
+    ``linear_kv_up_proj``; with ``down_proj_fusion``, 0.19's FusedMLASelfAttention with the input
+    norm fused into its one q/kv down projection), built by megatron-core's builder (so the flag's
+    patch decides the attention class), seeded like ``build_small_mla_gpt``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    fusion = dict(mla_down_proj_fusion=True) if down_proj_fusion else {}
     torch.manual_seed(1234)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=True, multi_latent_attention=True
+            qk_layernorm=True, multi_latent_attention=True, **fusion
         ),
         vocab_size=DEEPSEEK_LIKE["vocab_size"],
         max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
@@ -604,17 +671,22 @@ def _te_spec_model(config: Any, dtype: torch.dtype) -> Any:
 
 
 @pytest.mark.gpu
-def test_gpu_te_spec_generation_matches_its_training_forward(stack):
+@pytest.mark.parametrize("down_proj_fusion", [False, True], ids=["mla", "fused_down_proj"])
+def test_gpu_te_spec_generation_matches_its_training_forward(stack, down_proj_fusion):
     """With Transformer Engine's spec, the dynamic path normalises the latent with the norm TE
-    fuses into linear_kv_up_proj: its logits match the same weights' training forward (TE,
-    RoPE unfused, no latent caching) within the bf16 bound."""
+    fuses into linear_kv_up_proj (and, with 0.19's down-projection fusion, projects through the
+    fused input norm and one q/kv down projection): its logits match the same weights' training
+    forward (TE, RoPE unfused, no latent caching) within the bf16 bound."""
     pytest.importorskip("transformer_engine", reason="Transformer Engine's spec needs TE")
+    if down_proj_fusion and ExtFusedMLASelfAttention is None:
+        pytest.skip("megatron-core 0.16 has no FusedMLASelfAttention (0.19's mla_down_proj_fusion)")
+    expected_class = ExtFusedMLASelfAttention if down_proj_fusion else ExtMLASelfAttention
     local = build_model(DEEPSEEK_LIKE, torch.bfloat16)
-    model = _te_spec_model(local.config, torch.bfloat16)
-    assert any(isinstance(m, ExtMLASelfAttention) for m in model.modules())
+    model = _te_spec_model(local.config, torch.bfloat16, down_proj_fusion)
+    assert any(type(m) is expected_class for m in model.modules())
     reference_config = dataclasses.replace(local.config, cache_mla_latents=False)
     undo_megatron_ext()
-    reference = _te_spec_model(reference_config, torch.bfloat16)
+    reference = _te_spec_model(reference_config, torch.bfloat16, down_proj_fusion)
     reference.load_state_dict(model.state_dict())
     apply_megatron_ext(
         mla_rope_contiguous_load=True, inference_static_active_slices=True, config=local.config

@@ -150,18 +150,21 @@ def test_override_is_minimal():
         }
 
     # rotary_pos_emb: megatron-core's submodule, seen by a static-batching step as its own rows.
+    # forward: a dynamic-batching step is megatron_ext's (mla_dynamic_inference).
     assert methods(ext_mla._ContiguousLoadRopeMixin) == {
+        "forward",
         "get_query_key_value_tensors",
         "rotary_pos_emb",
     }
-    # forward: a dynamic-batching step is megatron_ext's (mla_dynamic_inference).
-    assert methods(ExtMLASelfAttention) == {"forward"}
+    # The subclasses add nothing to the shared overrides.
+    assert methods(ExtMLASelfAttention) == set()
     assert issubclass(ExtMLASelfAttention, mcore_mla.MLASelfAttention)
     fused = getattr(mcore_mla, "FusedMLASelfAttention", None)
     if fused is None:
         assert ExtFusedMLASelfAttention is None
     else:
         assert issubclass(ExtFusedMLASelfAttention, fused)
+        assert methods(ExtFusedMLASelfAttention) == set()
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "thd"])
