@@ -18,7 +18,9 @@ caller takes the safe path:
   a direct kernel launch. Fallback: the public ``torch.cuda`` calls (:func:`check_cuda_current`
   compares them before the first direct launch).
 - Triton's ``CudaLauncher``, ``driver.active.utils.launch`` and ``knobs.runtime`` hook chains:
-  the direct kernel launch (:func:`bind_triton_launcher`). Fallback: Triton's JIT launch.
+  the direct kernel launch (:func:`bind_triton_launcher`), and ``JITFunction.arg_names``, the
+  parameter order it passes arguments in (:func:`triton_kernel_arg_names`). Fallback: Triton's
+  JIT launch.
 
 Tested on CPython 3.11 with torch 2.13 (CPU, Triton 3.9's interpreter) and on CPython 3.12 with
 torch 2.11 and Triton 3.6 (CUDA, H200); the launcher conventions are known for Triton 3.6 to 3.9.
@@ -323,6 +325,22 @@ def triton_launch_convention(launcher) -> Optional[str]:
         return "generated"
     # A launcher wrapped for tensor descriptors rewrites its arguments: not ours to skip.
     return "generic" if all(generic) and launcher.launch is _generic_launch() else None
+
+
+def triton_kernel_arg_names(kernel) -> Optional[List[str]]:
+    """A ``triton.jit`` function's parameter names in signature order (constexprs included), or
+    None where the attribute is missing or not a list of strings (no direct launch then).
+
+    Args:
+        kernel: the ``triton.jit`` function.
+
+    Returns:
+        Optional[List[str]]: the names.
+    """
+    names = getattr(kernel, "arg_names", None)
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return None
+    return list(names)
 
 
 def bind_triton_launcher(compiled) -> Optional[DirectLaunch]:

@@ -14,11 +14,15 @@ the arguments); any difference or error switches the direct launch off for the p
 warning, and every launch takes Triton's JIT path. It is also skipped under the interpreter,
 while Triton launch hooks are set (profilers see every launch), for kernels whose convention is
 unknown or that need scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
+
+Users: the MLA RoPE launches (:mod:`megatron_ext.fusions.mla_rope.launch`, keyed by the call's
+shapes), the top-k draw, and, through :class:`KernelLaunches` (keyed by what Triton specialises
+on), the paged latent-cache kernels (attention and its split combine, the RoPE + append).
 """
 
 import os
 import warnings
-from typing import Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
 import triton
@@ -118,3 +122,81 @@ def verified(device: torch.device) -> Optional[bool]:
         )
     _VERIFIED[index] = ok
     return ok
+
+
+# Bounds of Triton's 32-bit and unsigned 64-bit integer arguments (it types an int by its value).
+_INT32 = range(-(2**31), 2**31)
+_INT64_MAX = 2**63
+
+
+class KernelLaunches:
+    """Launches of one Triton kernel: through Triton's JIT on a specialisation's first call, then
+    directly through the compiled kernel's C launcher (:func:`bind`), once :func:`verified`.
+
+    A specialisation is keyed by what Triton compiles a kernel for: each tensor argument's dtype
+    and 16-byte alignment, each specialised integer's value (Triton specialises on 1 and on
+    multiples of 16), for the ``unspecialized`` integers only their width, every other argument's
+    value (constexprs, strings, None), floats by type, the launch options and the device. A key
+    that is not the compiled kernel's own is never made: a key only ever splits one of Triton's.
+
+    Args:
+        kernel: the ``triton.jit`` function.
+        unspecialized: its ``do_not_specialize`` parameter names.
+        max_entries: bound on the cached launches (cleared when reached).
+    """
+
+    def __init__(self, kernel, unspecialized: Sequence[str] = (), max_entries: int = 1024):
+        self.kernel = kernel
+        self.unspecialized = frozenset(unspecialized)
+        self.max_entries = max_entries
+        # key -> DirectLaunch, or False where the direct launch cannot take the kernel.
+        self.launches: Dict[tuple, Any] = {}
+
+    def key(self, args: Mapping[str, Any], device_index: int, options: Mapping[str, Any]) -> tuple:
+        """The specialisation key of a launch (see the class docstring)."""
+        parts = [device_index, *options.items()]
+        unspecialized = self.unspecialized
+        for name, value in args.items():
+            kind = type(value)  # exact types first: this runs on every launch
+            if kind is int:
+                if name in unspecialized:
+                    parts.append((value in _INT32, value < _INT64_MAX))
+                else:
+                    parts.append(value)
+            elif kind is float:
+                parts.append(float)
+            elif isinstance(value, torch.Tensor):
+                parts.append((value.dtype, value.data_ptr() % 16 == 0))
+            else:  # bool, str, None, constexpr values; other int types by value
+                parts.append(value)
+        return tuple(parts)
+
+    def __call__(self, grid, args: Mapping[str, Any], **options: Any) -> None:
+        """Launch on ``grid`` (up to three dimensions) with ``args``: every kernel parameter by
+        name, in the kernel's order (constexprs included), and Triton's launch ``options``
+        (``num_warps``, ``num_stages``). CUDA tensors launch on their device's current stream;
+        CPU tensors (the interpreter) through the JIT."""
+        first = next((v for v in args.values() if isinstance(v, torch.Tensor)), None)
+        if first is None or first.device.type != "cuda":
+            self.kernel[grid](**args, **options)
+            return
+        index = first.device.index
+        key = self.key(args, index, options)
+        direct = self.launches.get(key)
+        if direct and not hooks_set() and internals.cuda_current_device() == index:
+            gx, gy, gz = (*grid, 1, 1)[:3]
+            values = tuple(
+                v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args.values()
+            )
+            direct(gx, gy, gz, internals.cuda_current_raw_stream(index), values)
+            return
+        with torch.cuda.device(index):
+            compiled = self.kernel[grid](**args, **options)
+        if direct is None and verified(first.device):
+            if len(self.launches) >= self.max_entries:
+                self.launches.clear()
+            # The C launcher takes the arguments in the kernel's order: bind only when the given
+            # names are the kernel's. False, not None: no rebinding per call.
+            names = internals.triton_kernel_arg_names(self.kernel)
+            ok = names is not None and list(args) == names
+            self.launches[key] = (ok and bind(compiled)) or False

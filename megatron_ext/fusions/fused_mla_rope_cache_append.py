@@ -25,7 +25,6 @@ absorption matmul.
 Graph safety: one launch, its grid sized by the token count (a shape); no host synchronisation.
 """
 
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.latent_cache_checks import (
     FLOAT_DTYPES,
     check_disjoint,
@@ -56,7 +56,24 @@ def _round_to(x, DTYPE: tl.constexpr):
     return x.to(DTYPE).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_positions", "num_blocks"])
+# Sizes that change from step to step: not specialised.
+_RUNTIME_SIZES = ["num_tokens", "num_positions", "num_blocks"]
+# The launch sizes _check returns, by kernel parameter.
+_SIZE_NAMES = (
+    "num_tokens",
+    "num_positions",
+    "num_blocks",
+    "block_size",
+    "latent_stride",
+    "k_pe_stride",
+    "cos_stride",
+    "sin_stride",
+    "cache_block_stride",
+    "cache_row_stride",
+)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def _rope_cache_append_kernel(
     latent_ptr,
     k_pe_ptr,
@@ -121,6 +138,10 @@ def _rope_cache_append_kernel(
     rope = cache_ptr + row[:, None] + LATENT_DIM + half[None, :]
     tl.store(rope, left.to(dtype), mask=write[:, None])
     tl.store(rope + HALF, right.to(dtype), mask=write[:, None])
+
+
+# Triton's JIT on a specialisation's first call, then the direct launch.
+_APPEND = KernelLaunches(_rope_cache_append_kernel, _RUNTIME_SIZES)
 
 
 def _check(
@@ -243,24 +264,26 @@ def fused_mla_rope_cache_append(
     if plan is None:
         return kv_cache
     sizes, latent_dim, rope_dim = plan
-    grid = (triton.cdiv(sizes[0], TOKENS_PER_PROGRAM),)
-    with torch.cuda.device(kv_cache.device) if kv_cache.is_cuda else nullcontext():
-        _rope_cache_append_kernel[grid](
-            kv_latent,
-            k_pos_emb,
-            cos,
-            sin,
-            positions,
-            block_idx,
-            block_offset,
-            kv_cache,
-            *sizes,
-            LATENT_DIM=latent_dim,
-            ROPE_DIM=rope_dim,
-            BLOCK_LATENT=triton.next_power_of_2(latent_dim),
-            BLOCK_T=TOKENS_PER_PROGRAM,
-            num_warps=4,
-            # torch rounds each product and the sum; a contracted FMA would round once.
-            enable_fp_fusion=False,
-        )
+    args = dict(
+        latent_ptr=kv_latent,
+        k_pe_ptr=k_pos_emb,
+        cos_ptr=cos,
+        sin_ptr=sin,
+        positions_ptr=positions,
+        block_idx_ptr=block_idx,
+        block_offset_ptr=block_offset,
+        cache_ptr=kv_cache,
+        **dict(zip(_SIZE_NAMES, sizes)),
+        LATENT_DIM=latent_dim,
+        ROPE_DIM=rope_dim,
+        BLOCK_LATENT=triton.next_power_of_2(latent_dim),
+        BLOCK_T=TOKENS_PER_PROGRAM,
+    )
+    _APPEND(
+        (triton.cdiv(sizes[0], TOKENS_PER_PROGRAM),),
+        args,
+        num_warps=4,
+        # torch rounds each product and the sum; a contracted FMA would round once.
+        enable_fp_fusion=False,
+    )
     return kv_cache

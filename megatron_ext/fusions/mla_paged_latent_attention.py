@@ -33,10 +33,13 @@ Graph safety: no host synchronisation, no ``.item()``, grids and the split count
 only; the lengths, block ids and positions are read on the device. The same inputs give the same
 bits on every launch (no atomics; the splits are combined in a fixed order), so a CUDA-graph
 replay equals an eager call. The first call of a shape compiles: make it outside capture.
+
+Launches: a specialisation's first call goes through Triton's JIT, later ones through the
+compiled kernel's C launcher (:class:`megatron_ext.fusions.direct_launch.KernelLaunches`), which
+skips Triton's Python dispatch.
 """
 
 import functools
-from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
@@ -44,6 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.latent_cache_checks import (
     FLOAT_DTYPES,
     check_disjoint,
@@ -234,7 +238,10 @@ def _latent_attention_kernel(
         tl.store(lse_ptr + split * lse_stride_s + tokens * lse_stride_t + heads, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_heads", "num_requests"])
+_COMBINE_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests"]
+
+
+@triton.jit(do_not_specialize=_COMBINE_RUNTIME_SIZES)
 def _combine_splits_kernel(
     partial_ptr,
     lse_ptr,
@@ -287,6 +294,11 @@ def _combine_splits_kernel(
     tl.store(
         out_rows[:, None] + lat[None, :], o.to(out_ptr.dtype.element_ty), mask=head_ok[:, None]
     )
+
+
+# The two stages' launches: Triton's JIT on a specialisation's first call, then the direct launch.
+_STAGE1 = KernelLaunches(_latent_attention_kernel, _RUNTIME_SIZES)
+_COMBINE = KernelLaunches(_combine_splits_kernel, _COMBINE_RUNTIME_SIZES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -537,59 +549,63 @@ def mla_paged_latent_attention(
         partial_strides = partial.stride()[:3]
         lse_strides = lse.stride()[:2]
     rows = block_q * block_h
+    stage1 = dict(
+        q_ptr=query,
+        cache_ptr=kv_cache,
+        block_table_ptr=block_table,
+        cu_q_ptr=cu_query_lengths,
+        kv_len_ptr=kv_lengths,
+        out_ptr=partial,
+        lse_ptr=lse,
+        scale_log2=float(softmax_scale) * LOG2E,
+        num_tokens=tokens,
+        num_heads=heads,
+        num_requests=requests,
+        num_blocks=kv_cache.shape[0],
+        block_size=kv_cache.shape[1],
+        max_blocks=max_blocks,
+        q_stride_t=query.stride(0),
+        q_stride_h=query.stride(1),
+        cache_stride_b=kv_cache.stride(0),
+        cache_stride_o=kv_cache.stride(1),
+        table_stride=block_table.stride(0),
+        out_stride_s=partial_strides[0],
+        out_stride_t=partial_strides[1],
+        out_stride_h=partial_strides[2],
+        lse_stride_s=lse_strides[0],
+        lse_stride_t=lse_strides[1],
+        LATENT_DIM=latent_dim,
+        ROPE_DIM=rope_dim,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_kv_splits,
+        SEQ_BLOCK=SEQ_BLOCK,
+        # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+    )
     warps = 8 if rows * latent_dim > 16 * 512 else 4
-    with torch.cuda.device(query.device) if query.is_cuda else nullcontext():
-        _latent_attention_kernel[(query_tiles, head_tiles, num_kv_splits)](
-            query,
-            kv_cache,
-            block_table,
-            cu_query_lengths,
-            kv_lengths,
-            partial,
-            lse,
-            float(softmax_scale) * LOG2E,
-            tokens,
-            heads,
-            requests,
-            kv_cache.shape[0],
-            kv_cache.shape[1],
-            max_blocks,
-            query.stride(0),
-            query.stride(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            block_table.stride(0),
-            *partial_strides,
-            *lse_strides,
+    _STAGE1((query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=2)
+    if num_kv_splits > 1:
+        combine_h = min(BLOCK_H, triton.next_power_of_2(heads))
+        combine = dict(
+            partial_ptr=partial,
+            lse_ptr=lse,
+            cu_q_ptr=cu_query_lengths,
+            out_ptr=out,
+            num_tokens=tokens,
+            num_heads=heads,
+            num_requests=requests,
+            partial_stride_s=partial_strides[0],
+            partial_stride_t=partial_strides[1],
+            partial_stride_h=partial_strides[2],
+            lse_stride_s=lse_strides[0],
+            lse_stride_t=lse_strides[1],
+            out_stride_t=out.stride(0),
+            out_stride_h=out.stride(1),
             LATENT_DIM=latent_dim,
-            ROPE_DIM=rope_dim,
-            BLOCK_Q=block_q,
-            BLOCK_H=block_h,
-            BLOCK_N=block_n,
+            BLOCK_H=combine_h,
             NUM_SPLITS=num_kv_splits,
-            SEQ_BLOCK=SEQ_BLOCK,
-            # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
-            DOT_PRECISION="ieee" if fp32 else "tf32",
-            num_warps=warps,
-            num_stages=2,
         )
-        if num_kv_splits > 1:
-            combine_h = min(BLOCK_H, triton.next_power_of_2(heads))
-            _combine_splits_kernel[(tokens, triton.cdiv(heads, combine_h))](
-                partial,
-                lse,
-                cu_query_lengths,
-                out,
-                tokens,
-                heads,
-                requests,
-                *partial_strides,
-                *lse_strides,
-                out.stride(0),
-                out.stride(1),
-                LATENT_DIM=latent_dim,
-                BLOCK_H=combine_h,
-                NUM_SPLITS=num_kv_splits,
-                num_warps=4,
-            )
+        _COMBINE((tokens, triton.cdiv(heads, combine_h)), combine, num_warps=4)
     return out

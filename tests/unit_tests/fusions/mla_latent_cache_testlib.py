@@ -194,7 +194,9 @@ def mla_rope_config(latent_dim: int = 512, rope_dim: int = 64):
 
 
 class _Recorder:
-    """Stands in for a kernel: records each launch's grid, then launches."""
+    """Stands in for a kernel (``kernel[grid](...)``) or a
+    :class:`~megatron_ext.fusions.direct_launch.KernelLaunches` (``launches(grid, args)``):
+    records each launch's grid, then launches."""
 
     def __init__(self, launches, kernel):
         self.launches, self.kernel = launches, kernel
@@ -203,9 +205,14 @@ class _Recorder:
         self.launches.append(grid)
         return self.kernel[grid]
 
+    def __call__(self, grid, *args, **kwargs):
+        self.launches.append(grid)
+        return self.kernel(grid, *args, **kwargs)
+
 
 def record_launches(monkeypatch, module, *kernels: str) -> list:
-    """Record the launches of ``module``'s kernels (by attribute name); returns the list."""
+    """Record the launches of ``module``'s kernels or kernel launchers (by attribute name);
+    returns the list of grids."""
     launches = []
     for name in kernels:
         monkeypatch.setattr(module, name, _Recorder(launches, getattr(module, name)))

@@ -8,9 +8,11 @@ import warnings
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
+from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
 HAVE_CUDA = torch.cuda.is_available()
 # The Triton releases whose launchers the direct launch knows (the probe still checks each one).
@@ -104,3 +106,97 @@ def test_gpu_probe_catches_a_wrong_calling_convention(monkeypatch):
     monkeypatch.setattr(direct_launch, "_VERIFIED", {})
     with pytest.warns(RuntimeWarning, match="wrote other values|unknown launcher"):
         assert direct_launch.verified(torch.device("cuda", torch.cuda.current_device())) is False
+
+
+# --------------------------------------------------------------------------------------------------
+# KernelLaunches: one direct launch per specialisation Triton compiles
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n"])
+def _scale_kernel(out_ptr, x_ptr, factor, n, stride, BLOCK: tl.constexpr):
+    idx = tl.arange(0, BLOCK)
+    mask = idx < n
+    x = tl.load(x_ptr + idx * stride, mask=mask, other=0.0)
+    tl.store(out_ptr + idx, x * factor, mask=mask)
+
+
+def _scale_args(out, x, n, stride=1, block=64, factor=2.0):
+    return dict(out_ptr=out, x_ptr=x, factor=factor, n=n, stride=stride, BLOCK=block)
+
+
+def test_launch_key_splits_only_what_triton_specialises():
+    launches = direct_launch.KernelLaunches(_scale_kernel, ["n"])
+    x, out = torch.zeros(256), torch.zeros(256)
+    options = dict(num_warps=4)
+
+    def key(**changes):
+        return launches.key(dict(_scale_args(out, x, 50), **changes), 0, options)
+
+    base = key()
+    # Not specialised: the unspecialised size within 32 bits, the float's value.
+    assert key(n=1) == key(n=16) == key(n=2**31 - 1) == base
+    assert key(factor=0.5) == base
+    # Specialised: a 64-bit unspecialised size, another dtype, another 16-byte alignment, a
+    # specialised int's value (Triton specialises on 1 and multiples of 16), a constexpr, the
+    # options, the device.
+    assert key(n=2**31) != base
+    assert key(x_ptr=torch.zeros(256, dtype=torch.float64)) != base
+    assert key(x_ptr=x[1:]) != base and key(x_ptr=x[4:]) == base
+    assert key(stride=16) != base and key(stride=2) != key(stride=3)
+    assert key(BLOCK=128) != base
+    assert launches.key(_scale_args(out, x, 50), 0, dict(num_warps=8)) != base
+    assert launches.key(_scale_args(out, x, 50), 1, options) != base
+    assert launches.key(dict(_scale_args(out, x, 50), x_ptr=None), 0, options) != base
+
+
+def test_cpu_tensors_launch_through_the_interpreter_and_bind_nothing():
+    if not INTERPRETED:
+        pytest.skip("CPU tensors run only in Triton's interpreter (TRITON_INTERPRET=1)")
+    launches = direct_launch.KernelLaunches(_scale_kernel, ["n"])
+    x = torch.arange(64, dtype=torch.float32)
+    out = torch.full((64,), -1.0)
+    launches((1,), _scale_args(out, x, 50))
+    assert torch.equal(out[:50], 2 * x[:50]) and (out[50:] == -1).all()
+    assert launches.launches == {}
+
+
+def test_arg_names_internal_falls_back_to_none():
+    assert internals.triton_kernel_arg_names(_scale_kernel) == [
+        "out_ptr", "x_ptr", "factor", "n", "stride", "BLOCK"
+    ]  # fmt: skip
+    assert internals.triton_kernel_arg_names(types.SimpleNamespace()) is None
+    assert internals.triton_kernel_arg_names(types.SimpleNamespace(arg_names=[1, 2])) is None
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_launches_go_direct_after_the_first_call_with_the_jit_bits(monkeypatch):
+    """The first call of a specialisation binds its direct launch, later calls take it (for any
+    unspecialised size) and write what Triton's JIT writes; names out of the kernel's order
+    bind nothing."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not direct_launch.verified(device):
+        pytest.skip("the direct launch is off on this Triton (its probe warned why)")
+    launches = direct_launch.KernelLaunches(_scale_kernel, ["n"])
+    x = torch.randn(256, device=device)
+    jit_calls = []
+    real_getitem = type(_scale_kernel).__getitem__
+
+    def counting(kernel, grid):
+        jit_calls.append(grid)
+        return real_getitem(kernel, grid)
+
+    monkeypatch.setattr(type(_scale_kernel), "__getitem__", counting)
+    outs = []
+    for n in (50, 7, 64):
+        out = torch.full((256,), -1.0, device=device)
+        launches((1,), _scale_args(out, x, n, factor=3.0))
+        outs.append((n, out))
+    assert len(jit_calls) == 1 and len(launches.launches) == 1
+    assert callable(next(iter(launches.launches.values())))
+    for n, out in outs:
+        assert torch.equal(out[:n], x[:n] * 3.0) and (out[n:] == -1).all(), n
+    shuffled = direct_launch.KernelLaunches(_scale_kernel, ["n"])
+    args = _scale_args(torch.zeros(256, device=device), x, 50)
+    shuffled((1,), {k: args[k] for k in reversed(list(args))})
+    assert list(shuffled.launches.values()) == [False]

@@ -15,7 +15,9 @@ runs in the Triton interpreter in fp32 and fp16; tests marked ``gpu`` add bf16 a
 import pytest
 import torch
 
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_rope_cache_append as append
+from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
@@ -161,7 +163,7 @@ def test_no_tokens_is_no_launch(yarn, monkeypatch):
     kv_latent, k_pos_emb, cache, (positions, block_idx, block_offset) = make_tokens(
         "decode", torch.float32, seed=5
     )
-    launches = record_launches(monkeypatch, append, "_rope_cache_append_kernel")
+    launches = record_launches(monkeypatch, append, "_APPEND")
     tables = yarn.get_cached_cos_sin(POSITIONS, dtype=torch.float32)
     before = cache.clone()
     fused_mla_rope_cache_append(
@@ -221,7 +223,7 @@ def _bad_inputs():
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
 def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
     name, kwargs, error, match = case
-    launches = record_launches(monkeypatch, append, "_rope_cache_append_kernel")
+    launches = record_launches(monkeypatch, append, "_APPEND")
     before = kwargs["kv_cache"].clone()
     with pytest.raises(error, match=match):
         fused_mla_rope_cache_append(**kwargs)
@@ -276,7 +278,20 @@ def test_gpu_graph_replay_equals_eager_bitwise(config, yarn, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 1024, 4096])
-def test_gpu_bf16_rows_bitwise_equal_to_megatron_core_at_serving_sizes(config, yarn, tokens):
+def test_gpu_bf16_rows_bitwise_equal_to_megatron_core_at_serving_sizes(
+    config, yarn, tokens, monkeypatch
+):
+    """Through Triton's JIT (a specialisation's first call) and then the direct launch."""
+    monkeypatch.setattr(
+        append, "_APPEND", KernelLaunches(append._rope_cache_append_kernel, append._RUNTIME_SIZES)
+    )
+    for launch in ("JIT launch", "direct launch"):
+        _serving_size_rows_bitwise(config, yarn, tokens, launch)
+    if direct_launch.verified(torch.device("cuda", torch.cuda.current_device())):
+        assert [callable(x) for x in append._APPEND.launches.values()] == [True]
+
+
+def _serving_size_rows_bitwise(config, yarn, tokens, launch):
     gen = torch.Generator().manual_seed(tokens)
     block_size = 64
     blocks = tokens // block_size + 2
@@ -291,7 +306,7 @@ def test_gpu_bf16_rows_bitwise_equal_to_megatron_core_at_serving_sizes(config, y
     megatron_core_append(config, yarn, POSITIONS, kv_latent, k_pos_emb, expected, index, False)
     tables = yarn.get_cached_cos_sin(POSITIONS, dtype=dtype)
     fused_mla_rope_cache_append(kv_latent, k_pos_emb, *tables, index[0], cache, *index[1:])
-    assert_bitwise_equal(cache, expected[0], f"{tokens} tokens")
+    assert_bitwise_equal(cache, expected[0], f"{tokens} tokens, {launch}")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import mla_paged_latent_attention as attention
+from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.mla_paged_latent_attention import (
     MAX_KV_SPLITS,
     default_num_kv_splits,
@@ -213,9 +215,7 @@ def test_no_tokens_is_no_launch(monkeypatch):
 
 
 def _record_launches(monkeypatch):
-    return record_launches(
-        monkeypatch, attention, "_latent_attention_kernel", "_combine_splits_kernel"
-    )
+    return record_launches(monkeypatch, attention, "_STAGE1", "_COMBINE")
 
 
 def _bad_inputs():
@@ -463,3 +463,49 @@ def test_gpu_relaunch_gives_identical_bits(heads, splits):
     first = launch().view(torch.int16)
     differing = [i for i in range(25) if not torch.equal(launch().view(torch.int16), first)]
     assert not differing, f"{heads} heads, splits {splits}: launches {differing} gave other bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
+    """After a specialisation's first call the kernels launch through their C launchers; those
+    launches write a JIT launch's bits, for decode batches of other sizes (unspecialised) too."""
+    if not direct_launch.verified(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("the direct launch is off on this Triton (its probe warned why)")
+    steps = [
+        build_step(
+            [(context, 1) for context in contexts],
+            heads=128,
+            latent_dim=512,
+            rope_dim=64,
+            block_size=64,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            seed=len(contexts),
+        )
+        # Other batch sizes and lengths, one block-table width (a context's table is fixed).
+        for contexts in ([100, 2000, 63, 64, 1], [2000] + [700] * 8, [2000, 5, 300])
+    ]
+
+    def run(step):
+        args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths)
+        return mla_paged_latent_attention(
+            *args, step.kv_lengths, SCALE, rope_dim=64, max_query_len=1, num_kv_splits=splits
+        )
+
+    def fresh_launches():
+        stage1 = KernelLaunches(attention._latent_attention_kernel, attention._RUNTIME_SIZES)
+        combine = KernelLaunches(attention._combine_splits_kernel, attention._COMBINE_RUNTIME_SIZES)
+        monkeypatch.setattr(attention, "_STAGE1", stage1)
+        monkeypatch.setattr(attention, "_COMBINE", combine)
+
+    fresh_launches()
+    run(steps[0])  # binds
+    direct = [run(step) for step in steps]
+    # One specialisation per stage for the three steps: the later calls were direct.
+    bound = list(attention._STAGE1.launches.values()) + list(attention._COMBINE.launches.values())
+    assert len(bound) == (1 if splits == 1 else 2), bound
+    assert all(callable(launch) for launch in bound), bound
+    for i, step in enumerate(steps):
+        fresh_launches()  # a specialisation's first call: Triton's JIT
+        assert torch.equal(run(step).view(torch.int16), direct[i].view(torch.int16)), i
