@@ -245,9 +245,13 @@ def flashinfer_available() -> Tuple[bool, str]:
 
 
 class FlashInferMLA:
-    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` planned for one step, on copies of the step's
-    cache split into its ``ckv`` [blocks, block_size, latent] and ``kpe`` [.., rope] parts (its
-    ``run`` takes the two parts as separate tensors) and of the query split likewise.
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` planned for one step.
+
+    FlashInfer 0.7.4 and later (``flashinfer.mla.MLAPlanMetadata``): planned by keyword over CSR
+    metadata with its packed layouts, so it reads the step's own tensors as megatron-core holds
+    them (cache rows ``[latent | rope]``, 576 wide; query likewise), as ours does. Older releases:
+    the positional plan, and ``run`` on contiguous copies of the cache split into ``ckv``
+    [blocks, block_size, latent] and ``kpe`` [.., rope] and of the query split likewise.
 
     ``plan`` (once per step in a server, shared by the layers; it copies the lengths to the host)
     runs here, outside any timing; ``run`` is what is timed.
@@ -267,36 +271,52 @@ class FlashInferMLA:
         kv_indices = torch.cat([table[r, :count] for r, count in enumerate(counts)])
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.int8, device=device)
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace)
-        self.wrapper.plan(
+        csr = (
             step.cu_query_lengths.to(torch.int32),
             kv_indptr.to(device),
             kv_indices.to(device),
             step.kv_lengths.to(torch.int32),
-            heads,
-            step.latent,
-            step.rope,
-            block_size,
-            causal,
-            softmax_scale,
-            step.query.dtype,
-            step.kv_cache.dtype,
         )
+        metadata = getattr(flashinfer.mla, "MLAPlanMetadata", None)
+        self.packed = metadata is not None
+        sizes = dict(
+            num_heads=heads,
+            head_dim_ckv=step.latent,
+            head_dim_kpe=step.rope,
+            page_size=block_size,
+            causal=causal,
+            sm_scale=softmax_scale,
+            q_data_type=step.query.dtype,
+            kv_data_type=step.kv_cache.dtype,
+        )
+        if self.packed:
+            self.wrapper.plan(
+                metadata=metadata.csr(*csr),
+                **sizes,
+                query_layout="packed",
+                kv_cache_layout="packed",
+            )
+        else:
+            # Before 0.7.4 the plan took these positionally, in this order.
+            self.wrapper.plan(*csr, *sizes.values())
         self.latent = step.latent
 
     def inputs(self, kv_cache: torch.Tensor, query: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """(q_nope, q_pe, ckv, kpe, out): contiguous copies of the parts, and an output."""
+        """``run``'s arguments for this cache and query, the output last: (query, kv_cache, out)
+        with the packed layouts; else (q_nope, q_pe, ckv, kpe, out), contiguous copies."""
         lat = self.latent
-        return (
-            query[..., :lat].contiguous(),
-            query[..., lat:].contiguous(),
-            kv_cache[..., :lat].contiguous(),
-            kv_cache[..., lat:].contiguous(),
-            torch.empty_like(query[..., :lat]),
-        )
+        out = torch.empty_like(query[..., :lat])
+        if self.packed:
+            return query, kv_cache, out
+        parts = (query[..., :lat], query[..., lat:], kv_cache[..., :lat], kv_cache[..., lat:])
+        return (*(part.contiguous() for part in parts), out)
 
-    def run(self, q_nope, q_pe, ckv, kpe, out) -> torch.Tensor:
-        """One attention call into ``out``."""
-        return self.wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+    def run(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One attention call into the output (the last of ``inputs``)."""
+        if self.packed:
+            query, kv_cache, out = inputs
+            return self.wrapper.run(query=query, kv_cache=kv_cache, out=out)
+        return self.wrapper.run(*inputs[:4], out=inputs[4])
 
 
 # --- the key RoPE + append -----------------------------------------------------------------------

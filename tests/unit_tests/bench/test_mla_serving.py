@@ -88,7 +88,10 @@ def test_the_megatron_core_path_writes_the_rows_it_is_compared_on():
 
 
 class _FakeFlashInfer:
-    """Stands in for FlashInfer's wrapper: the float64 reference, from the parts it is given."""
+    """Stands in for FlashInfer's wrapper: the float64 reference, from the inputs it is given in
+    the packed layout (FlashInfer 0.7.4+) or as split copies (older releases)."""
+
+    packed = True
 
     def __init__(self, step, heads, softmax_scale, causal):
         self.step, self.scale, self.causal = step, softmax_scale, causal
@@ -96,9 +99,13 @@ class _FakeFlashInfer:
 
     inputs = cases.FlashInferMLA.inputs
 
-    def run(self, q_nope, q_pe, ckv, kpe, out):
-        query = torch.cat([q_nope, q_pe], -1)
-        kv_cache = torch.cat([ckv, kpe], -1)
+    def run(self, *inputs):
+        if self.packed:
+            query, kv_cache, out = inputs
+        else:
+            q_nope, q_pe, ckv, kpe, out = inputs
+            assert all(x.is_contiguous() for x in (q_nope, q_pe, ckv, kpe))
+            query, kv_cache = torch.cat([q_nope, q_pe], -1), torch.cat([ckv, kpe], -1)
         step = cases.PagedStep(**{**vars(self.step), "query": query, "kv_cache": kv_cache})
         return out.copy_(cases.attention_reference(step, self.scale))
 
@@ -125,10 +132,12 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(mla_serving, "_versions", lambda: versions)
 
 
-def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("packed", [True, False], ids=["flashinfer_0.7.4", "older_flashinfer"])
+def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_path, capsys, packed):
     monkeypatch.setattr(cases, "PREFILL_CASES", {"tiny chunk": [(20, 8)]})
     monkeypatch.setattr(cases, "APPEND_TOKENS", (1, 8, 1024))
     monkeypatch.setattr(cases, "flashinfer_available", lambda: (True, "fake"))
+    monkeypatch.setattr(_FakeFlashInfer, "packed", packed)
     monkeypatch.setattr(cases, "FlashInferMLA", _FakeFlashInfer)
     args = ["--batch", "2", "--context", "40", "--heads", "16", "--out", str(tmp_path)]
     assert mla_serving.bench_gpu(mla_serving.parse_args(args)) == 0
