@@ -42,6 +42,7 @@ from megatron_ext.fusions.latent_cache_checks import (
     check_runnable,
     rows_of,
 )
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 from megatron_ext.fusions.mla_rope.checks import check_device, check_tensor
 
 __all__ = ["fused_mla_rope_cache_append"]
@@ -276,11 +277,11 @@ def fused_mla_rope_cache_append(
         **dict(zip(_SIZE_NAMES, sizes)),
         LATENT_DIM=latent_dim,
         ROPE_DIM=rope_dim,
-        BLOCK_LATENT=triton.next_power_of_2(latent_dim),
+        BLOCK_LATENT=next_power_of_2(latent_dim),
         BLOCK_T=TOKENS_PER_PROGRAM,
     )
     _APPEND(
-        (triton.cdiv(sizes[0], TOKENS_PER_PROGRAM),),
+        (cdiv(sizes[0], TOKENS_PER_PROGRAM),),
         args,
         num_warps=4,
         # torch rounds each product and the sum; a contracted FMA would round once.

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
+from megatron_ext.fusions.launch_math import next_power_of_2
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
 __all__ = ["FUSED_DTYPES", "MAX_FUSED_CAP", "sample_top_k_candidates"]
@@ -202,7 +203,7 @@ def sample_top_k_candidates(
     rows = values.shape[0]
     if rows == 0:
         return out
-    block = triton.next_power_of_2(cap)
+    block = next_power_of_2(cap)
     tiny = torch.finfo(torch.float32).tiny
     args = (values, indices, temperature, top_k, noise, out, cap)
     strides = (values.stride(0), indices.stride(0), noise.stride(0))

@@ -57,6 +57,7 @@ from megatron_ext.fusions.latent_cache_checks import (
     check_runnable,
     check_unit_last_stride,
 )
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, check_int, check_tensor
 
 __all__ = [
@@ -333,7 +334,7 @@ def default_num_kv_splits(
     if programs >= target:
         return 1
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
-    return max(1, min(MAX_KV_SPLITS, triton.cdiv(target, programs), by_length))
+    return max(1, min(MAX_KV_SPLITS, cdiv(target, programs), by_length))
 
 
 def head_tile(heads: int, decode: bool, fp32: bool) -> int:
@@ -350,10 +351,10 @@ def head_tile(heads: int, decode: bool, fp32: bool) -> int:
         the heads rounded up to a power of two, at most ``BLOCK_H`` (tokens fill the tile).
     """
     if not decode:
-        return min(BLOCK_H, triton.next_power_of_2(heads))
+        return min(BLOCK_H, next_power_of_2(heads))
     if fp32:
         return BLOCK_H
-    return min(MAX_DECODE_BLOCK_H, max(BLOCK_H, triton.next_power_of_2(heads)))
+    return min(MAX_DECODE_BLOCK_H, max(BLOCK_H, next_power_of_2(heads)))
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -527,15 +528,13 @@ def mla_paged_latent_attention(
     block_h = head_tile(heads, decode, fp32)
     max_rows = 32 if fp32 else 64
     bound = tokens if max_query_len is None else max_query_len
-    block_q = (
-        1 if decode else min(max(triton.next_power_of_2(bound), 16 // block_h), max_rows // block_h)
-    )
+    block_q = 1 if decode else min(max(next_power_of_2(bound), 16 // block_h), max_rows // block_h)
     block_n = 16 if fp32 else 32
-    head_tiles = triton.cdiv(heads, block_h)
+    head_tiles = cdiv(heads, block_h)
     query_tiles = tokens // block_q + requests + 1
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
-            triton.cdiv(tokens, block_q), head_tiles, max_blocks * kv_cache.shape[1], query.device
+            cdiv(tokens, block_q), head_tiles, max_blocks * kv_cache.shape[1], query.device
         )
     if num_kv_splits == 1:
         partial, lse = out, out  # stage 1 writes the output; lse is not used
@@ -587,7 +586,7 @@ def mla_paged_latent_attention(
     warps = 8 if rows * latent_dim > 16 * 512 else 4
     _STAGE1((query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=2)
     if num_kv_splits > 1:
-        combine_h = min(BLOCK_H, triton.next_power_of_2(heads))
+        combine_h = min(BLOCK_H, next_power_of_2(heads))
         combine = dict(
             partial_ptr=partial,
             lse_ptr=lse,
@@ -607,5 +606,5 @@ def mla_paged_latent_attention(
             BLOCK_H=combine_h,
             NUM_SPLITS=num_kv_splits,
         )
-        _COMBINE((tokens, triton.cdiv(heads, combine_h)), combine, num_warps=4)
+        _COMBINE((tokens, cdiv(heads, combine_h)), combine, num_warps=4)
     return out
