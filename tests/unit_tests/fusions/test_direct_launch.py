@@ -200,3 +200,57 @@ def test_gpu_kernel_launches_go_direct_after_the_first_call_with_the_jit_bits(mo
     args = _scale_args(torch.zeros(256, device=device), x, 50)
     shuffled((1,), {k: args[k] for k in reversed(list(args))})
     assert list(shuffled.launches.values()) == [False]
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: drives KernelLaunches' CUDA branch on the CPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypatch):
+    """The CUDA branch with the device, Triton and the C launcher stubbed: the first call of a
+    key launches through the JIT under the tensor's device and binds; later calls (another
+    unspecialised size) call the bound launcher with the grid padded to three dimensions, the
+    current stream, and every argument in order with tensors as pointers; another key, a set
+    launch hook or another current device take the JIT again."""
+    jit, direct = [], []
+
+    class FakeKernel:
+        arg_names = ["out_ptr", "x_ptr", "factor", "n", "stride", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                jit.append((grid, kwargs))
+                return "compiled"
+
+            return launch
+
+    monkeypatch.setattr(direct_launch, "verified", lambda device: True)
+    monkeypatch.setattr(
+        direct_launch, "bind", lambda compiled: lambda *call: direct.append(call) or None
+    )
+    monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(internals, "cuda_current_device", lambda: 0)
+    monkeypatch.setattr(internals, "cuda_current_raw_stream", lambda index: 1234)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: _NullContext())
+    launches = direct_launch.KernelLaunches(FakeKernel(), ["n"])
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    out = torch.zeros(64).as_subclass(_OnCuda)
+
+    launches((3,), _scale_args(out, x, 50), num_warps=4)
+    assert len(jit) == 1 and jit[0][0] == (3,) and jit[0][1]["num_warps"] == 4 and not direct
+    launches((3,), _scale_args(out, x, 7), num_warps=4)
+    assert len(jit) == 1
+    assert direct == [(3, 1, 1, 1234, (out.data_ptr(), x.data_ptr(), 2.0, 7, 1, 64))]
+    launches((3,), _scale_args(out, x, 7, stride=2), num_warps=4)  # another key
+    assert len(jit) == 2 and len(direct) == 1
+    monkeypatch.setattr(direct_launch, "hooks_set", lambda: True)
+    launches((3,), _scale_args(out, x, 9), num_warps=4)
+    assert len(jit) == 3 and len(direct) == 1
+    monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
+    monkeypatch.setattr(internals, "cuda_current_device", lambda: 1)
+    launches((3,), _scale_args(out, x, 9), num_warps=4)
+    assert len(jit) == 4 and len(direct) == 1
