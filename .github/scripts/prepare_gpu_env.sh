@@ -122,6 +122,23 @@ echo "== installing megatron-core $mcore; megatron_ext from the checkout (PYTHON
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$python" -c \
     'import megatron.core, megatron_ext; print("megatron-core", megatron.core.__version__)'
 
+# pytest-xdist lets scripts/run_gpu_suite.sh overlap the Triton compiles of the many kernel
+# configs (a few minutes per Triton otherwise); optional: without it the suite runs in one process.
+if ! "$python" -c 'import xdist' 2>/dev/null; then
+    echo "== pytest-xdist (optional)"
+    xdist=("$wheels"/pytest_xdist-*.whl "$wheels"/execnet-*.whl)
+    if ((${#xdist[@]} < 2)); then
+        "$python" -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" \
+            pytest-xdist execnet || true
+        xdist=("$wheels"/pytest_xdist-*.whl "$wheels"/execnet-*.whl)
+    fi
+    if ((${#xdist[@]} >= 2)) && "$python" -m pip install --quiet --no-deps --no-index "${xdist[@]}"; then
+        "$python" -c 'import xdist; print("pytest-xdist", xdist.__version__)' || true
+    else
+        echo "pytest-xdist not installed: the GPU suite runs in one process"
+    fi
+fi
+
 te_site=""
 if [[ -n "$te_version" ]]; then
     torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
