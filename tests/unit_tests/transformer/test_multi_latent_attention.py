@@ -3,6 +3,7 @@
 """ExtMLASelfAttention: megatron-core's MLA with megatron_ext's RoPE kernels, nothing else."""
 
 import contextlib
+import dataclasses
 import threading
 import types
 
@@ -68,14 +69,19 @@ def mla_submodules(sdpa_backends=None):
     return spec.submodules.self_attention.submodules
 
 
-def build_pair(config, device="cpu", dtype=torch.float32, sdpa_backends=None):
-    """megatron-core's MLASelfAttention and ExtMLASelfAttention with the same weights."""
+def build_pair(config, device="cpu", dtype=torch.float32, sdpa_backends=None, fused=False):
+    """megatron-core's MLASelfAttention and ExtMLASelfAttention with the same weights (with
+    ``fused``: 0.19's FusedMLASelfAttention, one q/kv down projection, and megatron_ext's)."""
     torch.manual_seed(0)
     sub = mla_submodules(sdpa_backends)
-    base = mcore_mla.MLASelfAttention(
-        config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal
-    )
-    ext = ExtMLASelfAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    base_cls, ext_cls = mcore_mla.MLASelfAttention, ExtMLASelfAttention
+    if fused:
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+
+        sub = dataclasses.replace(sub, linear_qkv_down_proj=ColumnParallelLinear)
+        base_cls, ext_cls = mcore_mla.FusedMLASelfAttention, ExtFusedMLASelfAttention
+    base = base_cls(config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    ext = ext_cls(config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
     ext.load_state_dict(base.state_dict())
     return base.to(device=device, dtype=dtype), ext.to(device=device, dtype=dtype)
 
@@ -167,10 +173,13 @@ def test_override_is_minimal():
         assert methods(ExtFusedMLASelfAttention) == set()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["mla", "fused_down_proj"])
 @pytest.mark.parametrize("fmt", ["sbhd", "thd"])
-def test_same_result_and_rope_routed_to_megatron_ext(fmt, rope_spies, cpu_current_device):
+def test_same_result_and_rope_routed_to_megatron_ext(fmt, fused, rope_spies, cpu_current_device):
+    if fused and ExtFusedMLASelfAttention is None:
+        pytest.skip("megatron-core 0.16 has no FusedMLASelfAttention (0.19's mla_down_proj_fusion)")
     config = make_config("cpu")
-    base, ext = build_pair(config)
+    base, ext = build_pair(config, fused=fused)
     hidden, params = make_inputs(config, fmt)
 
     base_result = forward_backward(base, hidden, params)
