@@ -16,8 +16,9 @@ while Triton launch hooks are set (profilers see every launch), for kernels whos
 unknown or that need scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
 
 Users: the MLA RoPE launches (:mod:`megatron_ext.fusions.mla_rope.launch`, keyed by the call's
-shapes), the top-k draw, and, through :class:`KernelLaunches` (keyed by what Triton specialises
-on), the paged latent-cache kernels (attention and its split combine, the RoPE + append).
+shapes, which also skips their checks), and, through :class:`KernelLaunches` (keyed by what Triton
+specialises on), the top-k draw and the paged latent-cache kernels (attention and its split
+combine, the RoPE + append).
 """
 
 import os

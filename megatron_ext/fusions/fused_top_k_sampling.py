@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_ext import internals
-from megatron_ext.fusions import direct_launch
+from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.launch_math import next_power_of_2
 from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 
@@ -82,10 +81,8 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 64 else 4 if block <= 1024 else 8
 
 
-# Everything Triton specialises a compiled kernel on (dtypes, the integer arguments' values, the
-# pointers' 16-byte alignment) -> the direct launch of that kernel, or False where it has none.
-_DIRECT: dict = {}
-_MAX_DIRECT = 256
+# Triton's JIT on a specialisation's first call, then the direct launch.
+_LAUNCHES = KernelLaunches(_top_k_candidates_kernel, max_entries=256)
 
 
 def _overlaps(a: Tensor, b: Tensor) -> bool:
@@ -204,34 +201,19 @@ def sample_top_k_candidates(
     if rows == 0:
         return out
     block = next_power_of_2(cap)
-    tiny = torch.finfo(torch.float32).tiny
-    args = (values, indices, temperature, top_k, noise, out, cap)
-    strides = (values.stride(0), indices.stride(0), noise.stride(0))
-    if values.device.type != "cuda":
-        _top_k_candidates_kernel[(rows,)](*args, *strides, TINY=tiny, BLOCK=block, num_warps=1)
-        return out
-    index = values.device.index
-    pointers = tuple(t.data_ptr() for t in args[:6])
-    key = (
-        index,
-        values.dtype,
-        top_k.dtype,
-        cap,
-        strides,
-        tuple(p % 16 == 0 for p in pointers),
+    args = dict(
+        values_ptr=values,
+        indices_ptr=indices,
+        temperature_ptr=temperature,
+        top_k_ptr=top_k,
+        noise_ptr=noise,
+        out_ptr=out,
+        cap=cap,
+        values_stride=values.stride(0),
+        indices_stride=indices.stride(0),
+        noise_stride=noise.stride(0),
+        TINY=torch.finfo(torch.float32).tiny,
+        BLOCK=block,
     )
-    direct = _DIRECT.get(key)
-    if direct and not direct_launch.hooks_set() and internals.cuda_current_device() == index:
-        stream = internals.cuda_current_raw_stream(index)
-        direct(rows, 1, 1, stream, (*pointers, cap, *strides, tiny, block))
-        return out
-    with torch.cuda.device(index):
-        compiled = _top_k_candidates_kernel[(rows,)](
-            *args, *strides, TINY=tiny, BLOCK=block, num_warps=_num_warps(block)
-        )
-    if direct is None and direct_launch.verified(values.device):
-        if len(_DIRECT) >= _MAX_DIRECT:
-            _DIRECT.clear()
-        # False, not None, for a kernel the direct launch cannot take: no rebinding per call.
-        _DIRECT[key] = direct_launch.bind(compiled) or False
+    _LAUNCHES((rows,), args, num_warps=_num_warps(block))
     return out

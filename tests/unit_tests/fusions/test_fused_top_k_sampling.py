@@ -10,6 +10,7 @@ CUDA-graph replay.
 import pytest
 import torch
 
+from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_top_k_sampling as fused
 from megatron_ext.fusions.fused_top_k_sampling import MAX_FUSED_CAP, sample_top_k_candidates
 
@@ -174,23 +175,21 @@ def _bad_inputs():
 def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
     _, kwargs, error, match = case
     launches = []
-    monkeypatch.setattr(
-        fused, "_top_k_candidates_kernel", _Recorder(launches, fused._top_k_candidates_kernel)
-    )
+    monkeypatch.setattr(fused, "_LAUNCHES", _Recorder(launches, fused._LAUNCHES))
     with pytest.raises(error, match=match):
         sample_top_k_candidates(**kwargs)
     assert launches == []
 
 
 class _Recorder:
-    """Stands in for the kernel: records launches (there must be none)."""
+    """Stands in for the kernel's launches: records each grid (there must be none)."""
 
-    def __init__(self, launches, kernel):
-        self.launches, self.kernel = launches, kernel
+    def __init__(self, launches, kernel_launches):
+        self.launches, self.kernel_launches = launches, kernel_launches
 
-    def __getitem__(self, grid):
+    def __call__(self, grid, *args, **kwargs):
         self.launches.append(grid)
-        return self.kernel[grid]
+        return self.kernel_launches(grid, *args, **kwargs)
 
 
 @pytest.mark.gpu
@@ -198,10 +197,10 @@ class _Recorder:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_direct_launches_and_graph_replays_equal_the_jit_launch_bitwise(dtype):
     values, indices, temperature, top_k, noise = _case(256, 32, dtype, seed=5, vocab=32000)
-    fused._DIRECT.clear()
+    fused._LAUNCHES.launches.clear()
     first = sample_top_k_candidates(values, indices, temperature, top_k, noise)  # JIT, binds
-    if fused.direct_launch.ENABLED:
-        assert any(fused._DIRECT.values()), "the direct launch was not bound"
+    if direct_launch.ENABLED:
+        assert any(fused._LAUNCHES.launches.values()), "the direct launch was not bound"
     buffer, out = _guarded_out(256)
     sample_top_k_candidates(values, indices, temperature, top_k, noise, out=out)  # direct
     assert torch.equal(out, first)
