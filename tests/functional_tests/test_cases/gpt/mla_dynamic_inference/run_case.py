@@ -163,6 +163,41 @@ def make_requests(args: argparse.Namespace) -> List[Tuple[List[int], Any]]:
 
 
 @torch.no_grad()
+def tolerance_problems(
+    dtype_name: str,
+    worst: float,
+    bound: float,
+    differing: List[Tuple[int, int, float]],
+    reference: str,
+) -> List[str]:
+    """The case's rule against a reference run: log-probs within twice the logit bound, and
+    greedy tokens equal except, in bf16, at near-ties (float64 top-2 margin within four times it).
+
+    Args:
+        dtype_name: the run's dtype name.
+        worst: the largest log-prob difference from the reference.
+        bound: the logit bound (``LOGIT_BOUND`` times the largest logit).
+        differing: (request, position, float64 top-2 margin) of each token unlike the reference's.
+        reference: the reference's name, possessive ("float64's").
+
+    Returns:
+        List[str]: the problems, empty when within the rule.
+    """
+    problems = []
+    if worst > 2 * bound:
+        problems.append(
+            f"{dtype_name}: log-probs {worst:.4g} off {reference} (> {2 * bound:.4g}, twice the "
+            "logit bound)"
+        )
+    wide = [d for d in differing if dtype_name == "float32" or d[2] > 4 * bound]
+    if wide:
+        problems.append(
+            f"{dtype_name}: greedy tokens differ from {reference} beyond a near-tie at (request, "
+            f"position, top-2 margin) {wide[:5]}"
+        )
+    return problems
+
+
 def float64_check(
     model: Any,
     args: argparse.Namespace,
@@ -214,18 +249,7 @@ def float64_check(
         for i in torch.nonzero(top2.indices[:, 0] != chosen).flatten().tolist():
             mismatches.append((request_id, len(prompt) + i, float(margin[i])))
     bound = LOGIT_BOUND[dtype_name] * largest
-    problems = []
-    if worst_lp > 2 * bound:
-        problems.append(
-            f"{dtype_name}: log-probs {worst_lp:.4g} off float64 (> {2 * bound:.4g}, twice the "
-            "logit bound)"
-        )
-    wide = [m for m in mismatches if dtype_name == "float32" or m[2] > 4 * bound]
-    if wide:
-        problems.append(
-            f"{dtype_name}: greedy tokens differ from float64's argmax at (request, position, "
-            f"top-2 margin) {wide[:5]}"
-        )
+    problems = tolerance_problems(dtype_name, worst_lp, bound, mismatches, "float64's")
     summary = dict(
         max_abs_log_prob_error=worst_lp,
         largest_abs_logit=largest,
@@ -583,18 +607,7 @@ def tensor_parallel_check(
         if agree < max(len(tokens), len(reference)):
             margin = margins[request_id][agree] if agree < len(margins[request_id]) else 0.0
             diverged.append((request_id, len(requests[request_id][0]) + agree, margin))
-    problems = []
-    if worst > 2 * bound:
-        problems.append(
-            f"{dtype_name}: log-probs {worst:.4g} off the TP=1 run's (> {2 * bound:.4g}, twice "
-            "the logit bound)"
-        )
-    wide = [d for d in diverged if dtype_name == "float32" or d[2] > 4 * bound]
-    if wide:
-        problems.append(
-            f"{dtype_name}: greedy tokens differ from the TP=1 run's beyond a float64 near-tie at "
-            f"(request, position, top-2 margin) {wide[:5]}"
-        )
+    problems = tolerance_problems(dtype_name, worst, bound, diverged, "the TP=1 run's")
     summary = dict(
         tokens=total,
         tokens_compared=compared,
