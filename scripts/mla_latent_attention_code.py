@@ -42,6 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_ext.fusions import mla_paged_latent_attention as mla
+from megatron_ext.fusions.launch_math import cdiv
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # H200
@@ -85,7 +86,8 @@ class Launch:
 def attention_launch(
     name: str, dtype: str, tokens: int, requests: int, max_query_len: int, splits: Optional[int]
 ) -> Launch:
-    """The launcher's stage-1 launch for one batch shape (its tile and warp choice, copied).
+    """The launcher's stage-1 launch for one batch shape (its tile, warps and split count, from
+    the launcher's own functions).
 
     Args:
         name: the launch's label.
@@ -99,26 +101,18 @@ def attention_launch(
         Launch: the launch.
     """
     fp32 = dtype == "fp32"
-    decode = max_query_len == 1
-    block_h = mla.head_tile(HEADS, decode, fp32)
-    max_rows = 32 if fp32 else 64
-    block_q = (
-        1
-        if decode
-        else min(max(triton.next_power_of_2(max_query_len), 16 // block_h), max_rows // block_h)
+    block_q, block_h, block_n, warps = mla.tile_shape(
+        tokens, HEADS, LATENT_DIM, max_query_len, fp32
     )
-    block_n = 16 if fp32 else 32
     if splits is None:
-        programs = max(1, triton.cdiv(tokens, block_q) * triton.cdiv(HEADS, block_h))
-        target = 2 * SMS
-        by_length = max(1, MAX_BLOCKS * PAGE // mla.MIN_KEYS_PER_SPLIT)
-        splits = (
-            1
-            if programs >= target
-            else max(1, min(mla.MAX_KV_SPLITS, triton.cdiv(target, programs), by_length))
+        splits = mla.default_num_kv_splits(
+            cdiv(tokens, block_q),
+            cdiv(HEADS, block_h),
+            MAX_BLOCKS * PAGE,
+            None,
+            target_programs=2 * SMS,
         )
     part = dtype if splits == 1 else "fp32"
-    rows = block_q * block_h
     constexprs = dict(
         LATENT_DIM=LATENT_DIM,
         ROPE_DIM=ROPE_DIM,
@@ -138,7 +132,6 @@ def attention_launch(
         out_ptr=part,
         lse_ptr=part,
     )
-    warps = 8 if rows * LATENT_DIM > 16 * 512 else 4
     return Launch(name, "attention", constexprs, pointers, warps, 2)
 
 

@@ -40,7 +40,7 @@ skips Triton's Python dispatch.
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -63,8 +63,10 @@ from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, che
 __all__ = [
     "MAX_KV_SPLITS",
     "default_num_kv_splits",
+    "TileShape",
     "head_tile",
     "mla_paged_latent_attention",
+    "tile_shape",
 ]
 
 # Upper bound of the split count (stage 2 combines at most this many partials per token).
@@ -311,7 +313,12 @@ def _target_programs(device: torch.device) -> int:
 
 
 def default_num_kv_splits(
-    query_tiles: int, head_tiles: int, max_context: int, device: torch.device
+    query_tiles: int,
+    head_tiles: int,
+    max_context: int,
+    device: Optional[torch.device],
+    *,
+    target_programs: Optional[int] = None,
 ) -> int:
     """The split count for a launch, from static sizes only (graph-safe).
 
@@ -324,17 +331,54 @@ def default_num_kv_splits(
         head_tiles: head tiles of the launch.
         max_context: the longest context the block table can hold (its width times the block
             size).
-        device: the device the kernels run on.
+        device: the device the kernels run on (its SM count sets the target).
+        target_programs: the programs that fill the device, instead of ``device``'s (for
+            tools that plan a launch for a GPU they do not run on).
 
     Returns:
         int: the split count, >= 1.
     """
     programs = max(1, query_tiles * head_tiles)
-    target = _target_programs(device)
+    target = _target_programs(device) if target_programs is None else target_programs
     if programs >= target:
         return 1
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(MAX_KV_SPLITS, cdiv(target, programs), by_length))
+
+
+class TileShape(NamedTuple):
+    """Stage 1's tile: ``BLOCK_Q`` tokens x ``BLOCK_H`` heads, ``BLOCK_N`` keys per step."""
+
+    block_q: int
+    block_h: int
+    block_n: int
+    num_warps: int
+
+
+def tile_shape(
+    tokens: int, heads: int, latent_dim: int, max_query_len: Optional[int], fp32: bool
+) -> TileShape:
+    """Stage 1's tile for a launch, from static sizes only.
+
+    Args:
+        tokens: new tokens of the step.
+        heads: query heads of the launch.
+        latent_dim: the latent width (sets the accumulator's size).
+        max_query_len: the static bound on new tokens per request (None: ``tokens``).
+        fp32: whether the inputs are fp32.
+
+    Returns:
+        TileShape: the tile and its warp count.
+    """
+    decode = max_query_len == 1
+    block_h = head_tile(heads, decode, fp32)
+    # Rows of one dot: BLOCK_Q tokens x BLOCK_H heads, at least 16 (a tensor-core tile) and at
+    # most what keeps the fp32 accumulator [rows, latent_dim] in registers.
+    max_rows = 32 if fp32 else 64
+    bound = tokens if max_query_len is None else max_query_len
+    block_q = 1 if decode else min(max(next_power_of_2(bound), 16 // block_h), max_rows // block_h)
+    warps = 8 if block_q * block_h * latent_dim > 16 * 512 else 4
+    return TileShape(block_q, block_h, 16 if fp32 else 32, warps)
 
 
 def head_tile(heads: int, decode: bool, fp32: bool) -> int:
@@ -522,14 +566,7 @@ def mla_paged_latent_attention(
         return out
     requests, max_blocks = block_table.shape
     fp32 = query.dtype == torch.float32
-    decode = max_query_len == 1
-    # Rows of one dot: BLOCK_Q tokens x BLOCK_H heads, at least 16 (a tensor-core tile) and at
-    # most what keeps the fp32 accumulator [rows, latent_dim] in registers.
-    block_h = head_tile(heads, decode, fp32)
-    max_rows = 32 if fp32 else 64
-    bound = tokens if max_query_len is None else max_query_len
-    block_q = 1 if decode else min(max(next_power_of_2(bound), 16 // block_h), max_rows // block_h)
-    block_n = 16 if fp32 else 32
+    block_q, block_h, block_n, warps = tile_shape(tokens, heads, latent_dim, max_query_len, fp32)
     head_tiles = cdiv(heads, block_h)
     query_tiles = tokens // block_q + requests + 1
     if num_kv_splits is None:
@@ -547,7 +584,6 @@ def mla_paged_latent_attention(
         lse = torch.empty((num_kv_splits, tokens, heads), dtype=torch.float32, device=query.device)
         partial_strides = partial.stride()[:3]
         lse_strides = lse.stride()[:2]
-    rows = block_q * block_h
     stage1 = dict(
         q_ptr=query,
         cache_ptr=kv_cache,
@@ -583,7 +619,6 @@ def mla_paged_latent_attention(
         # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
         DOT_PRECISION="ieee" if fp32 else "tf32",
     )
-    warps = 8 if rows * latent_dim > 16 * 512 else 4
     _STAGE1((query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=2)
     if num_kv_splits > 1:
         combine_h = min(BLOCK_H, next_power_of_2(heads))
