@@ -212,8 +212,13 @@ def _latent_attention_kernel(
         # A block id outside the cache (-1 padding in a row the lengths say is used) is skipped,
         # never read out of bounds.
         ok = in_range & (block >= 0) & (block < num_blocks)
-        kv_rows = cache_ptr + tl.where(
-            ok, block * cache_stride_b + (keys % block_size) * cache_stride_o, 0
+        # The block id clamped, not the row offset: with a select around the offset, Triton 3.9
+        # loses the rows' 16-byte alignment and loads the keys as scalar 2-byte loads, outside
+        # the software pipeline (the masked-off rows' addresses are never read either way).
+        kv_rows = (
+            cache_ptr
+            + tl.where(ok, block, 0) * cache_stride_b
+            + (keys % block_size) * cache_stride_o
         )
         k_lat = tl.load(kv_rows[:, None] + lat[None, :], mask=ok[:, None], other=0.0)
         k_rope = tl.load(kv_rows[:, None] + LATENT_DIM + rope[None, :], mask=ok[:, None], other=0.0)
