@@ -342,7 +342,12 @@ def default_num_kv_splits(
 
     Returns:
         int: the split count, >= 1.
+
+    Raises:
+        ValueError: if neither ``device`` nor ``target_programs`` is given.
     """
+    if device is None and target_programs is None:
+        raise ValueError("default_num_kv_splits needs a device or target_programs")
     programs = max(1, query_tiles * head_tiles)
     target = _target_programs(device) if target_programs is None else target_programs
     if programs >= target:

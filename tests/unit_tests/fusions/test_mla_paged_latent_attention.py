@@ -168,6 +168,10 @@ def test_default_split_count_comes_from_static_sizes():
     assert default_num_kv_splits(1, 1, 4096, cpu) == 4
     assert default_num_kv_splits(1, 1, 300, cpu) == 1  # too short a context to split
     assert 1 <= default_num_kv_splits(1, 1, 10**9, cpu) <= MAX_KV_SPLITS
+    # A planned launch for another GPU: its programs instead of a device.
+    assert default_num_kv_splits(64, 2, 4096, None, target_programs=264) == 3
+    with pytest.raises(ValueError, match="device or target_programs"):
+        default_num_kv_splits(1, 1, 4096, None)
     step = build_step(DECODE, heads=2, seed=10, device=DEVICE)
     run_and_check(step, max_query_len=1)  # the default split count, whatever it is
 
@@ -180,6 +184,11 @@ def test_head_tiles_are_wide_only_for_16_bit_decode():
     assert attention.head_tile(128, decode=True, fp32=True) == 16
     assert attention.head_tile(128, decode=False, fp32=False) == 16
     assert attention.head_tile(3, decode=False, fp32=False) == 4  # tokens fill the tile
+    # The whole stage-1 tile: (BLOCK_Q, BLOCK_H, BLOCK_N, warps).
+    assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=False)) == (1, 64, 32, 8)
+    assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=True)) == (1, 16, 16, 4)
+    assert tuple(attention.tile_shape(2048, 128, 512, 2048, fp32=False)) == (4, 16, 32, 8)
+    assert tuple(attention.tile_shape(5, 3, 32, None, fp32=True)) == (8, 4, 16, 4)
 
 
 # fp16 (the interpreter has no bf16 dot): the keys, the probabilities cast for the value product
