@@ -588,12 +588,15 @@ def mla_paged_latent_attention(
         partial_strides = (0, out.stride(0), out.stride(1))
         lse_strides = (0, 0)
     else:
+        # Token-major, so that no stride varies with the step's token count: the strides are
+        # specialised arguments, and a varying one would give each decode batch size its own
+        # launch key (a JIT launch, not the direct one, on each new size).
         partial = torch.empty(
-            (num_kv_splits, tokens, heads, latent_dim), dtype=torch.float32, device=query.device
+            (tokens, num_kv_splits, heads, latent_dim), dtype=torch.float32, device=query.device
         )
-        lse = torch.empty((num_kv_splits, tokens, heads), dtype=torch.float32, device=query.device)
-        partial_strides = partial.stride()[:3]
-        lse_strides = lse.stride()[:2]
+        lse = torch.empty((tokens, num_kv_splits, heads), dtype=torch.float32, device=query.device)
+        partial_strides = (partial.stride(1), partial.stride(0), partial.stride(2))
+        lse_strides = (lse.stride(1), lse.stride(0))
     stage1 = dict(
         q_ptr=query,
         cache_ptr=kv_cache,
