@@ -183,9 +183,12 @@ if [ -z "$skip_san" ]; then
     # Whole engine steps: megatron-core's dynamic engine with both flags (its context, the
     # projections, every kernel of a step) on the functional case's model, with chunked prefill
     # (64-token steps) and a cache of 10 blocks that pauses and evicts requests; memcheck only
-    # (racecheck of every torch kernel would take far longer), one allocation per tensor.
+    # (racecheck of every torch kernel would take far longer). torch's caching allocator stays
+    # on: the context captures CUDA graphs, and a capture cannot cudaMalloc (without the cache,
+    # the first capture fails with cudaErrorStreamCaptureUnsupported). Writes past a tensor into
+    # pooled memory are the guard-region tests' part.
     step "compute-sanitizer memcheck, MLA dynamic engine steps" sanitizer_mla_dynamic_steps.log \
-      env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 tests/functional_tests/test_cases/gpt/mla_dynamic_inference/run_case.py \
           --dtypes bfloat16 --num-requests 8 --prompt-length 4 90 --generate-length 1 12 \
           --max-tokens 64 --kv-blocks 10 --paused-kv-blocks 2 \
