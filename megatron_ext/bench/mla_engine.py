@@ -30,8 +30,8 @@ Models (:data:`ENGINE_MODELS`): ``dsv3_shard``, DeepSeek-V3's attention per laye
 hidden 256 and 4 heads with DeepSeek-V3's head widths: host-bound.
 
 Method: every round gives each engine the same ``requests`` prompts of ``--prompt`` tokens,
-``--generate`` tokens each. The prefill (every prompt in one step, up to
-:data:`MAX_PREFILL_TOKENS`) is timed per engine and reported apart; then the engines' decode steps
+``--generate`` tokens each. The prefill (steps of up to :data:`MAX_PREFILL_TOKENS` prompt
+tokens) is timed per engine and reported apart; then the engines' decode steps
 run in alternating turns (step ``i`` of each, back to back, synchronised before and after; the
 order rotates between rounds), after one discarded warm-up round (Triton compiles, megatron_ext's
 sampling graphs). A round's ratio of two engines is the median over its step pairs of their
@@ -119,8 +119,11 @@ BLOCK_SIZE_TOKENS = 64
 # The static engine's decompressed cache per batch at most: 1024 dsv3_shard requests (120 GiB)
 # would not fit beside the models, the dynamic engines and a prefill's activations.
 STATIC_CACHE_BUDGET = 40 << 30
-# One prefill step for every prompt: 1024 x 128 tokens, about 25 GiB of activations at dsv3_shard.
-MAX_PREFILL_TOKENS = 131072
+# A prefill step's token budget. The absorbed attention holds a query (576 wide) and an output
+# (512 wide) per token and head: 272 KiB per token at dsv3_shard's 128 heads in bf16, 8.5 GiB at
+# 32768 tokens. One step for all 1024 x 128 prompt tokens (34 GiB) ran out of memory on
+# megatron-core 0.19.2 beside its CUDA graph pools (52 GiB at 1024 requests); serving chunks too.
+MAX_PREFILL_TOKENS = 32768
 
 
 def static_cache_bytes(sizes: Dict[str, Any], batch: int, tokens: int, itemsize: int = 2) -> int:
