@@ -74,6 +74,9 @@ MAX_KV_SPLITS = 64
 # A split attends to at least this many rows of the longest context the block table can hold, so
 # the partials' traffic stays small against the rows read.
 MIN_KEYS_PER_SPLIT = 256
+# Software-pipelining stages of stage 1: with 3, the key tiles after the one being computed are
+# in flight during its dots (2 leaves every copy waited for before them).
+NUM_STAGES = 3
 # block-table starts counted per vector load in the request lookup.
 SEQ_BLOCK = 128
 # Heads per query tile: the smallest row count of a tensor-core dot at one token per tile.
@@ -205,36 +208,52 @@ def _latent_attention_kernel(
     l_i = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
     table_row = block_table_ptr + request.to(tl.int64) * table_stride
-    for n0 in range(lo, hi, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        in_range = keys < hi
-        block = tl.load(table_row + keys // block_size, mask=in_range, other=-1).to(tl.int64)
-        # A block id outside the cache (-1 padding in a row the lengths say is used) is skipped,
-        # never read out of bounds.
-        ok = in_range & (block >= 0) & (block < num_blocks)
-        # The block id clamped, not the row offset: with a select around the offset, Triton 3.9
-        # loses the rows' 16-byte alignment and loads the keys as scalar 2-byte loads, outside
-        # the software pipeline (the masked-off rows' addresses are never read either way).
-        kv_rows = (
-            cache_ptr
-            + tl.where(ok, block, 0) * cache_stride_b
-            + (keys % block_size) * cache_stride_o
-        )
-        k_lat = tl.load(kv_rows[:, None] + lat[None, :], mask=ok[:, None], other=0.0)
-        k_rope = tl.load(kv_rows[:, None] + LATENT_DIM + rope[None, :], mask=ok[:, None], other=0.0)
-        scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
-        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-        attend = ok[None, :] & (keys[None, :] < row_end[:, None])
-        scores = tl.where(attend, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # Rows with nothing attended yet keep m = -inf; subtract 0 there instead (no NaN).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc += tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # The block ids come from a register vector loaded once per group of up to PAGES pages
+    # (tl.gather), not from a load inside the key loop: with an in-loop load feeding the key
+    # rows' addresses, Triton (3.6 to 3.9) keeps one key-tile buffer and waits for every copy
+    # before each tile's dots, so no key load overlaps compute. Without it, and with 3 stages,
+    # the next tiles' copies stay in flight during the dots (scripts/mla_latent_attention_code.py
+    # prints both). A group spans whole key tiles, at most (PAGES - 1) pages: every key of a tile
+    # (masked ones too) has its page among the group's.
+    PAGES: tl.constexpr = 64
+    group = tl.maximum(((PAGES - 1) * block_size) // BLOCK_N, 1) * BLOCK_N
+    pages = tl.arange(0, PAGES)
+    for g0 in range(lo, hi, group):
+        first = g0 // block_size
+        ids = tl.load(table_row + first + pages, mask=first + pages < max_blocks, other=-1)
+        g1 = tl.minimum(g0 + group, hi)
+        for n0 in range(g0, g1, BLOCK_N):
+            keys = n0 + tl.arange(0, BLOCK_N)
+            in_range = keys < g1
+            block = tl.gather(ids, (keys // block_size - first).to(tl.int32), 0).to(tl.int64)
+            # A block id outside the cache (-1 padding in a row the lengths say is used) is
+            # skipped, never read out of bounds.
+            ok = in_range & (block >= 0) & (block < num_blocks)
+            # The block id clamped, not the row offset: with a select around the offset, Triton
+            # 3.9 loses the rows' 16-byte alignment and loads the keys as scalar 2-byte loads,
+            # outside the software pipeline (the masked-off rows' addresses are never read).
+            kv_rows = (
+                cache_ptr
+                + tl.where(ok, block, 0) * cache_stride_b
+                + (keys % block_size) * cache_stride_o
+            )
+            k_lat = tl.load(kv_rows[:, None] + lat[None, :], mask=ok[:, None], other=0.0)
+            k_rope = tl.load(
+                kv_rows[:, None] + LATENT_DIM + rope[None, :], mask=ok[:, None], other=0.0
+            )
+            scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
+            scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+            attend = ok[None, :] & (keys[None, :] < row_end[:, None])
+            scores = tl.where(attend, scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # Rows with nothing attended yet keep m = -inf; subtract 0 there instead (no NaN).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            acc += tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     attended = l_i > 0
     o = acc / tl.where(attended, l_i, 1.0)[:, None]
@@ -632,7 +651,9 @@ def mla_paged_latent_attention(
         # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
         DOT_PRECISION="ieee" if fp32 else "tf32",
     )
-    _STAGE1((query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=2)
+    _STAGE1(
+        (query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=NUM_STAGES
+    )
     if num_kv_splits > 1:
         combine_h = min(BLOCK_H, next_power_of_2(heads))
         combine = dict(

@@ -154,6 +154,24 @@ def test_inconsistent_metadata_never_reads_out_of_bounds():
     run_and_check(step, num_kv_splits=2)
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 5])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_contexts_over_several_block_table_groups_match_float64(block_size, splits):
+    # The kernel takes the block ids of at most 63 pages at a time (one vector load, then a
+    # gather per key tile), so small pages spread a context over several groups: 1-row pages give
+    # 32-key groups, 3-row pages 160-key groups whose 32-key tiles span up to 12 pages. Decode,
+    # a chunked prefill and a new request, with a -1 id in a later group of the first request.
+    step = build_step(
+        [(200, 1), (97, 3), (330, 1), (0, 9)],
+        heads=2,
+        block_size=block_size,
+        seed=block_size + splits,
+        device=DEVICE,
+    )
+    step.block_table[0, 150 // block_size] = -1
+    run_and_check(step, num_kv_splits=splits)
+
+
 def test_same_bits_on_every_launch():
     step = build_step(MIXED, heads=3, block_size=16, seed=9, device=DEVICE)
     args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
