@@ -3,15 +3,17 @@
 """Print the code shape of the MLA paged latent-attention kernels as the installed Triton compiles
 them for sm_90, without a GPU: registers, spills, shared memory and tensor-core instructions.
 
-    python scripts/mla_latent_attention_code.py [--launch decode prefill ...] [--num-warps 8]
-        [--num-stages 3] [--block-n 64] [--splits 4] [--ptxas-options "..."] [--dump DIR]
+    python scripts/mla_latent_attention_code.py [--launch decode prefill ...] [--heads 16]
+        [--num-warps 8] [--num-stages 3] [--block-n 64] [--splits 4] [--ptxas-options "..."]
+        [--dump DIR]
 
 The launches mirror ``mla_paged_latent_attention``'s launcher
-(megatron_ext/fusions/mla_paged_latent_attention.py) on an H200 (132 SMs), bf16, 128 heads,
-page size 64, 4096-row block tables:
+(megatron_ext/fusions/mla_paged_latent_attention.py) on an H200 (132 SMs), bf16, 128 heads
+(``--heads``: 16 is a tensor-parallel-8 shard), page size 64, 4096-row block tables:
 
 * ``decode``: one token per request (``max_query_len=1``), 64 requests: ``BLOCK_Q=1``,
-  ``BLOCK_H=64`` (16 in fp32), ``BLOCK_N=32``, the launcher's split count.
+  ``BLOCK_H`` from ``head_tile`` (64 at 128 heads, 16 at 16 heads or in fp32), ``BLOCK_N=32``,
+  the launcher's split count.
 * ``decode-split``: the same tile with ``--splits`` kv splits (fewer requests), and the
   ``_combine_splits_kernel`` launch (``combine``) that follows it.
 * ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,
@@ -22,8 +24,10 @@ attention kernel, to see which settings change the code. Registers and spills co
 log of the compile, shared memory from the kernel's metadata, the instruction counts from its
 PTX (``wgmma``: ``wgmma.mma_async``; ``mma``: ``mma.sync``; ``cp.async``: asynchronous global to
 shared copies; ``tma``: ``cp.async.bulk``; ``ld.b16``: scalar 2-byte global loads, the sign of an
-unvectorised cache tile). Run it under two Tritons and compare. ``--dump DIR``
-writes each kernel's TTGIR, PTX and ptxas log there.
+unvectorised cache tile). ``K bufs`` and ``in flight`` come from the TTGIR: the key tile's
+shared-memory buffers and the copy groups the key loop leaves outstanding while a tile's dots run
+(0: every key load is waited for first, so loads and compute never overlap). Run it under two
+Tritons and compare. ``--dump DIR`` writes each kernel's TTGIR, PTX and ptxas log there.
 """
 
 import argparse
@@ -34,7 +38,7 @@ import re
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import triton
 from triton import knobs
@@ -42,11 +46,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_ext.fusions import mla_paged_latent_attention as mla
-from megatron_ext.fusions.launch_math import cdiv
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # H200
-HEADS = 128
+HEADS = 128  # the default of --heads
 LATENT_DIM = 512
 ROPE_DIM = 64
 PAGE = 64
@@ -84,7 +88,13 @@ class Launch:
 
 
 def attention_launch(
-    name: str, dtype: str, tokens: int, requests: int, max_query_len: int, splits: Optional[int]
+    name: str,
+    dtype: str,
+    tokens: int,
+    requests: int,
+    max_query_len: int,
+    splits: Optional[int],
+    heads: int = HEADS,
 ) -> Launch:
     """The launcher's stage-1 launch for one batch shape (its tile, warps and split count, from
     the launcher's own functions).
@@ -96,18 +106,19 @@ def attention_launch(
         requests: requests of the step.
         max_query_len: the static bound on new tokens per request.
         splits: the kv split count; None computes the launcher's default on an H200.
+        heads: query heads of the launch (16: a tensor-parallel-8 shard of DeepSeek-V3's 128).
 
     Returns:
         Launch: the launch.
     """
     fp32 = dtype == "fp32"
     block_q, block_h, block_n, warps = mla.tile_shape(
-        tokens, HEADS, LATENT_DIM, max_query_len, fp32
+        tokens, heads, LATENT_DIM, max_query_len, fp32
     )
     if splits is None:
         splits = mla.default_num_kv_splits(
             cdiv(tokens, block_q),
-            cdiv(HEADS, block_h),
+            cdiv(heads, block_h),
             MAX_BLOCKS * PAGE,
             None,
             target_programs=2 * SMS,
@@ -132,21 +143,24 @@ def attention_launch(
         out_ptr=part,
         lse_ptr=part,
     )
-    return Launch(name, "attention", constexprs, pointers, warps, 2)
+    return Launch(name, "attention", constexprs, pointers, warps, mla.NUM_STAGES)
 
 
-def combine_launch(name: str, dtype: str, splits: int) -> Launch:
+def combine_launch(name: str, dtype: str, splits: int, heads: int = HEADS) -> Launch:
     """The launcher's stage-2 launch after ``splits`` kv splits.
 
     Args:
         name: the launch's label.
         dtype: the output's dtype.
         splits: the kv split count.
+        heads: query heads of the launch.
 
     Returns:
         Launch: the launch (4 warps and Triton's default stages, as the launcher leaves them).
     """
-    constexprs = dict(LATENT_DIM=LATENT_DIM, BLOCK_H=min(mla.BLOCK_H, HEADS), NUM_SPLITS=splits)
+    constexprs = dict(
+        LATENT_DIM=LATENT_DIM, BLOCK_H=min(mla.BLOCK_H, next_power_of_2(heads)), NUM_SPLITS=splits
+    )
     pointers = dict(partial_ptr="fp32", lse_ptr="fp32", cu_q_ptr="i32", out_ptr=dtype)
     return Launch(name, "combine", constexprs, pointers, 4, 3)
 
@@ -210,6 +224,33 @@ def count(pattern: str, text: str) -> int:
     return len(re.findall(r"^\s*(?:@%p\d+\s+)?" + pattern, text, flags=re.MULTILINE))
 
 
+def key_loop_pipelining(launch: Launch, ttgir: str) -> Tuple[str, str]:
+    """How the attention kernel's key loop stages its key tiles, from the TTGIR.
+
+    Args:
+        launch: the launch.
+        ttgir: its TTGIR.
+
+    Returns:
+        Tuple[str, str]: the key tile's shared-memory buffers (the leading dimension of its
+        allocation) and the copy groups the key loop leaves in flight when it waits before a
+        tile's dots (the ``num`` of its ``async_wait``; 0: every copy is waited for, so no key
+        load overlaps compute). ``-`` for the combine kernel or when the TTGIR has neither.
+    """
+    if launch.kernel != "attention":
+        return "-", "-"
+    tile = f"{launch.constexprs['BLOCK_N']}x{LATENT_DIM}x"
+    buffers = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x" + tile, ttgir)
+    dots = [m.start() for m in re.finditer(r"\b(?:tt\.dot|ttng\.warp_group_dot)\b", ttgir)]
+    if not dots:
+        return ",".join(buffers) or "-", "-"
+    # The wait nearest before the first dot of the key loop.
+    wait = None
+    for m in re.finditer(r"async_wait[^\n]*\{num = (\d+)", ttgir[: dots[0]]):
+        wait = m.group(1)
+    return ",".join(buffers) or "-", wait or "-"
+
+
 def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
     """One table row for a compiled launch.
 
@@ -220,6 +261,7 @@ def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
     Returns:
         Dict[str, str]: the row's columns.
     """
+    buffers, in_flight = key_loop_pipelining(launch, code["ttgir"])
     regs = re.search(r"Used (\d+) registers", code["log"])
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     ptx = code["ptx"]
@@ -239,6 +281,8 @@ def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
         "cp.async": str(count(r"cp\.async\.(?:ca|cg)", ptx)),
         "tma": str(count(r"cp\.async\.bulk", ptx)),
         "ld.b16": str(count(r"ld\.global[\w.:]*\.b16\s", ptx)),
+        "K bufs": buffers,
+        "in flight": in_flight,
     }
 
 
@@ -261,6 +305,7 @@ def main() -> None:
     launches = ("decode", "decode-split", "combine", "prefill")
     parser.add_argument("--launch", nargs="+", choices=launches, default=list(launches))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--heads", type=int, default=HEADS, help="query heads (16: a TP-8 shard)")
     parser.add_argument("--splits", type=int, default=4, help="kv splits of decode-split")
     parser.add_argument("--num-warps", type=int, default=None, help="override (attention)")
     parser.add_argument("--num-stages", type=int, default=None, help="override (attention)")
@@ -271,12 +316,12 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
     made = {
-        "decode": lambda: attention_launch("decode", args.dtype, 64, 64, 1, None),
+        "decode": lambda: attention_launch("decode", args.dtype, 64, 64, 1, None, args.heads),
         "decode-split": lambda: attention_launch(
-            "decode-split", args.dtype, 8, 8, 1, max(2, args.splits)
+            "decode-split", args.dtype, 8, 8, 1, max(2, args.splits), args.heads
         ),
-        "combine": lambda: combine_launch("combine", args.dtype, max(2, args.splits)),
-        "prefill": lambda: attention_launch("prefill", args.dtype, 2048, 1, 2048, None),
+        "combine": lambda: combine_launch("combine", args.dtype, max(2, args.splits), args.heads),
+        "prefill": lambda: attention_launch("prefill", args.dtype, 2048, 1, 2048, None, args.heads),
     }
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True
@@ -299,7 +344,7 @@ def main() -> None:
                 for ext in ("ttgir", "ptx", "log"):
                     with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
                         f.write(code[ext])
-    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {HEADS} heads")
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, {args.heads} heads")
     print_table(rows)
 
 
