@@ -50,6 +50,7 @@ from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # H200
+SHARED_MEMORY = 227 * 1024  # H200: shared memory a block may opt into
 HEADS = 128  # the default of --heads
 LATENT_DIM = 512
 ROPE_DIM = 64
@@ -143,7 +144,9 @@ def attention_launch(
         out_ptr=part,
         lse_ptr=part,
     )
-    return Launch(name, "attention", constexprs, pointers, warps, mla.NUM_STAGES)
+    return Launch(
+        name, "attention", constexprs, pointers, warps, mla.pipeline_stages(SHARED_MEMORY)
+    )
 
 
 def combine_launch(name: str, dtype: str, splits: int, heads: int = HEADS) -> Launch:

@@ -66,6 +66,7 @@ __all__ = [
     "TileShape",
     "head_tile",
     "mla_paged_latent_attention",
+    "pipeline_stages",
     "tile_shape",
 ]
 
@@ -74,9 +75,11 @@ MAX_KV_SPLITS = 64
 # A split attends to at least this many rows of the longest context the block table can hold, so
 # the partials' traffic stays small against the rows read.
 MIN_KEYS_PER_SPLIT = 256
-# Software-pipelining stages of stage 1: with 3, the key tiles after the one being computed are
-# in flight during its dots (2 leaves every copy waited for before them).
-NUM_STAGES = 3
+# Stage 1 pipelines its key tiles in 3 stages (the tiles after the one being computed in flight
+# during its dots) where a block may use this much shared memory: the widest tile (64 rows of 576
+# 16-bit columns, 32 keys) takes about 180 KiB with 3 stages, 144 KiB with 2. Hopper's 227 KiB
+# holds it; an A100's 163 KiB does not (2 stages there).
+THREE_STAGE_SHARED_MEMORY = 200 * 1024
 # block-table starts counted per vector load in the request lookup.
 SEQ_BLOCK = 128
 # Heads per query tile: the smallest row count of a tensor-core dot at one token per tile.
@@ -329,6 +332,34 @@ _COMBINE = KernelLaunches(_combine_splits_kernel, _COMBINE_RUNTIME_SIZES)
 
 
 @functools.lru_cache(maxsize=None)
+def pipeline_stages(shared_memory_per_block: Optional[int]) -> int:
+    """Stage 1's software-pipelining stages on a GPU.
+
+    Args:
+        shared_memory_per_block: the shared memory one block may opt into (bytes), or None if
+            unknown.
+
+    Returns:
+        int: 3 from ``THREE_STAGE_SHARED_MEMORY`` on, else 2 (and 2 when unknown).
+    """
+    if shared_memory_per_block is None or shared_memory_per_block < THREE_STAGE_SHARED_MEMORY:
+        return 2
+    return 3
+
+
+@functools.lru_cache(maxsize=None)
+def _device_stages(index: int) -> int:
+    properties = torch.cuda.get_device_properties(index)
+    return pipeline_stages(getattr(properties, "shared_memory_per_block_optin", None))
+
+
+def _stages(device: torch.device) -> int:
+    """Stage 1's stages for ``device`` (the interpreter: 3, as on the GPUs it stands in for)."""
+    if device.type != "cuda":
+        return 3
+    return _device_stages(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def _target_programs(device: torch.device) -> int:
     """Programs that fill the device: two per SM on a GPU; a few in the interpreter."""
     if device.type != "cuda":
@@ -652,7 +683,10 @@ def mla_paged_latent_attention(
         DOT_PRECISION="ieee" if fp32 else "tf32",
     )
     _STAGE1(
-        (query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=NUM_STAGES
+        (query_tiles, head_tiles, num_kv_splits),
+        stage1,
+        num_warps=warps,
+        num_stages=_stages(query.device),
     )
     if num_kv_splits > 1:
         combine_h = min(BLOCK_H, next_power_of_2(heads))

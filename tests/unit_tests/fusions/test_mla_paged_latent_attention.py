@@ -21,6 +21,7 @@ from megatron_ext.fusions.mla_paged_latent_attention import (
     MAX_KV_SPLITS,
     default_num_kv_splits,
     mla_paged_latent_attention,
+    pipeline_stages,
 )
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     GUARD,
@@ -192,6 +193,13 @@ def test_default_split_count_comes_from_static_sizes():
         default_num_kv_splits(1, 1, 4096, None)
     step = build_step(DECODE, heads=2, seed=10, device=DEVICE)
     run_and_check(step, max_query_len=1)  # the default split count, whatever it is
+
+
+def test_three_pipeline_stages_only_where_the_shared_memory_holds_them():
+    assert pipeline_stages(227 * 1024) == 3  # H100, H200
+    assert pipeline_stages(163 * 1024) == 2  # A100: the widest tile's 3 stages would not fit
+    assert pipeline_stages(99 * 1024) == 2
+    assert pipeline_stages(None) == 2  # a torch without the property: the smaller choice
 
 
 def test_head_tiles_are_wide_only_for_16_bit_decode():
