@@ -501,6 +501,15 @@ def test_gpu_relaunch_gives_identical_bits(heads, splits):
 
 
 @pytest.mark.gpu
+def test_gpu_hopper_gets_three_pipeline_stages():
+    """torch reports the shared memory a block may opt into, so a Hopper GPU runs 3 stages (a
+    torch without the property would fall back to 2 without a word)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("checked on Hopper, whose blocks may use 227 KiB of shared memory")
+    assert attention._stages(torch.device("cuda")) == 3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 4])
 def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
     """After a specialisation's first call the kernels launch through their C launchers; those
