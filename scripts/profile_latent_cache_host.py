@@ -19,14 +19,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
-import time
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
 from megatron_ext.bench import mla_serving_cases as cases
+from megatron_ext.bench.rope import interleaved_host_us
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_rope_cache_append as append_module
 from megatron_ext.fusions import mla_paged_latent_attention as attention_module
@@ -34,28 +33,11 @@ from megatron_ext.fusions import mla_paged_latent_attention as attention_module
 ROUNDS = 5
 
 
-def host_us(call: Callable[[], object], calls: int) -> float:
-    """Median over ``ROUNDS`` rounds of the host time per call of ``calls`` calls issued without a
-    synchronisation (after 20 warm-up calls).
-
-    Args:
-        call: the call, as a user issues it.
-        calls: calls per round.
-
-    Returns:
-        float: microseconds per call.
-    """
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    rounds: List[float] = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+def host_us(call: Callable[[], object]) -> float:
+    """Host microseconds per call, measured as the benchmarks' host column is
+    (:func:`megatron_ext.bench.rope.interleaved_host_us`: calls issued without a synchronisation,
+    the median of ``ROUNDS`` rounds)."""
+    return interleaved_host_us({"call": call}, ROUNDS, torch.cuda.synchronize)["call"]["host_us"]
 
 
 def profile(call: Callable[[], object], calls: int, top: int) -> str:
@@ -97,7 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", nargs="+", type=int, default=[4096])
     parser.add_argument("--heads", nargs="+", type=int, default=[16, 128])
     parser.add_argument("--append-tokens", nargs="+", type=int, default=[1, 64])
-    parser.add_argument("--calls", type=int, default=500, help="calls per timed round")
+    parser.add_argument("--calls", type=int, default=500, help="calls profiled per row")
     parser.add_argument("--top", type=int, default=12, help="profile rows per call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -114,7 +96,7 @@ def main(argv=None) -> int:
                 def attend(step=step, out=out):
                     return cases.paged_attention(step, step.kv_cache, step.query, out)
 
-                us = host_us(attend, args.calls)
+                us = host_us(attend)
                 state = launch_state(attention_module._STAGE1, attention_module._COMBINE)
                 print(
                     f"\n== attention, batch {batch}, context {context}, {heads} heads: "
@@ -127,7 +109,7 @@ def main(argv=None) -> int:
         def append(step=step):
             cases.fused_append(step, step.kv_latent, step.k_pos_emb)
 
-        us = host_us(append, args.calls)
+        us = host_us(append)
         print(
             f"\n== RoPE + append, {tokens} tokens: {us:.1f} us host per call "
             f"({launch_state(append_module._APPEND)})"
