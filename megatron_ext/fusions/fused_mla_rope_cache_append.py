@@ -105,7 +105,13 @@ def _rope_cache_append_kernel(
     offset = tl.load(block_offset_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
     # A row outside the cache is never written: the values are not checked on the host.
     write = in_range & (block >= 0) & (block < num_blocks) & (offset >= 0) & (offset < block_size)
-    row = tl.where(write, block * cache_block_stride + offset * cache_row_stride, 0)
+    # Clamped ids, not a select around the whole offset: with the select, Triton 3.9 loses the
+    # rows' 16-byte alignment and writes the latent rows as scalar 2-byte stores (the rows not
+    # written are never addressed either way).
+    row = (
+        tl.where(write, block, 0) * cache_block_stride
+        + tl.where(write, offset, 0) * cache_row_stride
+    )
 
     cols = tl.arange(0, BLOCK_LATENT)
     lat_mask = write[:, None] & (cols < LATENT_DIM)[None, :]
