@@ -1,6 +1,6 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Print the code shape of the MLA paged latent-attention kernels as the installed Triton compiles
+"""Print the code shape of the MLA paged latent-cache kernels as the installed Triton compiles
 them for sm_90, without a GPU: registers, spills, shared memory and tensor-core instructions.
 
     python scripts/mla_latent_attention_code.py [--launch decode prefill ...] [--heads 16]
@@ -18,16 +18,18 @@ The launches mirror ``mla_paged_latent_attention``'s launcher
   ``_combine_splits_kernel`` launch (``combine``) that follows it.
 * ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,
   ``BLOCK_N=32``, 8 warps.
+* ``append``: the key RoPE + paged cache append (``fused_mla_rope_cache_append``), int64 indices.
 
 ``--num-warps``, ``--num-stages`` and ``--block-n`` override the launcher's choice for the
 attention kernel, to see which settings change the code. Registers and spills come from the ptxas
 log of the compile, shared memory from the kernel's metadata, the instruction counts from its
 PTX (``wgmma``: ``wgmma.mma_async``; ``mma``: ``mma.sync``; ``cp.async``: asynchronous global to
-shared copies; ``tma``: ``cp.async.bulk``; ``ld.b16``: scalar 2-byte global loads, the sign of an
-unvectorised cache tile). ``K bufs`` and ``in flight`` come from the TTGIR: the key tile's
-shared-memory buffers and the copy groups the key loop leaves outstanding while a tile's dots run
-(0: every key load is waited for first, so loads and compute never overlap). Run it under two
-Tritons and compare. ``--dump DIR`` writes each kernel's TTGIR, PTX and ptxas log there.
+shared copies; ``tma``: ``cp.async.bulk``; ``ld.b16`` and ``st.b16``: scalar 2-byte global loads
+and stores, the sign of an unvectorised cache tile or row; the append's two are its RoPE
+halves). ``K bufs`` and ``in flight`` come from the TTGIR: the key tile's shared-memory buffers
+and the copy groups the key loop leaves outstanding while a tile's dots run (0: every key load is
+waited for first, so loads and compute never overlap). Run it under two Tritons and compare.
+``--dump DIR`` writes each kernel's TTGIR, PTX and ptxas log there.
 """
 
 import argparse
@@ -45,6 +47,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from megatron_ext.fusions import fused_mla_rope_cache_append as append
 from megatron_ext.fusions import mla_paged_latent_attention as mla
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 
@@ -63,6 +66,12 @@ RUNTIME_SIZES = {
     "num_requests",
     "num_blocks",
     "max_blocks",
+    "num_positions",
+}
+KERNELS = {
+    "attention": mla._latent_attention_kernel,
+    "combine": mla._combine_splits_kernel,
+    "append": append._rope_cache_append_kernel,
 }
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -168,6 +177,35 @@ def combine_launch(name: str, dtype: str, splits: int, heads: int = HEADS) -> La
     return Launch(name, "combine", constexprs, pointers, 4, 3)
 
 
+def append_launch(name: str, dtype: str) -> Launch:
+    """The key RoPE + paged cache append's launch (``fused_mla_rope_cache_append``).
+
+    Args:
+        name: the launch's label.
+        dtype: the latent, k_pe, tables' and cache's dtype.
+
+    Returns:
+        Launch: the launch (4 warps, FMA contraction off, as the launcher sets them).
+    """
+    constexprs = dict(
+        LATENT_DIM=LATENT_DIM,
+        ROPE_DIM=ROPE_DIM,
+        BLOCK_LATENT=next_power_of_2(LATENT_DIM),
+        BLOCK_T=append.TOKENS_PER_PROGRAM,
+    )
+    pointers = dict(
+        latent_ptr=dtype,
+        k_pe_ptr=dtype,
+        cos_ptr=dtype,
+        sin_ptr=dtype,
+        positions_ptr="i64",
+        block_idx_ptr="i64",
+        block_offset_ptr="i64",
+        cache_ptr=dtype,
+    )
+    return Launch(name, "append", constexprs, pointers, 4, 3)
+
+
 def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, str]:
     """Compile one launch for sm_90 and return its TTGIR, PTX and ptxas log.
 
@@ -182,9 +220,7 @@ def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, st
         Dict[str, str]: ``ttgir``, ``ptx``, ``log`` (the ptxas ``-v`` output) and ``shared``
         (bytes of shared memory, as text).
     """
-    fn = (
-        mla._latent_attention_kernel if launch.kernel == "attention" else mla._combine_splits_kernel
-    )
+    fn = KERNELS[launch.kernel]
     signature: Dict[str, str] = {}
     attrs = {}
     for index, name in enumerate(fn.arg_names):
@@ -201,6 +237,8 @@ def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, st
                 attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=launch.constexprs, attrs=attrs)
     options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+    if launch.kernel == "append":
+        options["enable_fp_fusion"] = False
     if ptxas_options:
         options["ptx_options"] = ptxas_options
     log = io.StringIO()
@@ -273,7 +311,7 @@ def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
         "launch": launch.name,
         "kernel": launch.kernel,
         "Q/H/N/S": "/".join(str(c.get(k, "-")) for k in ("BLOCK_Q", "BLOCK_H", "BLOCK_N"))
-        + f"/{c['NUM_SPLITS']}",
+        + f"/{c.get('NUM_SPLITS', '-')}",
         "warps": str(launch.num_warps),
         "stages": str(launch.num_stages),
         "regs": regs.group(1) if regs else "?",
@@ -284,6 +322,7 @@ def summary(launch: Launch, code: Dict[str, str]) -> Dict[str, str]:
         "cp.async": str(count(r"cp\.async\.(?:ca|cg)", ptx)),
         "tma": str(count(r"cp\.async\.bulk", ptx)),
         "ld.b16": str(count(r"ld\.global[\w.:]*\.b16\s", ptx)),
+        "st.b16": str(count(r"st\.global[\w.:]*\.b16\s", ptx)),
         "K bufs": buffers,
         "in flight": in_flight,
     }
@@ -305,7 +344,7 @@ def print_table(rows: List[Dict[str, str]]) -> None:
 def main() -> None:
     """Parse the arguments, compile the launches and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    launches = ("decode", "decode-split", "combine", "prefill")
+    launches = ("decode", "decode-split", "combine", "prefill", "append")
     parser.add_argument("--launch", nargs="+", choices=launches, default=list(launches))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads (16: a TP-8 shard)")
@@ -325,6 +364,7 @@ def main() -> None:
         ),
         "combine": lambda: combine_launch("combine", args.dtype, max(2, args.splits), args.heads),
         "prefill": lambda: attention_launch("prefill", args.dtype, 2048, 1, 2048, None, args.heads),
+        "append": lambda: append_launch("append", args.dtype),
     }
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True
