@@ -331,7 +331,6 @@ _STAGE1 = KernelLaunches(_latent_attention_kernel, _RUNTIME_SIZES)
 _COMBINE = KernelLaunches(_combine_splits_kernel, _COMBINE_RUNTIME_SIZES)
 
 
-@functools.lru_cache(maxsize=None)
 def pipeline_stages(shared_memory_per_block: Optional[int]) -> int:
     """Stage 1's software-pipelining stages on a GPU.
 
@@ -347,24 +346,22 @@ def pipeline_stages(shared_memory_per_block: Optional[int]) -> int:
     return 3
 
 
+class _DeviceLaunchLimits(NamedTuple):
+    target_programs: int  # programs that fill the device: two per SM
+    stages: int  # stage 1's pipelining stages
+
+
 @functools.lru_cache(maxsize=None)
-def _device_stages(index: int) -> int:
-    properties = torch.cuda.get_device_properties(index)
-    return pipeline_stages(getattr(properties, "shared_memory_per_block_optin", None))
-
-
-def _stages(device: torch.device) -> int:
-    """Stage 1's stages for ``device`` (the interpreter: 3, as on the GPUs it stands in for)."""
+def _launch_limits(device: torch.device) -> _DeviceLaunchLimits:
+    """What the launcher reads of ``device``, looked up once per device (the interpreter: a few
+    programs, and 3 stages as on the GPUs it stands in for)."""
     if device.type != "cuda":
-        return 3
-    return _device_stages(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device: two per SM on a GPU; a few in the interpreter."""
-    if device.type != "cuda":
-        return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return _DeviceLaunchLimits(4, 3)
+    properties = torch.cuda.get_device_properties(device)
+    return _DeviceLaunchLimits(
+        2 * properties.multi_processor_count,
+        pipeline_stages(getattr(properties, "shared_memory_per_block_optin", None)),
+    )
 
 
 def default_num_kv_splits(
@@ -399,7 +396,7 @@ def default_num_kv_splits(
     if device is None and target_programs is None:
         raise ValueError("default_num_kv_splits needs a device or target_programs")
     programs = max(1, query_tiles * head_tiles)
-    target = _target_programs(device) if target_programs is None else target_programs
+    target = _launch_limits(device).target_programs if target_programs is None else target_programs
     if programs >= target:
         return 1
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
@@ -686,7 +683,7 @@ def mla_paged_latent_attention(
         (query_tiles, head_tiles, num_kv_splits),
         stage1,
         num_warps=warps,
-        num_stages=_stages(query.device),
+        num_stages=_launch_limits(query.device).stages,
     )
     if num_kv_splits > 1:
         combine_h = min(BLOCK_H, next_power_of_2(heads))

@@ -506,7 +506,8 @@ def test_gpu_hopper_gets_three_pipeline_stages():
     torch without the property would fall back to 2 without a word)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("checked on Hopper, whose blocks may use 227 KiB of shared memory")
-    assert attention._stages(torch.device("cuda")) == 3
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert attention._launch_limits(device).stages == 3
 
 
 @pytest.mark.gpu
