@@ -140,6 +140,7 @@ def attention_launch(
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
+        BLOCK_SIZE=PAGE,
         NUM_SPLITS=splits,
         SEQ_BLOCK=mla.SEQ_BLOCK,
         DOT_PRECISION="ieee" if fp32 else "tf32",

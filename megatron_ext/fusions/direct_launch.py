@@ -23,7 +23,7 @@ combine, the RoPE + append).
 
 import os
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -155,22 +155,35 @@ class KernelLaunches:
 
     def key(self, args: Mapping[str, Any], device_index: int, options: Mapping[str, Any]) -> tuple:
         """The specialisation key of a launch (see the class docstring)."""
+        return self._key_and_values(args, device_index, options)[0]
+
+    def _key_and_values(
+        self, args: Mapping[str, Any], device_index: int, options: Mapping[str, Any]
+    ) -> Tuple[tuple, tuple]:
+        """The launch's key and the C launcher's argument values (tensors as pointers), in one
+        pass over the arguments: this runs on every launch."""
         parts = [device_index, *options.items()]
+        values = []
         unspecialized = self.unspecialized
         for name, value in args.items():
-            kind = type(value)  # exact types first: this runs on every launch
+            kind = type(value)  # exact types first
             if kind is int:
                 if name in unspecialized:
                     parts.append((value in _INT32, value < _INT64_MAX))
                 else:
                     parts.append(value)
+                values.append(value)
             elif kind is float:
                 parts.append(float)
+                values.append(value)
             elif isinstance(value, torch.Tensor):
-                parts.append((value.dtype, value.data_ptr() % 16 == 0))
+                pointer = value.data_ptr()
+                parts.append((value.dtype, pointer % 16 == 0))
+                values.append(pointer)
             else:  # bool, str, None, constexpr values; other int types by value
                 parts.append(value)
-        return tuple(parts)
+                values.append(value)
+        return tuple(parts), tuple(values)
 
     def __call__(self, grid, args: Mapping[str, Any], **options: Any) -> None:
         """Launch on ``grid`` (up to three dimensions) with ``args``: every kernel parameter by
@@ -182,13 +195,10 @@ class KernelLaunches:
             self.kernel[grid](**args, **options)
             return
         index = first.device.index
-        key = self.key(args, index, options)
+        key, values = self._key_and_values(args, index, options)
         direct = self.launches.get(key)
         if direct and not hooks_set() and internals.cuda_current_device() == index:
             gx, gy, gz = (*grid, 1, 1)[:3]
-            values = tuple(
-                v.data_ptr() if isinstance(v, torch.Tensor) else v for v in args.values()
-            )
             direct(gx, gy, gz, internals.cuda_current_raw_stream(index), values)
             return
         with torch.cuda.device(index):

@@ -136,7 +136,7 @@ def _latent_attention_kernel(
     num_heads,
     num_requests,
     num_blocks,
-    block_size,
+    BLOCK_SIZE: tl.constexpr,
     max_blocks,
     q_stride_t,
     q_stride_h,
@@ -191,7 +191,7 @@ def _latent_attention_kernel(
     # New token `local` of the request sits at position kv_len - q_len + local and attends to the
     # cached positions up to it (the step's own rows are in the cache already).
     positions = kv_len - q_len + local
-    capacity = tl.minimum(kv_len, max_blocks * block_size)
+    capacity = tl.minimum(kv_len, max_blocks * BLOCK_SIZE)
     row_end = tl.minimum(positions + 1, capacity)
     # The tile's key bound from scalars, not a reduction over row_end: Triton 3.7 turns a bound
     # derived from a reduction into scalar 16-bit loads of the key rows (no async copies,
@@ -219,16 +219,20 @@ def _latent_attention_kernel(
     # prints both). A group spans whole key tiles, at most (PAGES - 1) pages: every key of a tile
     # (masked ones too) has its page among the group's.
     PAGES: tl.constexpr = 64
-    group = tl.maximum(((PAGES - 1) * block_size) // BLOCK_N, 1) * BLOCK_N
+    GROUP: tl.constexpr = max(((PAGES - 1) * BLOCK_SIZE) // BLOCK_N, 1) * BLOCK_N
     pages = tl.arange(0, PAGES)
-    for g0 in range(lo, hi, group):
-        first = g0 // block_size
+    for g0 in range(lo, hi, GROUP):
+        first = g0 // BLOCK_SIZE
         ids = tl.load(table_row + first + pages, mask=first + pages < max_blocks, other=-1)
-        g1 = tl.minimum(g0 + group, hi)
+        g1 = tl.minimum(g0 + GROUP, hi)
         for n0 in range(g0, g1, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             in_range = keys < g1
-            block = tl.gather(ids, (keys // block_size - first).to(tl.int32), 0).to(tl.int64)
+            # Keys counted from the group's first page in 32 bits, the block size a constexpr:
+            # the page and the row in it by shifts (or a multiply), where 64-bit division by a
+            # runtime block size took about 20 emulated divisions per thread and tile.
+            in_group = (n0 - first * BLOCK_SIZE).to(tl.int32) + tl.arange(0, BLOCK_N)
+            block = tl.gather(ids, in_group // BLOCK_SIZE, 0).to(tl.int64)
             # A block id outside the cache (-1 padding in a row the lengths say is used) is
             # skipped, never read out of bounds.
             ok = in_range & (block >= 0) & (block < num_blocks)
@@ -238,7 +242,7 @@ def _latent_attention_kernel(
             kv_rows = (
                 cache_ptr
                 + tl.where(ok, block, 0) * cache_stride_b
-                + (keys % block_size) * cache_stride_o
+                + (in_group % BLOCK_SIZE).to(tl.int64) * cache_stride_o
             )
             k_lat = tl.load(kv_rows[:, None] + lat[None, :], mask=ok[:, None], other=0.0)
             k_rope = tl.load(
@@ -622,14 +626,54 @@ def mla_paged_latent_attention(
     if tokens == 0 or heads == 0:
         return out
     requests, max_blocks = block_table.shape
-    fp32 = query.dtype == torch.float32
-    block_q, block_h, block_n, warps = tile_shape(tokens, heads, latent_dim, max_query_len, fp32)
-    head_tiles = cdiv(heads, block_h)
-    query_tiles = tokens // block_q + requests + 1
+    tile = tile_shape(tokens, heads, latent_dim, max_query_len, query.dtype == torch.float32)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
-            cdiv(tokens, block_q), head_tiles, max_blocks * kv_cache.shape[1], query.device
+            cdiv(tokens, tile.block_q),
+            cdiv(heads, tile.block_h),
+            max_blocks * kv_cache.shape[1],
+            query.device,
         )
+    _launch(
+        query,
+        kv_cache,
+        block_table,
+        cu_query_lengths,
+        kv_lengths,
+        softmax_scale,
+        out,
+        latent_dim=latent_dim,
+        tile=tile,
+        num_kv_splits=num_kv_splits,
+        num_stages=_launch_limits(query.device).stages,
+    )
+    return out
+
+
+def _launch(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    softmax_scale: float,
+    out: Tensor,
+    *,
+    latent_dim: int,
+    tile: TileShape,
+    num_kv_splits: int,
+    num_stages: int,
+) -> None:
+    """Launch both stages on checked arguments with an explicit tile, split count and stage count
+    (the launcher's choices, or a tuning script's: any tile whose sizes are powers of two with
+    ``block_q * block_h >= 16`` computes the same attention)."""
+    tokens, heads = query.shape[:2]
+    requests, max_blocks = block_table.shape
+    rope_dim = query.shape[2] - latent_dim
+    fp32 = query.dtype == torch.float32
+    block_q, block_h, block_n, warps = tile
+    head_tiles = cdiv(heads, block_h)
+    query_tiles = tokens // block_q + requests + 1
     if num_kv_splits == 1:
         partial, lse = out, out  # stage 1 writes the output; lse is not used
         partial_strides = (0, out.stride(0), out.stride(1))
@@ -657,7 +701,7 @@ def mla_paged_latent_attention(
         num_heads=heads,
         num_requests=requests,
         num_blocks=kv_cache.shape[0],
-        block_size=kv_cache.shape[1],
+        BLOCK_SIZE=kv_cache.shape[1],
         max_blocks=max_blocks,
         q_stride_t=query.stride(0),
         q_stride_h=query.stride(1),
@@ -680,10 +724,7 @@ def mla_paged_latent_attention(
         DOT_PRECISION="ieee" if fp32 else "tf32",
     )
     _STAGE1(
-        (query_tiles, head_tiles, num_kv_splits),
-        stage1,
-        num_warps=warps,
-        num_stages=_launch_limits(query.device).stages,
+        (query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=num_stages
     )
     if num_kv_splits > 1:
         combine_h = min(BLOCK_H, next_power_of_2(heads))
@@ -707,4 +748,3 @@ def mla_paged_latent_attention(
             NUM_SPLITS=num_kv_splits,
         )
         _COMBINE((tokens, cdiv(heads, combine_h)), combine, num_warps=4)
-    return out
