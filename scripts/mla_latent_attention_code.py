@@ -131,7 +131,7 @@ def attention_launch(
             cdiv(heads, block_h),
             MAX_BLOCKS * PAGE,
             None,
-            target_programs=2 * SMS,
+            target_programs=SMS * (2 if warps <= 4 else 1),
         )
     part = dtype if splits == 1 else "fp32"
     constexprs = dict(

@@ -46,7 +46,7 @@ def _parse_shape(text: str) -> Tuple[int, int, int]:
     return batch, context, heads
 
 
-def _splits(spec: str, batch: int, context: int, heads: int, block_h: int) -> int:
+def _splits(spec: str, batch: int, context: int, heads: int, block_h: int, warps: int) -> int:
     tiles = batch * cdiv(heads, block_h)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if spec == "default":
@@ -55,6 +55,7 @@ def _splits(spec: str, batch: int, context: int, heads: int, block_h: int) -> in
             cdiv(heads, block_h),
             cdiv(context, cases.BLOCK_SIZE) * cases.BLOCK_SIZE,
             torch.device("cuda"),
+            num_warps=warps,
         )
     if spec.endswith("x"):
         return max(1, min(mla.MAX_KV_SPLITS, round(float(spec[:-1]) * sms / tiles)))
@@ -87,7 +88,7 @@ def _compile(job: Tuple[Tuple[int, int, int], List[Setting]]) -> List[str]:
     errors = []
     for setting in settings:
         try:
-            splits = _splits(setting[4], batch, context, heads, setting[0])
+            splits = _splits(setting[4], batch, context, heads, setting[0], setting[2])
             _run(step, setting, splits, step.kv_cache, step.query, out)
         except Exception as error:  # reported by the timing pass
             errors.append(f"{setting}: {type(error).__name__}: {str(error)[:200]}")
@@ -146,7 +147,7 @@ def main(argv: Sequence[str] = None) -> int:
         reference = cases.paged_attention(step, *sets[0]).clone()
         rows = []
         for setting in _settings(args, heads):
-            splits = _splits(setting[4], batch, context, heads, setting[0])
+            splits = _splits(setting[4], batch, context, heads, setting[0], setting[2])
             row = {
                 "shape": [batch, context, heads],
                 "block_h": setting[0],

@@ -253,12 +253,17 @@ def decode_row(
     batch: int, context: int, heads: int, ceiling: Dict[str, float], quick: bool, flashinfer: bool
 ) -> Dict[str, Any]:
     """One decode row: ``batch`` requests of ``context`` rows each."""
-    from megatron_ext.fusions.mla_paged_latent_attention import default_num_kv_splits
+    from megatron_ext.fusions.mla_paged_latent_attention import default_num_kv_splits, tile_shape
 
     row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
     blocks = -(-context // cases.BLOCK_SIZE)
+    warps = tile_shape(batch, heads, cases.LATENT, 1, DTYPE == torch.float32).num_warps
     splits = default_num_kv_splits(
-        batch, row["bytes"]["head_tiles"], blocks * cases.BLOCK_SIZE, torch.device(DEVICE)
+        batch,
+        row["bytes"]["head_tiles"],
+        blocks * cases.BLOCK_SIZE,
+        torch.device(DEVICE),
+        num_warps=warps,
     )
     row.update(section="decode", batch=batch, context=context, splits=splits)
     row["ours_pct_ceiling"] = pct_of_ceiling(

@@ -182,13 +182,16 @@ def test_same_bits_on_every_launch():
 
 
 def test_default_split_count_comes_from_static_sizes():
-    cpu = torch.device("cpu")  # the interpreter's target is 4 programs
+    cpu = torch.device("cpu")  # the interpreter's target: 2 "SMs", so 4 programs of 4 warps
     assert default_num_kv_splits(8, 1, 4096, cpu) == 1  # the tiles fill the target
     assert default_num_kv_splits(1, 1, 4096, cpu) == 4
+    assert default_num_kv_splits(1, 1, 4096, cpu, num_warps=8) == 2  # one 8-warp program per SM
+    assert default_num_kv_splits(3, 1, 4096, cpu) == 1  # rounded down: never a second wave
     assert default_num_kv_splits(1, 1, 300, cpu) == 1  # too short a context to split
     assert 1 <= default_num_kv_splits(1, 1, 10**9, cpu) <= MAX_KV_SPLITS
     # A planned launch for another GPU: its programs instead of a device.
-    assert default_num_kv_splits(64, 2, 4096, None, target_programs=264) == 3
+    assert default_num_kv_splits(64, 2, 4096, None, target_programs=264) == 2
+    assert default_num_kv_splits(64, 1, 4096, None, target_programs=264) == 4  # not 5
     with pytest.raises(ValueError, match="device or target_programs"):
         default_num_kv_splits(1, 1, 4096, None)
     step = build_step(DECODE, heads=2, seed=10, device=DEVICE)
@@ -397,6 +400,28 @@ def test_gpu_decode_batches_with_contexts_to_4k(batch, heads, dtype):
         seed=batch,
     )
     run_and_check(step, tolerance=tolerance, max_query_len=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, None])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_decode_over_several_full_block_table_groups(heads, splits):
+    # Contexts past 63 pages per split fill whole groups of block ids: the software pipeline
+    # then computes the next tiles' page indices past the group's last page. With 64-head tiles
+    # on an H200 an unclamped index read outside the gather's scratch (illegal address, seen in
+    # the benchmark at batch 64, context 16k, 128 heads).
+    contexts = [12000, 4031, 4032, 4033, 8100, 16383]
+    step = build_step(
+        [(c, 1) for c in contexts],
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        seed=heads + (splits or 0),
+    )
+    run_and_check(step, tolerance=BF16_TOLERANCE, max_query_len=1, num_kv_splits=splits)
 
 
 def _graph_replays_equal_eager(step, max_query_len, num_kv_splits, refresh, tolerance):
