@@ -80,6 +80,8 @@ MIN_KEYS_PER_SPLIT = 256
 # 16-bit columns, 32 keys) takes about 180 KiB with 3 stages, 144 KiB with 2. Hopper's 227 KiB
 # holds it; an A100's 163 KiB does not (2 stages there).
 THREE_STAGE_SHARED_MEMORY = 200 * 1024
+# The largest block size: stage 1 counts keys across a group of up to 64 pages in 32 bits.
+MAX_BLOCK_SIZE = 2**24
 # block-table starts counted per vector load in the request lookup.
 SEQ_BLOCK = 128
 # Heads per query tile: the smallest row count of a tensor-core dot at one token per tile.
@@ -506,7 +508,12 @@ def _check(
     if latent_dim < 1:
         raise ValueError(f"query's width {width} leaves no latent part beside rope_dim={rope_dim}")
     _check_pow2(f"the latent width (query width {width} - rope_dim {rope_dim})", latent_dim)
-    _, _, cache_width = check_paged_cache("kv_cache", kv_cache, device)
+    _, block_size, cache_width = check_paged_cache("kv_cache", kv_cache, device)
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"kv_cache's block size {block_size} is over {MAX_BLOCK_SIZE} (the kernel counts a "
+            "key's page and row in 32 bits across up to 64 pages)"
+        )
     if kv_cache.dtype != query.dtype:
         raise TypeError(f"kv_cache is {kv_cache.dtype}, query {query.dtype}: they must match")
     if cache_width != width:

@@ -290,6 +290,8 @@ def _bad_inputs():
     yield "cache dtype", dict(good, kv_cache=cache.half()), TypeError, "kv_cache is torch.float16"
     yield "cache width", dict(good, kv_cache=cache[..., :40]), ValueError, "kv_cache rows are 40"
     yield "2-d cache", dict(good, kv_cache=cache[0]), ValueError, "kv_cache must be"
+    huge_blocks = cache[:1, :1].expand(1, 2**24 + 1, cache.shape[2])  # a view: no memory
+    yield "block size", dict(good, kv_cache=huge_blocks), ValueError, "block size 16777217"
     yield "float table", dict(good, block_table=table.float()), TypeError, "block_table must"
     yield "1-d table", dict(good, block_table=table[0]), ValueError, "block_table must be"
     yield "short cu", dict(good, cu_query_lengths=cu[:-1]), ValueError, "cu_query_lengths must"
