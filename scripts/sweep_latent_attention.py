@@ -7,13 +7,13 @@ split count, each timed by CUDA-graph replay against the copy ceiling of the sam
         [--block-h 16 64] [--warps 4 8] [--stages 2 3] [--splits default 1x 2x ...]
         [--jobs 12] [--out FILE.json]
 
-Every launch goes through the launcher's own ``_launch`` with the tile given explicitly, so a
-setting found here is one the launcher can choose. Splits: ``default`` is the launcher's count,
-``Nx`` N times the count that gives one program per SM, an integer that count. Each setting's
-output is checked against the launcher's (max abs difference, bf16); a setting whose check fails
-is reported and not ranked. Triton compiles every setting first, in ``--jobs`` processes sharing
-the Triton cache (the timing process then loads the compiled kernels), so a sweep of many settings
-takes seconds per setting, not a compile each. Prints one table per shape, best first.
+Every launch goes through the launcher's own plan (``_AttentionPlan``) with the tile given
+explicitly, so a setting found here is one the launcher can choose. Splits: ``default`` is the
+launcher's count, ``Nx`` N times the count that gives one program per SM, an integer that count.
+Each setting's output is checked against the launcher's (max abs difference, bf16); a setting whose
+check fails is reported and not ranked. Triton compiles every setting first, in ``--jobs`` processes
+sharing the Triton cache (the timing process then loads the compiled kernels), so a sweep of many
+settings takes seconds per setting, not a compile each. Prints one table per shape, best first.
 """
 
 import argparse
@@ -64,12 +64,9 @@ def _splits(spec: str, batch: int, context: int, heads: int, block_h: int, warps
 
 def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, out) -> None:
     block_h, block_n, warps, stages, _ = setting
-    mla._launch(
-        query,
-        kv_cache,
-        step.block_table,
-        step.cu_query_lengths,
-        step.kv_lengths,
+    args = (query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+    plan = mla._AttentionPlan(
+        *args,
         cases.SOFTMAX_SCALE,
         out,
         latent_dim=step.latent,
@@ -77,6 +74,7 @@ def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, 
         num_kv_splits=splits,
         num_stages=stages,
     )
+    plan(*args, out)
 
 
 def _compile(job: Tuple[Tuple[int, int, int], List[Setting]]) -> List[str]:

@@ -18,12 +18,14 @@ unknown or that need scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
 Users: the MLA RoPE launches (:mod:`megatron_ext.fusions.mla_rope.launch`, keyed by the call's
 shapes, which also skips their checks), and, through :class:`KernelLaunches` (keyed by what Triton
 specialises on), the top-k draw and the paged latent-cache kernels (attention and its split
-combine, the RoPE + append).
+combine, the RoPE + append). The latent-cache kernels keep a :class:`PreparedLaunch` per checked
+call layout (:mod:`megatron_ext.fusions.launch_plans`): only the tensors change between its calls,
+so a call swaps their pointers into the stored arguments instead of rebuilding them.
 """
 
 import os
 import warnings
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -211,3 +213,73 @@ class KernelLaunches:
             names = internals.triton_kernel_arg_names(self.kernel)
             ok = names is not None and list(args) == names
             self.launches[key] = (ok and bind(compiled)) or False
+
+
+class PreparedLaunch:
+    """One launch of a :class:`KernelLaunches` kernel whose arguments other than its tensors are
+    fixed: a call passes only the tensors (same names, dtypes and order as the ones it was
+    prepared with; the caller's plan key guarantees that) and goes direct once bound.
+
+    It keeps no tensor (a cached launch must not hold device memory alive): the launch key and the
+    C launcher's values are stored with the tensors' slots empty, and each call fills them with
+    the pointers and their 16-byte alignment (which Triton specialises on, so it stays in the key).
+
+    Args:
+        launches: the kernel's launches (shared with its other callers: one JIT compile and one
+            binding per specialisation).
+        grid: the launch grid (up to three dimensions).
+        args: every kernel parameter by name, in the kernel's order, as for
+            :meth:`KernelLaunches.__call__`.
+        options: Triton's launch options.
+    """
+
+    __slots__ = ("launches", "grid", "args", "options", "names", "slots", "parts", "values")
+
+    def __init__(
+        self,
+        launches: KernelLaunches,
+        grid: Tuple[int, ...],
+        args: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ):
+        self.launches = launches
+        self.grid = tuple(grid)
+        self.options = dict(options)
+        self.names = [name for name, v in args.items() if isinstance(v, torch.Tensor)]
+        self.args = {n: (None if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
+        first = args[self.names[0]] if self.names else None
+        # No stored key (every call through ``launches(grid, args)``) for CPU tensors (the
+        # interpreter) and for a stand-in launcher (tests record launches that way).
+        self.parts: Optional[List[Any]] = None
+        self.slots: List[Tuple[int, int, torch.dtype]] = []
+        self.values: List[Any] = []
+        if first is None or first.device.type != "cuda" or not isinstance(launches, KernelLaunches):
+            return
+        key, values = launches._key_and_values(args, first.device.index, options)
+        # (position in the key, position in the values, dtype) of each tensor argument.
+        offset = len(key) - len(values)
+        positions = [i for i, v in enumerate(args.values()) if isinstance(v, torch.Tensor)]
+        self.slots = [(offset + i, i, args[n].dtype) for i, n in zip(positions, self.names)]
+        self.parts = list(key)
+        self.values = list(values)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        """Launch with ``tensors`` for the tensor arguments (in the prepared order)."""
+        parts = self.parts
+        if parts is not None:
+            parts = parts.copy()
+            values = self.values.copy()
+            for (key_at, value_at, dtype), tensor in zip(self.slots, tensors):
+                pointer = tensor.data_ptr()
+                parts[key_at] = (dtype, pointer % 16 == 0)
+                values[value_at] = pointer
+            index = parts[0]
+            direct = self.launches.launches.get(tuple(parts))
+            if direct and not hooks_set() and internals.cuda_current_device() == index:
+                gx, gy, gz = (*self.grid, 1, 1)[:3]
+                direct(gx, gy, gz, internals.cuda_current_raw_stream(index), tuple(values))
+                return
+        # The first call of a specialisation (or no direct launch): the full path binds it.
+        args = dict(self.args)
+        args.update(zip(self.names, tensors))
+        self.launches(self.grid, args, **self.options)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_ext.fusions.direct_launch import KernelLaunches
+from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.latent_cache_checks import (
     FLOAT_DTYPES,
     check_disjoint,
@@ -43,6 +43,7 @@ from megatron_ext.fusions.latent_cache_checks import (
     rows_of,
 )
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
+from megatron_ext.fusions.launch_plans import PlanCache, layout_key
 from megatron_ext.fusions.mla_rope.checks import check_device, check_tensor
 
 __all__ = ["fused_mla_rope_cache_append"]
@@ -149,6 +150,26 @@ def _rope_cache_append_kernel(
 
 # Triton's JIT on a specialisation's first call, then the direct launch.
 _APPEND = KernelLaunches(_rope_cache_append_kernel, _RUNTIME_SIZES)
+# Checked call layouts -> their prepared launches (megatron_ext.fusions.launch_plans).
+_PLANS = PlanCache()
+
+
+def _check_disjoint_cache(
+    kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset
+) -> None:
+    check_disjoint(
+        "kv_cache",
+        kv_cache,
+        (
+            ("kv_latent", kv_latent),
+            ("k_pos_emb", k_pos_emb),
+            ("cos", cos),
+            ("sin", sin),
+            ("positions", positions),
+            ("block_idx", block_idx),
+            ("block_offset", block_offset),
+        ),
+    )
 
 
 def _check(
@@ -201,18 +222,8 @@ def _check(
     check_index_vector("block_idx", block_idx, tokens, device)
     check_index_vector("block_offset", block_offset, tokens, device)
     check_no_self_overlap("kv_cache", kv_cache)
-    check_disjoint(
-        "kv_cache",
-        kv_cache,
-        (
-            ("kv_latent", kv_latent),
-            ("k_pos_emb", k_pos_emb),
-            ("cos", cos),
-            ("sin", sin),
-            ("positions", positions),
-            ("block_idx", block_idx),
-            ("block_offset", block_offset),
-        ),
+    _check_disjoint_cache(
+        kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset
     )
     if tokens == 0:
         return None
@@ -267,9 +278,30 @@ def fused_mla_rope_cache_append(
         TypeError, ValueError: for arguments of other types, dtypes, shapes, devices or layouts,
             or a cache that overlaps an input, before any launch.
     """
+    tensors = (kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset)
+    key = layout_key(tensors, ())
+    launch = _PLANS.get(key)
+    if launch is None:
+        # First call of this layout: every check, then the launch (cached once they passed).
+        launch = _PLANS.put(key, _plan(*tensors))
+    else:
+        # What the layout cannot tell: whether the cache shares memory with an input.
+        _check_disjoint_cache(*tensors)
+    if launch is not _NOTHING:
+        # In the kernel's argument order (the cache last).
+        launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
+    return kv_cache
+
+
+# The plan of a call without tokens.
+_NOTHING = object()
+
+
+def _plan(kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset):
+    """Check a call; return its prepared launch (``_NOTHING`` without tokens)."""
     plan = _check(kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset)
     if plan is None:
-        return kv_cache
+        return _NOTHING
     sizes, latent_dim, rope_dim = plan
     args = dict(
         latent_ptr=kv_latent,
@@ -286,11 +318,6 @@ def fused_mla_rope_cache_append(
         BLOCK_LATENT=next_power_of_2(latent_dim),
         BLOCK_T=TOKENS_PER_PROGRAM,
     )
-    _APPEND(
-        (cdiv(sizes[0], TOKENS_PER_PROGRAM),),
-        args,
-        num_warps=4,
-        # torch rounds each product and the sum; a contracted FMA would round once.
-        enable_fp_fusion=False,
-    )
-    return kv_cache
+    # torch rounds each product and the sum; a contracted FMA would round once.
+    options = dict(num_warps=4, enable_fp_fusion=False)
+    return PreparedLaunch(_APPEND, (cdiv(sizes[0], TOKENS_PER_PROGRAM),), args, options)

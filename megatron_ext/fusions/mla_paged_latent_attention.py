@@ -34,9 +34,11 @@ only; the lengths, block ids and positions are read on the device. The same inpu
 bits on every launch (no atomics; the splits are combined in a fixed order), so a CUDA-graph
 replay equals an eager call. The first call of a shape compiles: make it outside capture.
 
-Launches: a specialisation's first call goes through Triton's JIT, later ones through the
-compiled kernel's C launcher (:class:`megatron_ext.fusions.direct_launch.KernelLaunches`), which
-skips Triton's Python dispatch.
+Launches: a call layout's first call checks every argument and keeps the launch plan it gives
+(:mod:`megatron_ext.fusions.launch_plans`; later calls of the layout check only that the output
+shares no memory with an input). A specialisation's first launch goes through Triton's JIT, later
+ones through the compiled kernel's C launcher
+(:class:`megatron_ext.fusions.direct_launch.PreparedLaunch`), which skips Triton's Python dispatch.
 """
 
 import functools
@@ -47,7 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_ext.fusions.direct_launch import KernelLaunches
+from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.latent_cache_checks import (
     FLOAT_DTYPES,
     check_disjoint,
@@ -58,6 +60,7 @@ from megatron_ext.fusions.latent_cache_checks import (
     check_unit_last_stride,
 )
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
+from megatron_ext.fusions.launch_plans import PlanCache, layout_key
 from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, check_int, check_tensor
 
 __all__ = [
@@ -340,6 +343,8 @@ def _combine_splits_kernel(
 # The two stages' launches: Triton's JIT on a specialisation's first call, then the direct launch.
 _STAGE1 = KernelLaunches(_latent_attention_kernel, _RUNTIME_SIZES)
 _COMBINE = KernelLaunches(_combine_splits_kernel, _COMBINE_RUNTIME_SIZES)
+# Checked call layouts -> their launches (megatron_ext.fusions.launch_plans).
+_PLANS: PlanCache["_AttentionPlan"] = PlanCache()
 
 
 def pipeline_stages(shared_memory_per_block: Optional[int]) -> int:
@@ -547,17 +552,7 @@ def _check(
         )
     check_unit_last_stride("out", out)
     check_no_self_overlap("out", out)
-    check_disjoint(
-        "out",
-        out,
-        (
-            ("query", query),
-            ("kv_cache", kv_cache),
-            ("block_table", block_table),
-            ("cu_query_lengths", cu_query_lengths),
-            ("kv_lengths", kv_lengths),
-        ),
-    )
+    _check_disjoint_output(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out)
     return tokens, heads, latent_dim
 
 
@@ -624,34 +619,93 @@ def mla_paged_latent_attention(
             widths the kernels do not take, or an ``out`` that overlaps an input, before any
             launch.
     """
-    if out is None and isinstance(query, Tensor) and query.dim() == 3:
-        width = query.shape[2] - rope_dim if isinstance(rope_dim, int) else 0
-        out = torch.empty((*query.shape[:2], max(width, 0)), dtype=query.dtype, device=query.device)
-    tokens, heads, latent_dim = _check(
-        query,
-        kv_cache,
-        block_table,
-        cu_query_lengths,
-        kv_lengths,
-        softmax_scale,
-        rope_dim,
-        max_query_len,
-        num_kv_splits,
-        out,
+    key = layout_key(
+        (query, kv_cache, block_table, cu_query_lengths, kv_lengths, out),
+        (softmax_scale, rope_dim, max_query_len, num_kv_splits),
     )
-    if tokens == 0 or heads == 0:
-        return out
-    requests, max_blocks = block_table.shape
+    plan = _PLANS.get(key)
+    if plan is None:
+        # First call of this layout: every check, then the plan (cached once they passed).
+        if out is None and isinstance(query, Tensor) and query.dim() == 3:
+            width = query.shape[2] - rope_dim if isinstance(rope_dim, int) else 0
+            out = torch.empty(
+                (*query.shape[:2], max(width, 0)), dtype=query.dtype, device=query.device
+            )
+        tokens, heads, latent_dim = _check(
+            query,
+            kv_cache,
+            block_table,
+            cu_query_lengths,
+            kv_lengths,
+            softmax_scale,
+            rope_dim,
+            max_query_len,
+            num_kv_splits,
+            out,
+        )
+        plan = _PLANS.put(
+            key,
+            _plan(
+                query,
+                kv_cache,
+                block_table,
+                cu_query_lengths,
+                kv_lengths,
+                softmax_scale,
+                out,
+                latent_dim=latent_dim,
+                max_query_len=max_query_len,
+                num_kv_splits=num_kv_splits,
+            ),
+        )
+    elif out is None:
+        out = torch.empty(plan.out_shape, dtype=query.dtype, device=query.device)
+    else:
+        # What the layout cannot tell: whether this call's output shares memory with an input.
+        _check_disjoint_output(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out)
+    plan(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out)
+    return out
+
+
+def _check_disjoint_output(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out):
+    check_disjoint(
+        "out",
+        out,
+        (
+            ("query", query),
+            ("kv_cache", kv_cache),
+            ("block_table", block_table),
+            ("cu_query_lengths", cu_query_lengths),
+            ("kv_lengths", kv_lengths),
+        ),
+    )
+
+
+def _plan(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    softmax_scale: float,
+    out: Tensor,
+    *,
+    latent_dim: int,
+    max_query_len: Optional[int],
+    num_kv_splits: Optional[int],
+) -> "_AttentionPlan":
+    """The launcher's tile, split count and stage count for a checked call, as a plan."""
+    tokens, heads = query.shape[:2]
     tile = tile_shape(tokens, heads, latent_dim, max_query_len, query.dtype == torch.float32)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
             cdiv(tokens, tile.block_q),
             cdiv(heads, tile.block_h),
-            max_blocks * kv_cache.shape[1],
+            block_table.shape[1] * kv_cache.shape[1],
             query.device,
             num_warps=tile.num_warps,
         )
-    _launch(
+    return _AttentionPlan(
         query,
         kv_cache,
         block_table,
@@ -664,104 +718,147 @@ def mla_paged_latent_attention(
         num_kv_splits=num_kv_splits,
         num_stages=_launch_limits(query.device).stages,
     )
-    return out
 
 
-def _launch(
-    query: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    cu_query_lengths: Tensor,
-    kv_lengths: Tensor,
-    softmax_scale: float,
-    out: Tensor,
-    *,
-    latent_dim: int,
-    tile: TileShape,
-    num_kv_splits: int,
-    num_stages: int,
-) -> None:
-    """Launch both stages on checked arguments with an explicit tile, split count and stage count
-    (the launcher's choices, or a tuning script's: any tile whose sizes are powers of two with
-    ``block_q * block_h >= 16`` computes the same attention)."""
-    tokens, heads = query.shape[:2]
-    requests, max_blocks = block_table.shape
-    rope_dim = query.shape[2] - latent_dim
-    fp32 = query.dtype == torch.float32
-    block_q, block_h, block_n, warps = tile
-    head_tiles = cdiv(heads, block_h)
-    query_tiles = tokens // block_q + requests + 1
-    if num_kv_splits == 1:
-        partial, lse = out, out  # stage 1 writes the output; lse is not used
-        partial_strides = (0, out.stride(0), out.stride(1))
-        lse_strides = (0, 0)
-    else:
-        # Token-major, so that no stride varies with the step's token count: the strides are
-        # specialised arguments, and a varying one would give each decode batch size its own
-        # launch key (a JIT launch, not the direct one, on each new size).
-        partial = torch.empty(
-            (tokens, num_kv_splits, heads, latent_dim), dtype=torch.float32, device=query.device
-        )
-        lse = torch.empty((tokens, num_kv_splits, heads), dtype=torch.float32, device=query.device)
-        partial_strides = (partial.stride(1), partial.stride(0), partial.stride(2))
-        lse_strides = (lse.stride(1), lse.stride(0))
-    stage1 = dict(
-        q_ptr=query,
-        cache_ptr=kv_cache,
-        block_table_ptr=block_table,
-        cu_q_ptr=cu_query_lengths,
-        kv_len_ptr=kv_lengths,
-        out_ptr=partial,
-        lse_ptr=lse,
-        scale_log2=float(softmax_scale) * LOG2E,
-        num_tokens=tokens,
-        num_heads=heads,
-        num_requests=requests,
-        num_blocks=kv_cache.shape[0],
-        BLOCK_SIZE=kv_cache.shape[1],
-        max_blocks=max_blocks,
-        q_stride_t=query.stride(0),
-        q_stride_h=query.stride(1),
-        cache_stride_b=kv_cache.stride(0),
-        cache_stride_o=kv_cache.stride(1),
-        table_stride=block_table.stride(0),
-        out_stride_s=partial_strides[0],
-        out_stride_t=partial_strides[1],
-        out_stride_h=partial_strides[2],
-        lse_stride_s=lse_strides[0],
-        lse_stride_t=lse_strides[1],
-        LATENT_DIM=latent_dim,
-        ROPE_DIM=rope_dim,
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_kv_splits,
-        SEQ_BLOCK=SEQ_BLOCK,
-        # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
-        DOT_PRECISION="ieee" if fp32 else "tf32",
-    )
-    _STAGE1(
-        (query_tiles, head_tiles, num_kv_splits), stage1, num_warps=warps, num_stages=num_stages
-    )
-    if num_kv_splits > 1:
-        combine_h = min(BLOCK_H, next_power_of_2(heads))
-        combine = dict(
-            partial_ptr=partial,
-            lse_ptr=lse,
+class _AttentionPlan:
+    """Both stages of one checked call layout, prepared (:class:`PreparedLaunch`): a call
+    allocates the split-KV workspace and launches them with its tensors. Holds no tensor.
+
+    The tile, split count and stage count are explicit (the launcher's choices, :func:`_plan`,
+    or a tuning script's: any tile whose sizes are powers of two with ``block_q * block_h >= 16``
+    computes the same attention). The tensors given here only set the layout.
+    """
+
+    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device")
+
+    def __init__(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_table: Tensor,
+        cu_query_lengths: Tensor,
+        kv_lengths: Tensor,
+        softmax_scale: float,
+        out: Tensor,
+        *,
+        latent_dim: int,
+        tile: TileShape,
+        num_kv_splits: int,
+        num_stages: int,
+    ):
+        tokens, heads = query.shape[:2]
+        self.out_shape = (tokens, heads, latent_dim)
+        self.device = query.device
+        self.stage1: Optional[PreparedLaunch] = None
+        self.combine: Optional[PreparedLaunch] = None
+        self.workspace: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+        if tokens == 0 or heads == 0:
+            return
+        requests, max_blocks = block_table.shape
+        rope_dim = query.shape[2] - latent_dim
+        fp32 = query.dtype == torch.float32
+        block_q, block_h, block_n, warps = tile
+        head_tiles = cdiv(heads, block_h)
+        query_tiles = tokens // block_q + requests + 1
+        if num_kv_splits == 1:
+            partial, lse = out, out  # stage 1 writes the output; lse is not used
+            partial_strides = (0, out.stride(0), out.stride(1))
+            lse_strides = (0, 0)
+        else:
+            # Token-major, so that no stride varies with the step's token count: the strides are
+            # specialised arguments, and a varying one would give each decode batch size its own
+            # launch key (a JIT launch, not the direct one, on each new size).
+            self.workspace = (
+                (tokens, num_kv_splits, heads, latent_dim),
+                (tokens, num_kv_splits, heads),
+            )
+            # Stand-ins for the dtype; each call passes its own workspace.
+            partial = lse = query.new_empty(0, dtype=torch.float32)
+            partial_strides = (heads * latent_dim, num_kv_splits * heads * latent_dim, latent_dim)
+            lse_strides = (heads, num_kv_splits * heads)
+        stage1 = dict(
+            q_ptr=query,
+            cache_ptr=kv_cache,
+            block_table_ptr=block_table,
             cu_q_ptr=cu_query_lengths,
-            out_ptr=out,
+            kv_len_ptr=kv_lengths,
+            out_ptr=partial,
+            lse_ptr=lse,
+            scale_log2=float(softmax_scale) * LOG2E,
             num_tokens=tokens,
             num_heads=heads,
             num_requests=requests,
-            partial_stride_s=partial_strides[0],
-            partial_stride_t=partial_strides[1],
-            partial_stride_h=partial_strides[2],
+            num_blocks=kv_cache.shape[0],
+            BLOCK_SIZE=kv_cache.shape[1],
+            max_blocks=max_blocks,
+            q_stride_t=query.stride(0),
+            q_stride_h=query.stride(1),
+            cache_stride_b=kv_cache.stride(0),
+            cache_stride_o=kv_cache.stride(1),
+            table_stride=block_table.stride(0),
+            out_stride_s=partial_strides[0],
+            out_stride_t=partial_strides[1],
+            out_stride_h=partial_strides[2],
             lse_stride_s=lse_strides[0],
             lse_stride_t=lse_strides[1],
-            out_stride_t=out.stride(0),
-            out_stride_h=out.stride(1),
             LATENT_DIM=latent_dim,
-            BLOCK_H=combine_h,
+            ROPE_DIM=rope_dim,
+            BLOCK_Q=block_q,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
             NUM_SPLITS=num_kv_splits,
+            SEQ_BLOCK=SEQ_BLOCK,
+            # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
+            DOT_PRECISION="ieee" if fp32 else "tf32",
         )
-        _COMBINE((tokens, cdiv(heads, combine_h)), combine, num_warps=4)
+        self.stage1 = PreparedLaunch(
+            _STAGE1,
+            (query_tiles, head_tiles, num_kv_splits),
+            stage1,
+            dict(num_warps=warps, num_stages=num_stages),
+        )
+        if num_kv_splits > 1:
+            combine_h = min(BLOCK_H, next_power_of_2(heads))
+            combine = dict(
+                partial_ptr=partial,
+                lse_ptr=lse,
+                cu_q_ptr=cu_query_lengths,
+                out_ptr=out,
+                num_tokens=tokens,
+                num_heads=heads,
+                num_requests=requests,
+                partial_stride_s=partial_strides[0],
+                partial_stride_t=partial_strides[1],
+                partial_stride_h=partial_strides[2],
+                lse_stride_s=lse_strides[0],
+                lse_stride_t=lse_strides[1],
+                out_stride_t=out.stride(0),
+                out_stride_h=out.stride(1),
+                LATENT_DIM=latent_dim,
+                BLOCK_H=combine_h,
+                NUM_SPLITS=num_kv_splits,
+            )
+            self.combine = PreparedLaunch(
+                _COMBINE, (tokens, cdiv(heads, combine_h)), combine, dict(num_warps=4)
+            )
+
+    def __call__(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_table: Tensor,
+        cu_query_lengths: Tensor,
+        kv_lengths: Tensor,
+        out: Tensor,
+    ) -> None:
+        """Launch with this call's tensors (of the plan's layout)."""
+        if self.stage1 is None:
+            return
+        if self.workspace is None:
+            self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, out)
+            return
+        partial_shape, lse_shape = self.workspace
+        partial = torch.empty(partial_shape, dtype=torch.float32, device=self.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, partial, lse)
+        self.combine(partial, lse, cu_query_lengths, out)

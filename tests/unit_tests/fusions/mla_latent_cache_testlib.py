@@ -10,8 +10,10 @@ Imported as ``tests.unit_tests.fusions.mla_latent_cache_testlib`` (run from the 
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+import pytest
 import torch
 
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.testing.latent_cache_baseline import LatentCacheContextStandIn
 
 # What the guard elements around a cache or an output hold: no kernel writes it.
@@ -216,6 +218,9 @@ def record_launches(monkeypatch, module, *kernels: str) -> list:
     launches = []
     for name in kernels:
         monkeypatch.setattr(module, name, _Recorder(launches, getattr(module, name)))
+    if hasattr(module, "_PLANS"):
+        # Cached plans launch what they were built with: a fresh cache for the recorders.
+        monkeypatch.setattr(module, "_PLANS", PlanCache())
     return launches
 
 
@@ -250,3 +255,40 @@ def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kw
     assert guards_intact(out_buffer), "a write outside the output"
     assert torch.equal(step.cache_buffer, cache_before), "the cache changed"
     return out
+
+
+def layout_twins(kwargs: dict) -> dict:
+    """``kwargs`` with each tensor replaced by one of the same layout (shape, strides, dtype,
+    device) in memory of its own, filled with its values: the call a launch-plan cache keys
+    alike, without the aliasing of the original."""
+    twins = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            twin = torch.empty_strided(
+                value.shape, value.stride(), dtype=value.dtype, device=value.device
+            )
+            # An expanded view's twin is expanded too (and left unfilled: nothing to copy into).
+            expanded = any(st == 0 and n > 1 for n, st in zip(value.shape, value.stride()))
+            value = twin if expanded else twin.copy_(value)
+        twins[name] = value
+    return twins
+
+
+def assert_refused_after_a_call_of_its_layout(function, module, launcher_names, case, monkeypatch):
+    """A bad call ``case`` (name, kwargs, error, match) is refused before any launch also when a
+    call of the same layout (:func:`layout_twins`) ran before it, so its plan is cached: what
+    depends on the memory (outputs overlapping inputs) is checked on every call."""
+    name, kwargs, error, match = case
+    launches = record_launches(monkeypatch, module, *launcher_names)
+    try:
+        function(**layout_twins(kwargs))
+    except (TypeError, ValueError):
+        pass  # the layout itself is refused: nothing was cached
+    del launches[:]
+    cache = kwargs.get("kv_cache")
+    before = cache.clone() if isinstance(cache, torch.Tensor) else None
+    with pytest.raises(error, match=match):
+        function(**kwargs)
+    assert launches == [], name
+    if before is not None:
+        assert torch.equal(cache, before), name

@@ -210,13 +210,10 @@ class _OnCuda(torch.Tensor):
         return torch.device("cuda", 0)
 
 
-def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypatch):
-    """The CUDA branch with the device, Triton and the C launcher stubbed: the first call of a
-    key launches through the JIT under the tensor's device and binds; later calls (another
-    unspecialised size) call the bound launcher with the grid padded to three dimensions, the
-    current stream, and every argument in order with tensors as pointers; another key, a set
-    launch hook or another current device take the JIT again."""
-    jit, direct = [], []
+def _stubbed_cuda_branch(monkeypatch, jit: list, direct: list) -> direct_launch.KernelLaunches:
+    """KernelLaunches of a stand-in kernel with the device, Triton and the C launcher stubbed:
+    JIT launches are recorded in ``jit`` as (grid, kwargs), direct ones in ``direct`` as the C
+    launcher's arguments; the current device is 0 and its stream 1234."""
 
     class FakeKernel:
         arg_names = ["out_ptr", "x_ptr", "factor", "n", "stride", "BLOCK"]
@@ -236,7 +233,17 @@ def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypat
     monkeypatch.setattr(internals, "cuda_current_device", lambda: 0)
     monkeypatch.setattr(internals, "cuda_current_raw_stream", lambda index: 1234)
     monkeypatch.setattr(torch.cuda, "device", lambda index: _NullContext())
-    launches = direct_launch.KernelLaunches(FakeKernel(), ["n"])
+    return direct_launch.KernelLaunches(FakeKernel(), ["n"])
+
+
+def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypatch):
+    """The CUDA branch with the device, Triton and the C launcher stubbed: the first call of a
+    key launches through the JIT under the tensor's device and binds; later calls (another
+    unspecialised size) call the bound launcher with the grid padded to three dimensions, the
+    current stream, and every argument in order with tensors as pointers; another key, a set
+    launch hook or another current device take the JIT again."""
+    jit, direct = [], []
+    launches = _stubbed_cuda_branch(monkeypatch, jit, direct)
     x = torch.zeros(64).as_subclass(_OnCuda)
     out = torch.zeros(64).as_subclass(_OnCuda)
 
@@ -254,3 +261,50 @@ def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypat
     monkeypatch.setattr(internals, "cuda_current_device", lambda: 1)
     launches((3,), _scale_args(out, x, 9), num_warps=4)
     assert len(jit) == 4 and len(direct) == 1
+
+
+def test_prepared_launch_swaps_in_the_pointers_and_shares_the_kernels_bindings(monkeypatch):
+    """A PreparedLaunch (the CUDA branch stubbed as above): its first call takes the full path
+    (the JIT, then the binding, stored under the kernel's own key); later calls launch the bound
+    launcher with their tensors' pointers in the stored arguments; a tensor of another 16-byte
+    alignment is another specialisation (the JIT again); it keeps no tensor."""
+    import weakref
+
+    jit, direct = [], []
+    launches = _stubbed_cuda_branch(monkeypatch, jit, direct)
+    x = torch.zeros(64).as_subclass(_OnCuda)
+    out = torch.zeros(64).as_subclass(_OnCuda)
+    prepared = direct_launch.PreparedLaunch(launches, (3,), _scale_args(out, x, 50), {})
+    held = weakref.ref(x)
+    del x
+    assert held() is None, "the prepared launch keeps a tensor alive"
+
+    x2, out2 = torch.ones(64).as_subclass(_OnCuda), torch.ones(64).as_subclass(_OnCuda)
+    prepared(out2, x2)
+    assert len(jit) == 1 and jit[0][1]["out_ptr"] is out2 and jit[0][1]["x_ptr"] is x2
+    assert jit[0][1]["n"] == 50 and not direct
+    # The same key as the kernel's own path: an ordinary call of these arguments goes direct.
+    assert len(launches.launches) == 1
+    prepared(out, x2)
+    assert direct == [(3, 1, 1, 1234, (out.data_ptr(), x2.data_ptr(), 2.0, 50, 1, 64))]
+    launches((3,), _scale_args(out2, x2, 50))
+    assert len(jit) == 1 and len(direct) == 2
+    prepared(out, x2[1:])  # 4 bytes off: not 16-byte aligned
+    assert len(jit) == 2 and len(direct) == 2
+
+
+def test_prepared_launch_of_cpu_tensors_or_a_stand_in_takes_the_full_path():
+    calls = []
+
+    class StandIn:
+        def __call__(self, grid, args, **options):
+            calls.append((grid, dict(args), options))
+
+    x, out = torch.arange(8.0), torch.zeros(8)
+    prepared = direct_launch.PreparedLaunch(
+        StandIn(), (2,), _scale_args(out, x, 8), {"num_warps": 1}
+    )
+    x2 = torch.ones(8)
+    prepared(out, x2)
+    assert prepared.parts is None
+    assert calls == [((2,), _scale_args(out, x2, 8), {"num_warps": 1})]

@@ -21,6 +21,7 @@ from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
+    assert_refused_after_a_call_of_its_layout,
     guarded_tensor,
     guards_intact,
     megatron_core_append,
@@ -229,6 +230,13 @@ def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
         fused_mla_rope_cache_append(**kwargs)
     assert launches == [], name
     assert torch.equal(kwargs["kv_cache"], before), name
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
+def test_bad_input_is_refused_after_a_good_call_of_its_layout(case, monkeypatch):
+    assert_refused_after_a_call_of_its_layout(
+        fused_mla_rope_cache_append, append, ("_APPEND",), case, monkeypatch
+    )
 
 
 @pytest.mark.gpu

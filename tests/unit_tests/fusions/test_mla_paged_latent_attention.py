@@ -17,6 +17,7 @@ import torch
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import mla_paged_latent_attention as attention
 from megatron_ext.fusions.direct_launch import KernelLaunches
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_paged_latent_attention import (
     MAX_KV_SPLITS,
     default_num_kv_splits,
@@ -25,6 +26,7 @@ from megatron_ext.fusions.mla_paged_latent_attention import (
 )
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     GUARD,
+    assert_refused_after_a_call_of_its_layout,
     attention_reference,
     build_step,
     check_attention_step,
@@ -328,6 +330,13 @@ def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
     assert launches == []
 
 
+@pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
+def test_bad_input_is_refused_after_a_good_call_of_its_layout(case, monkeypatch):
+    assert_refused_after_a_call_of_its_layout(
+        mla_paged_latent_attention, attention, ("_STAGE1", "_COMBINE"), case, monkeypatch
+    )
+
+
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     from megatron_ext.fusions import latent_cache_checks
 
@@ -570,6 +579,7 @@ def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
         combine = KernelLaunches(attention._combine_splits_kernel, attention._COMBINE_RUNTIME_SIZES)
         monkeypatch.setattr(attention, "_STAGE1", stage1)
         monkeypatch.setattr(attention, "_COMBINE", combine)
+        monkeypatch.setattr(attention, "_PLANS", PlanCache())  # plans launch what they hold
 
     fresh_launches()
     run(steps[0])  # binds

@@ -13,6 +13,10 @@ and add CUDA-graph replay, host-sync and stock-megatron-core checks.
 
 import contextlib
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -737,10 +741,23 @@ STOCK_LOCAL_FAILURE = (
     if UPSTREAM_HAS_ACTIVE_SLICES
     else (AttributeError, "'ColumnParallelLinear' object has no attribute 'in_features'")
 )
-# With Transformer Engine's spec (both releases): flash_decode_and_prefill is called without its
-# required is_decode_only (0.16: multi_latent_attention.py:309 vs attention.py:756; 0.19: :414 vs
-# :1022).
-STOCK_TE_FAILURE = (TypeError, "is_decode_only")
+# With Transformer Engine's spec (TE 2.20.2 on an H200), what stock raises before it reaches the
+# flash_decode_and_prefill call that lacks its required is_decode_only (0.16:
+# multi_latent_attention.py:309 vs attention.py:756; 0.19: :414 vs :1022), as seen there (type,
+# message pattern): 0.16 reads a layer-norm eps from TE's plain column-parallel linear (Triton 3.6
+# and 3.7.1; with 3.9 a TE kernel hits an illegal address first); 0.19 hits an illegal address in
+# a TE kernel in a fresh process, or, after other tests in the process, hands a host tensor to a
+# TE op. Either way the process's CUDA context is left broken, hence the child process.
+STOCK_TE_FAILURES = (
+    ((RuntimeError, r"illegal memory access|non-CUDA DeviceType: cpu"),)
+    if UPSTREAM_HAS_ACTIVE_SLICES
+    else (
+        (AttributeError, r"'TEColumnParallelLinear' object has no attribute 'eps'"),
+        (RuntimeError, r"illegal memory access"),
+    )
+)
+# Set in the child process that runs the stock TE step (see the test).
+_STOCK_TE_CHILD = "MEGATRON_EXT_TEST_STOCK_TE_CHILD"
 
 
 def test_stock_megatron_core_cannot_run_mla_dynamic_steps_local_spec(stack):
@@ -758,10 +775,24 @@ def test_stock_megatron_core_cannot_run_mla_dynamic_steps_local_spec(stack):
 
 
 @pytest.mark.gpu
-def test_gpu_stock_megatron_core_cannot_run_mla_dynamic_steps_te_spec(stack):
-    """The same with Transformer Engine's GPT layer spec: the TypeError of the missing
-    is_decode_only (the call megatron_ext replaces)."""
+def test_gpu_stock_megatron_core_cannot_run_mla_dynamic_steps_te_spec(request):
+    """The same with Transformer Engine's GPT layer spec (``STOCK_TE_FAILURES``), in a child
+    process: stock's failing step can leave the CUDA context broken for the tests after it."""
     pytest.importorskip("transformer_engine", reason="Transformer Engine's spec needs TE")
+    if os.environ.get(_STOCK_TE_CHILD) != "1":
+        child = subprocess.run(
+            [sys.executable, "-m", "pytest", f"{__file__}::{request.node.name}", "-m", "gpu", "-q"]
+            + ["-p", "no:cacheprovider", "-p", "no:xdist"],
+            env={**os.environ, _STOCK_TE_CHILD: "1"},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        # Its summary line, not a skip: "1 passed" at the start of a line.
+        passed = re.search(r"^1 passed\b", child.stdout, re.MULTILINE)
+        assert child.returncode == 0 and passed, child.stdout[-6000:] + child.stderr[-3000:]
+        return
+    request.getfixturevalue("stack")
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
@@ -783,5 +814,7 @@ def test_gpu_stock_megatron_core_cannot_run_mla_dynamic_steps_te_spec(stack):
     )
     model = model.to(DEVICE).eval()
     info = _stock_step(model)
-    assert isinstance(info.value, STOCK_TE_FAILURE[0]), repr(info.value)
-    assert STOCK_TE_FAILURE[1] in str(info.value), repr(info.value)
+    assert any(
+        isinstance(info.value, kind) and re.search(pattern, str(info.value))
+        for kind, pattern in STOCK_TE_FAILURES
+    ), repr(info.value)

@@ -96,6 +96,35 @@ def engine_outputs(extension: bool, requests, **overrides):
     return run_engine(build_engine(stack), requests)
 
 
+def assert_same_generations(got, expected, what: str) -> None:
+    """Assert two ``run_engine`` outputs are equal; the message names the first request, field
+    and position that differ, with both values (the bits that moved), and how many requests do."""
+    if got == expected:
+        return
+    differing = sorted(r for r in set(got) | set(expected) if got.get(r) != expected.get(r))
+    first = differing[0]
+    a, b = got.get(first, {}), expected.get(first, {})
+    detail = f"request {first} missing on one side"
+    for field in sorted(set(a) | set(b)):
+        x, y = a.get(field), b.get(field)
+        if x != y:
+            at = next(
+                (i for i, (u, v) in enumerate(zip(x or [], y or [])) if u != v),
+                min(len(x or []), len(y or [])),
+            )
+            left = x[at] if x and at < len(x) else None
+            right = y[at] if y and at < len(y) else None
+            tokens = (a.get("generated_tokens") or [])[: at + 1], (b.get("generated_tokens") or [])[
+                : at + 1
+            ]
+            detail = (
+                f"request {first}, {field}[{at}]: {left!r} vs {right!r} (lengths {len(x or [])} "
+                f"and {len(y or [])}; tokens up to there {tokens[0]} vs {tokens[1]})"
+            )
+            break
+    raise AssertionError(f"{what}: {len(differing)} of {len(expected)} requests differ; {detail}")
+
+
 def add_requests(stack, params: List[Dict], seed: int = 0, prompt_len: int = 4) -> None:
     rng = random.Random(seed)
     for request_id, sampling in enumerate(params):
@@ -696,19 +725,19 @@ def test_engine_graphed_equals_eager_and_megatron_core():
     greedy = random_requests(60, seed=31)
     stock, _ = engine_outputs(False, greedy)
     graphed, _ = engine_outputs(True, greedy)
-    assert graphed == stock
+    assert_same_generations(graphed, stock, "graphed vs megatron-core")
     for mode in ("top_k", "top_p_log_probs"):
         requests = random_requests(40, seed=32, **_plans()[mode])
         eager, _ = engine_outputs(True, requests, controller_kwargs=dict(cuda_graph_sampling=False))
         if UPSTREAM_HAS_ACTIVE_SLICES:
             # 0.19: an eager step is megatron-core's own sampler (replay == eager region is
             # checked inside the engine by test_graph_captured_once_replays_bitwise_equal_to_eager).
-            assert eager == engine_outputs(False, requests)[0], mode
+            assert_same_generations(eager, engine_outputs(False, requests)[0], mode)
             continue
         graphed, _ = engine_outputs(
             True, requests, controller_kwargs=dict(cuda_graph_sampling=True)
         )
-        assert graphed == eager, mode
+        assert_same_generations(graphed, eager, f"{mode}: graphed vs eager sampling")
 
 
 @pytest.mark.gpu
@@ -723,7 +752,7 @@ def test_engine_with_the_context_bookkeeping_run_eagerly_equals_graphed():
         stack = make_stack(extension=True)
         stack.context.cuda_graph_active_slices = False
         eager, _ = run_engine(build_engine(stack), requests)
-        assert eager == graphed, mode
+        assert_same_generations(eager, graphed, f"{mode}: eager vs graphed bookkeeping")
         assert stack.context._slices_graph is None
         assert stack.context.non_graph_attn_metadata["mha_metadata"]._update_graph is None
 
@@ -1226,3 +1255,17 @@ def test_engine_fails_a_refused_request_when_it_enters_and_finishes_the_rest(cas
     for index, request_id in enumerate(good):
         assert completed(records[request_id]), request_id
         assert records[request_id].generated_tokens == clean[index]["generated_tokens"]
+
+
+def test_generation_comparison_names_the_first_difference():
+    base = {0: {"generated_tokens": [5, 6, 7], "generated_log_probs": [-0.5, -1.0, -2.0]}}
+    moved = {0: {"generated_tokens": [5, 6, 7], "generated_log_probs": [-0.5, -1.25, -2.0]}}
+    assert_same_generations(base, {0: dict(base[0])}, "equal")
+    with pytest.raises(
+        AssertionError,
+        match=r"1 of 1 requests differ; request 0, "
+        r"generated_log_probs\[1\]: -1.0 vs -1.25 .*tokens up to there \[5, 6\]",
+    ):
+        assert_same_generations(base, moved, "moved")
+    with pytest.raises(AssertionError, match="request 3 missing"):
+        assert_same_generations(base, {**base, 3: {}}, "extra")
