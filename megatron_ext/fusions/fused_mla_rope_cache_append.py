@@ -152,6 +152,8 @@ def _rope_cache_append_kernel(
 _APPEND = KernelLaunches(_rope_cache_append_kernel, _RUNTIME_SIZES)
 # Checked call layouts -> their prepared launches (megatron_ext.fusions.launch_plans).
 _PLANS = PlanCache()
+# The plan of a call without tokens (no launch).
+_NOTHING = object()
 
 
 def _check_disjoint_cache(
@@ -291,10 +293,6 @@ def fused_mla_rope_cache_append(
         # In the kernel's argument order (the cache last).
         launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
     return kv_cache
-
-
-# The plan of a call without tokens.
-_NOTHING = object()
 
 
 def _plan(kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset):

@@ -31,8 +31,9 @@ def layout_key(tensors: Tuple[Any, ...], scalars: Tuple[Any, ...]) -> Optional[t
             ``True`` and ``1`` or ``1`` and ``1.0`` differ, as the checks tell them apart).
 
     Returns:
-        Optional[tuple]: the key, or None when an argument is neither a tensor nor None nor
-        hashable (the caller checks it on the slow path, which raises).
+        Optional[tuple]: the key, or None when a tensor argument is neither a tensor nor None
+        (the caller checks it on the slow path, which raises). A key holding an unhashable
+        scalar is never found in a :class:`PlanCache` (it is hashed there, once per lookup).
     """
     parts = []
     for x in tensors:
@@ -44,12 +45,7 @@ def layout_key(tensors: Tuple[Any, ...], scalars: Tuple[Any, ...]) -> Optional[t
             return None
     for value in scalars:
         parts.append((type(value), value))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return tuple(parts)
 
 
 class PlanCache(Generic[Plan]):
@@ -68,12 +64,21 @@ class PlanCache(Generic[Plan]):
         self._lock = threading.Lock()
 
     def get(self, key: Optional[Hashable]) -> Optional[Plan]:
-        """The plan stored under ``key``, or None (also for a None key)."""
-        return None if key is None else self._plans.get(key)
+        """The plan stored under ``key``, or None (also for a None or unhashable key)."""
+        if key is None:
+            return None
+        try:
+            return self._plans.get(key)
+        except TypeError:
+            return None
 
     def put(self, key: Optional[Hashable], plan: Plan) -> Plan:
-        """Store ``plan`` under ``key`` (not for a None key); return it."""
+        """Store ``plan`` under ``key`` (not for a None or unhashable key); return it."""
         if key is not None:
+            try:
+                hash(key)
+            except TypeError:
+                return plan
             with self._lock:
                 if len(self._plans) >= self.max_entries:
                     self._plans.clear()

@@ -29,7 +29,10 @@ def test_layout_key_tells_apart_what_the_checks_tell_apart():
     assert layout_key((x, None), (1.0, True)) != layout_key((x, None), (1.0, 1))
     assert layout_key((x, None), (1.0, 3)) != base
     assert layout_key(([1, 2], None), (1.0, 2)) is None  # not a tensor: the slow path
-    assert layout_key((x, None), ([1.0], 2)) is None  # unhashable
+    unhashable = layout_key((x, None), ([1.0], 2))
+    cache = PlanCache()
+    assert cache.put(unhashable, "plan") == "plan" and len(cache) == 0
+    assert cache.get(unhashable) is None  # never found: the slow path checks (and refuses) it
 
 
 def test_plan_cache_is_bounded_and_ignores_none_keys():
