@@ -538,6 +538,14 @@ def _check(
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     if not (0 < softmax_scale < float("inf")):
         raise ValueError(f"softmax_scale must be positive and finite; got {softmax_scale}")
+    # The kernel takes scale * log2(e) as an fp32 argument: outside fp32's normal range it would
+    # arrive as 0 (uniform attention) or inf (NaN logits), a plausible wrong answer.
+    fp32 = torch.finfo(torch.float32)
+    if not (fp32.tiny <= softmax_scale * LOG2E <= fp32.max):
+        raise ValueError(
+            f"softmax_scale {softmax_scale} times log2(e) is outside float32's normal range "
+            f"[{fp32.tiny:.3g}, {fp32.max:.3g}]: the kernel scales its logits in float32"
+        )
     if max_query_len is not None:
         check_int("max_query_len", max_query_len, 1)
     if num_kv_splits is not None:

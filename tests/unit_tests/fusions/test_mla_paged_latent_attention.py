@@ -303,6 +303,8 @@ def _bad_inputs():
     yield "tensor scale", dict(good, softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"
     yield "negative scale", dict(good, softmax_scale=-1.0), ValueError, "softmax_scale must be"
     yield "nan scale", dict(good, softmax_scale=float("nan")), ValueError, "softmax_scale must be"
+    yield "scale below float32", dict(good, softmax_scale=1e-300), ValueError, "normal range"
+    yield "scale above float32", dict(good, softmax_scale=1e39), ValueError, "normal range"
     yield "max_query_len 0", dict(good, max_query_len=0), ValueError, "max_query_len must be"
     yield "too many splits", dict(
         good, num_kv_splits=MAX_KV_SPLITS + 1
