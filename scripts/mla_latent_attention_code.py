@@ -4,7 +4,8 @@
 them for sm_90, without a GPU: registers, spills, shared memory and tensor-core instructions.
 
     python scripts/mla_latent_attention_code.py [--launch decode prefill ...] [--heads 16]
-        [--num-warps 8] [--num-stages 3] [--block-n 64] [--splits 4] [--ptxas-options "..."]
+        [--num-warps 8] [--num-stages 3] [--block-n 64] [--page-tiles on|off] [--splits 4]
+        [--ptxas-options "..."]
         [--dump DIR]
 
 The launches mirror ``mla_paged_latent_attention``'s launcher
@@ -20,8 +21,9 @@ The launches mirror ``mla_paged_latent_attention``'s launcher
   ``BLOCK_N=32``, 8 warps.
 * ``append``: the key RoPE + paged cache append (``fused_mla_rope_cache_append``), int64 indices.
 
-``--num-warps``, ``--num-stages`` and ``--block-n`` override the launcher's choice for the
-attention kernel, to see which settings change the code. Registers and spills come from the ptxas
+``--num-warps``, ``--num-stages``, ``--block-n`` and ``--page-tiles`` (``page_tiles``: one
+block id per key tile) override the launcher's choice for the attention kernel, to see which
+settings change the code. Registers and spills come from the ptxas
 log of the compile, shared memory from the kernel's metadata, the instruction counts from its
 PTX (``wgmma``: ``wgmma.mma_async``; ``mma``: ``mma.sync``; ``cp.async``: asynchronous global to
 shared copies; ``tma``: ``cp.async.bulk``; ``ld.b16`` and ``st.b16``: scalar 2-byte global loads
@@ -122,9 +124,8 @@ def attention_launch(
         Launch: the launch.
     """
     fp32 = dtype == "fp32"
-    block_q, block_h, block_n, warps = mla.tile_shape(
-        tokens, heads, LATENT_DIM, max_query_len, fp32
-    )
+    tile = mla.tile_shape(tokens, heads, LATENT_DIM, max_query_len, fp32)
+    block_q, block_h, block_n, warps = tile
     if splits is None:
         splits = mla.default_num_kv_splits(
             cdiv(tokens, block_q),
@@ -144,6 +145,8 @@ def attention_launch(
         NUM_SPLITS=splits,
         SEQ_BLOCK=mla.SEQ_BLOCK,
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        PAGE_TILES=mla.page_tiles(PAGE, tile),
+        WIDE_ROWS=False,
     )
     pointers = dict(
         q_ptr=dtype,
@@ -171,9 +174,8 @@ def combine_launch(name: str, dtype: str, splits: int, heads: int = HEADS) -> La
     Returns:
         Launch: the launch (4 warps and Triton's default stages, as the launcher leaves them).
     """
-    constexprs = dict(
-        LATENT_DIM=LATENT_DIM, BLOCK_H=min(mla.BLOCK_H, next_power_of_2(heads)), NUM_SPLITS=splits
-    )
+    block_h, block_d = mla.combine_tile(heads, LATENT_DIM, splits)
+    constexprs = dict(BLOCK_H=block_h, BLOCK_D=block_d, NUM_SPLITS=splits)
     pointers = dict(partial_ptr="fp32", lse_ptr="fp32", cu_q_ptr="i32", out_ptr=dtype)
     return Launch(name, "combine", constexprs, pointers, 4, 3)
 
@@ -353,6 +355,12 @@ def main() -> None:
     parser.add_argument("--num-warps", type=int, default=None, help="override (attention)")
     parser.add_argument("--num-stages", type=int, default=None, help="override (attention)")
     parser.add_argument("--block-n", type=int, default=None, help="override BLOCK_N")
+    parser.add_argument(
+        "--page-tiles",
+        choices=("on", "off"),
+        default=None,
+        help="force stage 1's one-block-id key tiles on or off (default: the launcher's choice)",
+    )
     parser.add_argument("--ptxas-options", default=None, help="extra ptxas options")
     parser.add_argument("--dump", default=None, help="folder for TTGIR, PTX and ptxas logs")
     args = parser.parse_args()
@@ -381,6 +389,13 @@ def main() -> None:
                     launch.num_stages = args.num_stages
                 if args.block_n is not None:
                     launch.constexprs["BLOCK_N"] = args.block_n
+                c = launch.constexprs
+                tile = mla.TileShape(c["BLOCK_Q"], c["BLOCK_H"], c["BLOCK_N"], launch.num_warps)
+                c["PAGE_TILES"] = (
+                    mla.page_tiles(PAGE, tile)
+                    if args.page_tiles is None
+                    else args.page_tiles == "on"
+                )
             code = compile_launch(launch, args.ptxas_options)
             rows.append(summary(launch, code))
             if args.dump:

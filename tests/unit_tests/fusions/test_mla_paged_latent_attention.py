@@ -175,6 +175,32 @@ def test_contexts_over_several_block_table_groups_match_float64(block_size, spli
     run_and_check(step, num_kv_splits=splits)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_page_tiles_over_several_block_table_groups_match_float64(block_size):
+    # Pages that hold whole key tiles (fp32: 16 keys) take one block id per tile; contexts past
+    # one group of 63 pages, with a -1 id in a later group and one in a split's first tile.
+    step = build_step(
+        [(2100, 1), (1100, 2), (64, 1)], heads=2, block_size=block_size, seed=3, device=DEVICE
+    )
+    step.block_table[0, 1500 // block_size] = -1
+    step.block_table[1, 1024 // block_size] = -1
+    run_and_check(step, num_kv_splits=2)
+
+
+def test_64_bit_row_offsets_give_the_same_bits(monkeypatch):
+    """Row offsets that could overflow 32 bits (a row stride over ~2**26 elements) are counted in
+    64 bits; forced here on a small cache, they must change nothing."""
+    step = build_step(MIXED, heads=3, block_size=16, seed=13, device=DEVICE)
+    args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+    narrow = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=2)
+    monkeypatch.setattr(attention, "_PLANS", PlanCache())
+    monkeypatch.setattr(attention, "ROW_OFFSET_LIMIT", 0)
+    wide = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=2)
+    (plan,) = attention._PLANS._plans.values()
+    assert plan.stage1.args["WIDE_ROWS"] is True
+    assert torch.equal(wide, narrow), "the 64-bit row offsets moved bits against the 32-bit ones"
+
+
 def test_same_bits_on_every_launch():
     step = build_step(MIXED, heads=3, block_size=16, seed=9, device=DEVICE)
     args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
@@ -198,6 +224,57 @@ def test_default_split_count_comes_from_static_sizes():
         default_num_kv_splits(1, 1, 4096, None)
     step = build_step(DECODE, heads=2, seed=10, device=DEVICE)
     run_and_check(step, max_query_len=1)  # the default split count, whatever it is
+
+
+def test_combine_tile_from_heads_and_splits_only():
+    tile = attention.combine_tile
+    assert tuple(tile(16, 512, 16)) == (8, 64)  # 16 splits: half the heads keep 64 values
+    assert tuple(tile(16, 512, 4)) == (16, 64)
+    assert tuple(tile(128, 512, 2)) == (16, 64)
+    assert tuple(tile(16, 512, MAX_KV_SPLITS)) == (2, 64)
+    assert tuple(tile(3, 32, 3)) == (4, 32)  # a narrow latent is one column tile
+    assert tuple(tile(1, 512, 64)) == (1, 64)
+    for heads in (1, 3, 16, 40, 128):
+        for splits in range(2, MAX_KV_SPLITS + 1):
+            block_h, block_d = tile(heads, 512, splits)
+            assert block_h & (block_h - 1) == 0 and 512 % block_d == 0
+            assert block_h * block_d * splits <= attention.COMBINE_IN_FLIGHT or block_h == 1
+
+
+def _combine_with_tiles(step, tiles, splits, rope_dim):
+    """The attention of ``step`` through plans that differ only in stage 2's tile."""
+    args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
+    latent_dim = step.query.shape[2] - rope_dim
+    tokens, heads = step.query.shape[:2]
+    outs = []
+    for combine in tiles:
+        out = torch.full((tokens, heads, latent_dim), float("nan"), dtype=step.query.dtype)
+        out = out.to(step.query.device)
+        plan = attention._AttentionPlan(
+            *args,
+            SCALE,
+            out,
+            latent_dim=latent_dim,
+            tile=attention.tile_shape(tokens, heads, latent_dim, None, False),
+            num_kv_splits=splits,
+            num_stages=3,
+            combine=attention.CombineTile(*combine),
+        )
+        plan(*args, out)
+        outs.append(out)
+    return outs
+
+
+def test_combine_tiles_give_the_same_bits():
+    """Stage 2's tile only groups the output elements into programs: each element's sum runs
+    over the splits in the same order, so every tile gives the bits of every other."""
+    step = build_step(MIXED, heads=3, block_size=16, seed=12, device=DEVICE)
+    tiles = [(4, 32), (1, 16), (2, 32), (4, 16)]
+    outs = _combine_with_tiles(step, tiles, splits=3, rope_dim=16)
+    reference = attention_reference(step, SCALE)
+    torch.testing.assert_close(outs[0].double(), reference, **FP32_TOLERANCE)
+    for tile, out in zip(tiles[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), f"combine tile {tile} moved bits against {tiles[0]}"
 
 
 def test_three_pipeline_stages_only_where_the_shared_memory_holds_them():
@@ -233,10 +310,10 @@ def test_wide_decode_tile_matches_float64(heads, monkeypatch):
     step = build_step(
         DECODE, heads=heads, block_size=16, dtype=torch.float16, seed=heads, device=DEVICE
     )
-    launches = _record_launches(monkeypatch)
+    launches = record_launches(monkeypatch, attention, "_STAGE1")
     run_and_check(step, tolerance=FP16_TOLERANCE, max_query_len=1, num_kv_splits=2)
     # Stage 1's grid is (query tiles, head tiles, splits): one head tile per 64 heads.
-    assert [grid[1:] for grid in launches if len(grid) == 3] == [(-(-heads // 64), 2)]
+    assert [grid[1:] for grid in launches] == [(-(-heads // 64), 2)]
 
 
 def test_no_tokens_is_no_launch(monkeypatch):
@@ -358,6 +435,22 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
 # for the value product (2**-9 relative each) and the output to bf16 (2**-9 relative), so an
 # output of magnitude <= ~3 is within about 1e-2 (measured on an H200: <= 4e-3).
 BF16_TOLERANCE = dict(rtol=1.6e-2, atol=1.6e-2)
+
+
+def _v3_step(requests, heads, seed):
+    """A bf16 step at DeepSeek-V3's widths, page size 64 ((cached, new) tokens per request)."""
+    return build_step(
+        requests,
+        heads=heads,
+        latent_dim=512,
+        rope_dim=64,
+        block_size=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        seed=seed,
+    )
+
+
 GPU_DTYPES = {"bf16": (torch.bfloat16, BF16_TOLERANCE), "fp32": (torch.float32, FP32_TOLERANCE)}
 
 
@@ -424,16 +517,7 @@ def test_gpu_decode_over_several_full_block_table_groups(heads, splits):
     # on an H200 an unclamped index read outside the gather's scratch (illegal address, seen in
     # the benchmark at batch 64, context 16k, 128 heads).
     contexts = [12000, 4031, 4032, 4033, 8100, 16383]
-    step = build_step(
-        [(c, 1) for c in contexts],
-        heads=heads,
-        latent_dim=512,
-        rope_dim=64,
-        block_size=64,
-        dtype=torch.bfloat16,
-        device=DEVICE,
-        seed=heads + (splits or 0),
-    )
+    step = _v3_step([(c, 1) for c in contexts], heads, seed=heads + (splits or 0))
     run_and_check(step, tolerance=BF16_TOLERANCE, max_query_len=1, num_kv_splits=splits)
 
 
@@ -517,16 +601,7 @@ def test_gpu_relaunch_gives_identical_bits(heads, splits):
     """25 launches on fresh copies of one input give one set of bits: no race between a launch's
     programs, nor between the split-KV partials and their fixed-order combine (the determinism
     manifest's race test for this kernel)."""
-    step = build_step(
-        MIXED,
-        heads=heads,
-        latent_dim=512,
-        rope_dim=64,
-        block_size=64,
-        dtype=torch.bfloat16,
-        device=DEVICE,
-        seed=21,
-    )
+    step = _v3_step(MIXED, heads, seed=21)
     inputs = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
 
     def launch():
@@ -536,6 +611,21 @@ def test_gpu_relaunch_gives_identical_bits(heads, splits):
     first = launch().view(torch.int16)
     differing = [i for i in range(25) if not torch.equal(launch().view(torch.int16), first)]
     assert not differing, f"{heads} heads, splits {splits}: launches {differing} gave other bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_combine_tiles_give_the_same_bits(heads):
+    """The launcher's stage-2 tile against the one-program-per-16-heads tile it replaced and the
+    narrowest, on the GPU's compiled code (bf16, DeepSeek-V3 widths, 16 splits)."""
+    step = _v3_step([(4000, 1), (63, 1), (1500, 1), (0, 1)], heads, seed=heads)
+    default = tuple(attention.combine_tile(heads, 512, 16))
+    tiles = [default, (16, 512), (1, 64), (16, 64)]
+    outs = _combine_with_tiles(step, tiles, splits=16, rope_dim=64)
+    for tile, out in zip(tiles[1:], outs[1:]):
+        assert torch.equal(
+            out.view(torch.int16), outs[0].view(torch.int16)
+        ), f"combine tile {tile} moved bits against the launcher's {default}"
 
 
 @pytest.mark.gpu
@@ -556,16 +646,7 @@ def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
     if not direct_launch.verified(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("the direct launch is off on this Triton (its probe warned why)")
     steps = [
-        build_step(
-            [(context, 1) for context in contexts],
-            heads=128,
-            latent_dim=512,
-            rope_dim=64,
-            block_size=64,
-            dtype=torch.bfloat16,
-            device=DEVICE,
-            seed=len(contexts),
-        )
+        _v3_step([(context, 1) for context in contexts], 128, seed=len(contexts))
         # Other batch sizes and lengths, one block-table width (a context's table is fixed).
         for contexts in ([100, 2000, 63, 64, 1], [2000] + [700] * 8, [2000, 5, 300])
     ]
