@@ -241,6 +241,17 @@ def test_combine_tile_from_heads_and_splits_only():
             assert block_h * block_d * splits <= attention.COMBINE_IN_FLIGHT or block_h == 1
 
 
+def test_one_block_id_per_key_tile_only_for_4_warp_tiles_on_whole_pages():
+    decode_16 = attention.tile_shape(64, 16, 512, 1, fp32=False)  # (1, 16, 32, 4)
+    decode_128 = attention.tile_shape(64, 128, 512, 1, fp32=False)  # (1, 64, 32, 8)
+    fp32_decode = attention.tile_shape(64, 16, 512, 1, fp32=True)  # 16-key tiles
+    assert attention.page_tiles(64, decode_16) and attention.page_tiles(256, decode_16)
+    assert not attention.page_tiles(16, decode_16)  # a 32-key tile spans two 16-row pages
+    assert not attention.page_tiles(48, decode_16)
+    assert attention.page_tiles(16, fp32_decode)
+    assert not attention.page_tiles(64, decode_128)  # 8 warps: the per-row ids were faster
+
+
 def _combine_with_tiles(step, tiles, splits, rope_dim):
     """The attention of ``step`` through plans that differ only in stage 2's tile."""
     args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
