@@ -25,11 +25,14 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import triton
 
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.bench.mla_serving import _attention_sets, graph_us
 from megatron_ext.bench.rope import _copy_ceiling
 from megatron_ext.fusions import mla_paged_latent_attention as new
+
+_LAUNCHER_PAGE_TILES = new.page_tiles
 
 FULL_SHAPES = [
     (batch, context, heads)
@@ -55,8 +58,9 @@ def load_module(path: str) -> ModuleType:
     return module
 
 
-def _every_tile_on_its_page(block_size: int, tile: "new.TileShape") -> bool:
-    return block_size % tile.block_n == 0
+def _page_tiles_at_any_warps(block_size: int, tile: "new.TileShape") -> bool:
+    """The launcher's rule without its warp condition."""
+    return _LAUNCHER_PAGE_TILES(block_size, tile._replace(num_warps=4))
 
 
 def compare_shape(
@@ -127,13 +131,12 @@ def compare_shape(
         row["stage1_us"] = graph_us(stage1, sets, quick)["gpu_us"]
         row["combine_us"] = graph_us(combine, sets, quick)["gpu_us"]
     if page_tiles:
-        rule = new.page_tiles
-        new.page_tiles = _every_tile_on_its_page
+        new.page_tiles = _page_tiles_at_any_warps
         new._PLANS.clear()
         try:
             row["page_tiles_us"], outs["page tiles everywhere"] = timed(new)
         finally:
-            new.page_tiles = rule
+            new.page_tiles = _LAUNCHER_PAGE_TILES
             new._PLANS.clear()
     moved = [
         name
@@ -181,8 +184,6 @@ def main(argv: Sequence[str] = None) -> int:
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     old = load_module(args.old)
-    import triton
-
     ceiling = _copy_ceiling(args.quick)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
