@@ -4,8 +4,8 @@
 split count, each timed by CUDA-graph replay against the copy ceiling of the same run.
 
     python scripts/sweep_latent_attention.py [--shapes B,CTX,HEADS ...] [--block-n 32 64]
-        [--block-h 16 64] [--warps 4 8] [--stages 2 3] [--splits default 1x 2x ...]
-        [--jobs 12] [--out FILE.json]
+        [--block-h 16 64] [--warps 4 8 16] [--stages 2 3] [--splits default 1x 2x ...]
+        [--page-tiles rule on off] [--jobs 12] [--out FILE.json]
 
 Every launch goes through the launcher's own plan (``_AttentionPlan``) with the tile given
 explicitly, so a setting found here is one the launcher can choose. Splits: ``default`` is the
@@ -38,7 +38,9 @@ from megatron_ext.fusions import mla_paged_latent_attention as mla  # noqa: E402
 from megatron_ext.fusions.launch_math import cdiv  # noqa: E402
 
 DEFAULT_SHAPES = ["16,4096,16", "64,4096,16", "128,4096,16", "64,32768,16", "64,4096,128"]
-Setting = Tuple[int, int, int, int, str]  # block_h, block_n, warps, stages, splits spec
+# block_h, block_n, warps, stages, splits spec, page tiles (rule/on/off)
+Setting = Tuple[int, int, int, int, str, str]
+_RULE_PAGE_TILES = mla.page_tiles
 
 
 def _parse_shape(text: str) -> Tuple[int, int, int]:
@@ -62,10 +64,29 @@ def _splits(spec: str, batch: int, context: int, heads: int, block_h: int, warps
     return max(1, min(mla.MAX_KV_SPLITS, int(spec)))
 
 
+def _page_tiles_rule(spec: str):
+    if spec == "rule":
+        return _RULE_PAGE_TILES
+    on = spec == "on"
+    # The addressing needs tiles that divide pages, whatever the spec.
+    return lambda block_size, tile: on and block_size % tile.block_n == 0
+
+
 def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, out) -> None:
-    block_h, block_n, warps, stages, _ = setting
+    block_h, block_n, warps, stages, _, page_spec = setting
     args = (query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
-    plan = mla._AttentionPlan(
+    # The plan reads the rule from the module when it is built, so the setting's rule is put
+    # there for the plan's construction only.
+    mla.page_tiles = _page_tiles_rule(page_spec)
+    try:
+        plan = _build_plan(args, step, block_h, block_n, warps, stages, splits, out)
+    finally:
+        mla.page_tiles = _RULE_PAGE_TILES
+    plan(*args, out)
+
+
+def _build_plan(args, step, block_h, block_n, warps, stages, splits, out):
+    return mla._AttentionPlan(
         *args,
         cases.SOFTMAX_SCALE,
         out,
@@ -74,7 +95,6 @@ def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, 
         num_kv_splits=splits,
         num_stages=stages,
     )
-    plan(*args, out)
 
 
 def _compile(job: Tuple[Tuple[int, int, int], List[Setting]]) -> List[str]:
@@ -96,14 +116,14 @@ def _compile(job: Tuple[Tuple[int, int, int], List[Setting]]) -> List[str]:
 
 def _settings(args, heads: int) -> List[Setting]:
     out = []
-    for block_h, block_n, warps, stages, split in itertools.product(
-        args.block_h, args.block_n, args.warps, args.stages, args.splits
+    for block_h, block_n, warps, stages, split, page in itertools.product(
+        args.block_h, args.block_n, args.warps, args.stages, args.splits, args.page_tiles
     ):
         if block_h > max(16, 1 << (heads - 1).bit_length()):
             continue  # wider than the heads: the same as a narrower tile, with idle rows
         if block_h * cases.LATENT > 128 * 32 * warps:
             continue  # more than 128 accumulator registers per thread: spills
-        out.append((block_h, block_n, warps, stages, split))
+        out.append((block_h, block_n, warps, stages, split, page))
     return out
 
 
@@ -115,6 +135,7 @@ def main(argv: Sequence[str] = None) -> int:
     parser.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     parser.add_argument("--splits", nargs="+", default=["default", "1x", "2x", "3x"])
+    parser.add_argument("--page-tiles", nargs="+", default=["rule"], choices=["rule", "on", "off"])
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -154,6 +175,7 @@ def main(argv: Sequence[str] = None) -> int:
                 "stages": setting[3],
                 "splits_spec": setting[4],
                 "splits": splits,
+                "page_tiles": setting[5],
             }
             try:
                 for s in sets[:2]:
@@ -174,11 +196,11 @@ def main(argv: Sequence[str] = None) -> int:
         ok = [r for r in rows if "gpu_us" in r and r["diff"] < 0.05]
         ok.sort(key=lambda r: r["gpu_us"])
         print(f"\n=== b{batch} ctx {context} heads {heads} ({nbytes / 1e6:.1f} MB)")
-        print(" block_h block_n warps stages splits(spec)      gpu us  %ceil      diff")
+        print(" block_h block_n warps stages splits(spec)   pages      gpu us  %ceil      diff")
         for r in ok:
             print(
                 f" {r['block_h']:7} {r['block_n']:7} {r['warps']:5} {r['stages']:6} "
-                f"{r['splits']:3} ({r['splits_spec']:>7}) {r['gpu_us']:10.1f} "
+                f"{r['splits']:3} ({r['splits_spec']:>7}) {r['page_tiles']:>5} {r['gpu_us']:10.1f} "
                 f"{r['pct_ceiling']:5.1f}% {r['diff']:9.2e}"
             )
         for r in rows:
@@ -193,6 +215,7 @@ def main(argv: Sequence[str] = None) -> int:
                             "warps",
                             "stages",
                             "splits",
+                            "page_tiles",
                             "diff",
                             "error",
                         )
