@@ -13,8 +13,8 @@ The launches mirror ``mla_paged_latent_attention``'s launcher
 (``--heads``: 16 is a tensor-parallel-8 shard), page size 64, 4096-row block tables:
 
 * ``decode``: one token per request (``max_query_len=1``), 64 requests: ``BLOCK_Q=1``,
-  ``BLOCK_H`` from ``head_tile`` (64 at 128 heads, 16 at 16 heads or in fp32), ``BLOCK_N=32``,
-  the launcher's split count.
+  ``BLOCK_H`` from ``head_tile`` (64 at 128 heads, 16 at 16 heads or in fp32), ``BLOCK_N=32``
+  (64 at 32 heads), the launcher's split count.
 * ``decode-split``: the same tile with ``--splits`` kv splits (fewer requests), and the
   ``_combine_splits_kernel`` launch (``combine``) that follows it.
 * ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,

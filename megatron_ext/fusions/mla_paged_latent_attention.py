@@ -49,6 +49,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from packaging.version import Version
 from torch import Tensor
 
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
@@ -102,6 +103,11 @@ BLOCK_H = 16
 # 512-wide fp32 accumulator is what fits in registers; fp32 inputs keep BLOCK_H.
 MAX_DECODE_BLOCK_H = 64
 LOG2E = 1.4426950408889634
+# Keys per step of the 32-head decode tile (a tensor-parallel-4 shard of 128 heads; its dots are
+# mma.sync with the query in registers) where 3 stages fit: three 72 KiB key buffers.
+WIDE_KEY_TILE = 64
+# The installed Triton's (major, minor): the 64-head decode tile's addressing depends on it.
+TRITON_RELEASE = Version(triton.__version__).release[:2]
 # Stage 2's latent columns per program, and the partial values (fp32, over all splits) one
 # 4-warp program may keep in flight: 64 registers a thread.
 COMBINE_BLOCK_D = 64
@@ -506,7 +512,12 @@ class TileShape(NamedTuple):
 
 
 def tile_shape(
-    tokens: int, heads: int, latent_dim: int, max_query_len: Optional[int], fp32: bool
+    tokens: int,
+    heads: int,
+    latent_dim: int,
+    max_query_len: Optional[int],
+    fp32: bool,
+    num_stages: int = 3,
 ) -> TileShape:
     """Stage 1's tile for a launch, from static sizes only.
 
@@ -516,6 +527,7 @@ def tile_shape(
         latent_dim: the latent width (sets the accumulator's size).
         max_query_len: the static bound on new tokens per request (None: ``tokens``).
         fp32: whether the inputs are fp32.
+        num_stages: stage 1's pipelining stages on the device (:func:`pipeline_stages`).
 
     Returns:
         TileShape: the tile and its warp count.
@@ -528,18 +540,27 @@ def tile_shape(
     bound = tokens if max_query_len is None else max_query_len
     block_q = 1 if decode else min(max(next_power_of_2(bound), 16 // block_h), max_rows // block_h)
     warps = 8 if block_q * block_h * latent_dim > 16 * 512 else 4
-    return TileShape(block_q, block_h, 16 if fp32 else 32, warps)
+    block_n = 16 if fp32 else 32
+    if decode and not fp32 and block_h == 32 and num_stages >= 3:
+        # On an H200 64-key steps (with one block id per tile) made the 32-head decode 1.54-1.78x
+        # faster under Triton 3.6 (batch 16-64, context 4k; scripts/sweep_latent_attention.py).
+        # The 64-head tile
+        # keeps 32 keys: its query sits in shared memory beside the keys, so 64 leaves room
+        # for 2 stages only, and it spills twice as much.
+        block_n = WIDE_KEY_TILE
+    return TileShape(block_q, block_h, block_n, warps)
 
 
 def page_tiles(block_size: int, tile: TileShape) -> bool:
     """Whether stage 1 addresses each key tile from one block id (a tile on one page).
 
     Splits and groups start on whole key tiles, so where tiles divide pages no tile crosses one
-    (megatron-core's block sizes, 64 and 256, with 16- or 32-key tiles). Taken for 4-warp tiles:
-    on an H200 it made 16-head decode 1.15-1.9x faster (38% fewer instructions per key tile),
-    while 64-head tiles of 8 warps ran 13-19% slower under Triton 3.6 and 3.7.1 (their loop
-    spills more of the registers that now hold the tile's row offsets; 10% faster under 3.9), so
-    those keep the per-row block ids.
+    (megatron-core's block sizes, 64 and 256, with 16- to 64-key tiles). Taken where it was
+    measured faster on an H200: 4-warp tiles (16-head decode 1.15-1.9x, with 38% fewer
+    instructions per key tile), the 8-warp 32-head decode tile (1.13-1.2x) and, from Triton 3.9,
+    the 8-warp 64-head decode tile (1.12-1.2x). Under Triton 3.6 and 3.7.1 that tile ran 13-25%
+    slower with it (its loop spills more of the registers that hold the row offsets), so it keeps
+    the per-row block ids there, as do the other 8-warp tiles (not measured).
 
     Args:
         block_size: the cache's block size.
@@ -548,7 +569,13 @@ def page_tiles(block_size: int, tile: TileShape) -> bool:
     Returns:
         bool: True for the one-block-id addressing.
     """
-    return block_size % tile.block_n == 0 and tile.num_warps <= 4
+    if block_size % tile.block_n:
+        return False
+    if tile.num_warps <= 4:
+        return True
+    if tile.block_q != 1:
+        return False
+    return tile.block_h <= 32 or TRITON_RELEASE >= (3, 9)
 
 
 def head_tile(heads: int, decode: bool, fp32: bool) -> int:
@@ -797,7 +824,9 @@ def _plan(
 ) -> "_AttentionPlan":
     """The launcher's tile, split count and stage count for a checked call, as a plan."""
     tokens, heads = query.shape[:2]
-    tile = tile_shape(tokens, heads, latent_dim, max_query_len, query.dtype == torch.float32)
+    stages = _launch_limits(query.device).stages
+    fp32 = query.dtype == torch.float32
+    tile = tile_shape(tokens, heads, latent_dim, max_query_len, fp32, num_stages=stages)
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
             cdiv(tokens, tile.block_q),
@@ -817,7 +846,7 @@ def _plan(
         latent_dim=latent_dim,
         tile=tile,
         num_kv_splits=num_kv_splits,
-        num_stages=_launch_limits(query.device).stages,
+        num_stages=stages,
     )
 
 

@@ -8,7 +8,7 @@
         python -m tests.unit_tests.fusions.sanitize_mla_latent_cache --quick
 
 The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of the tables among
-the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 40 and 128 heads; block
+the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 32, 40 and 128 heads; block
 sizes 16 and 64; decode with and without split-KV, a mixed prefill/chunked/decode step; padded
 requests and tokens; a -1 block id where the lengths say a row is used). PyTorch's caching
 allocator is disabled so that every tensor is its own allocation and an out-of-bounds access is
@@ -121,11 +121,12 @@ def main() -> int:
     attention_cases = [
         (decode, 1, 16, 1),
         (decode, 40, 64, None),
+        (decode, 32, 64, 2),
         (mixed, 40, 16, 1),
         (mixed, 128, 64, 2),
     ]
     if args.quick:
-        attention_cases = attention_cases[1:3]
+        attention_cases = attention_cases[1:4]
     failures = checks = 0
     for dtype in dtypes:
         for tokens in (1, 37) if args.quick else (1, 37, 300):

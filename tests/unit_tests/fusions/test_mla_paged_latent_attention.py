@@ -241,15 +241,51 @@ def test_combine_tile_from_heads_and_splits_only():
             assert block_h * block_d * splits <= attention.COMBINE_IN_FLIGHT or block_h == 1
 
 
-def test_one_block_id_per_key_tile_only_for_4_warp_tiles_on_whole_pages():
+def test_one_block_id_per_key_tile_where_tiles_fill_pages_and_it_was_faster(monkeypatch):
     decode_16 = attention.tile_shape(64, 16, 512, 1, fp32=False)  # (1, 16, 32, 4)
+    decode_32 = attention.tile_shape(64, 32, 512, 1, fp32=False)  # (1, 32, 64, 8)
     decode_128 = attention.tile_shape(64, 128, 512, 1, fp32=False)  # (1, 64, 32, 8)
+    prefill = attention.tile_shape(2048, 128, 512, 2048, fp32=False)  # (4, 16, 32, 8)
     fp32_decode = attention.tile_shape(64, 16, 512, 1, fp32=True)  # 16-key tiles
     assert attention.page_tiles(64, decode_16) and attention.page_tiles(256, decode_16)
     assert not attention.page_tiles(16, decode_16)  # a 32-key tile spans two 16-row pages
     assert not attention.page_tiles(48, decode_16)
     assert attention.page_tiles(16, fp32_decode)
-    assert not attention.page_tiles(64, decode_128)  # 8 warps: the per-row ids were faster
+    assert attention.page_tiles(64, decode_32) and attention.page_tiles(256, decode_32)
+    assert not attention.page_tiles(32, decode_32)  # a 64-key tile spans two 32-row pages
+    assert not attention.page_tiles(64, prefill)  # 8 warps off decode: not measured
+    # The 64-head decode tile of 8 warps: per-row ids before Triton 3.9, one id per tile from it.
+    monkeypatch.setattr(attention, "TRITON_RELEASE", (3, 7))
+    assert not attention.page_tiles(64, decode_128)
+    monkeypatch.setattr(attention, "TRITON_RELEASE", (3, 9))
+    assert attention.page_tiles(64, decode_128) and not attention.page_tiles(16, decode_128)
+
+
+def test_the_triton_release_is_the_installed_one():
+    import triton
+
+    assert attention.TRITON_RELEASE == tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_32_head_decode_steps_64_keys_and_matches_float64(block_size, splits, monkeypatch):
+    # 32 heads (a tensor-parallel-4 shard of 128) in 16 bits: 64-key tiles, one block id per
+    # tile where they fill pages; contexts over several tiles, a -1 id inside a used range.
+    step = build_step(
+        [(0, 1), (63, 1), (64, 1), (200, 1), (129, 1)],
+        heads=32,
+        block_size=block_size,
+        dtype=torch.float16,
+        seed=block_size + splits,
+        device=DEVICE,
+    )
+    step.block_table[3, 150 // block_size] = -1
+    monkeypatch.setattr(attention, "_PLANS", PlanCache())
+    run_and_check(step, tolerance=FP16_TOLERANCE, max_query_len=1, num_kv_splits=splits)
+    (plan,) = attention._PLANS._plans.values()
+    assert plan.stage1.args["BLOCK_N"] == attention.WIDE_KEY_TILE == 64
+    assert plan.stage1.args["PAGE_TILES"] is (block_size == 64)
 
 
 def _combine_with_tiles(step, tiles, splits, rope_dim):
@@ -306,6 +342,11 @@ def test_head_tiles_are_wide_only_for_16_bit_decode():
     # The whole stage-1 tile: (BLOCK_Q, BLOCK_H, BLOCK_N, warps).
     assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=False)) == (1, 64, 32, 8)
     assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=True)) == (1, 16, 16, 4)
+    # 32 heads: 64-key steps where 3 stages of them fit, 32 otherwise.
+    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=False)) == (1, 32, 64, 8)
+    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=False, num_stages=2)) == (1, 32, 32, 8)
+    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=True)) == (1, 16, 16, 4)
+    assert tuple(attention.tile_shape(64, 32, 512, 4, fp32=False)) == (4, 16, 32, 8)
     assert tuple(attention.tile_shape(2048, 128, 512, 2048, fp32=False)) == (4, 16, 32, 8)
     assert tuple(attention.tile_shape(5, 3, 32, None, fp32=True)) == (8, 4, 16, 4)
 
@@ -467,7 +508,7 @@ GPU_DTYPES = {"bf16": (torch.bfloat16, BF16_TOLERANCE), "fp32": (torch.float32, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_DTYPES), ids=str)
-@pytest.mark.parametrize("heads", [1, 16, 40, 128])
+@pytest.mark.parametrize("heads", [1, 16, 32, 40, 128])
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize(
     "requests",
@@ -521,7 +562,7 @@ def test_gpu_decode_batches_with_contexts_to_4k(batch, heads, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, None])
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads", [16, 32, 128])
 def test_gpu_decode_over_several_full_block_table_groups(heads, splits):
     # Contexts past 63 pages per split fill whole groups of block ids: the software pipeline
     # then computes the next tiles' page indices past the group's last page. With 64-head tiles
@@ -607,7 +648,7 @@ def test_gpu_graph_replay_with_changing_lengths_equals_eager_bitwise(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 4, None], ids=["1_split", "4_splits", "default_splits"])
-@pytest.mark.parametrize("heads", [1, 16, 128])
+@pytest.mark.parametrize("heads", [1, 16, 32, 128])
 def test_gpu_relaunch_gives_identical_bits(heads, splits):
     """25 launches on fresh copies of one input give one set of bits: no race between a launch's
     programs, nor between the split-KV partials and their fixed-order combine (the determinism
