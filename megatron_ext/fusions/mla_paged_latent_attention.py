@@ -49,7 +49,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 from torch import Tensor
 
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
@@ -106,12 +106,23 @@ LOG2E = 1.4426950408889634
 # Keys per step of the 32-head decode tile (a tensor-parallel-4 shard of 128 heads; its dots are
 # mma.sync with the query in registers) where 3 stages fit: three 72 KiB key buffers.
 WIDE_KEY_TILE = 64
-# The installed Triton's (major, minor): the 64-head decode tile's addressing depends on it.
-TRITON_RELEASE = Version(triton.__version__).release[:2]
 # Stage 2's latent columns per program, and the partial values (fp32, over all splits) one
 # 4-warp program may keep in flight: 64 registers a thread.
 COMBINE_BLOCK_D = 64
 COMBINE_IN_FLIGHT = 64 * 128
+
+
+def _triton_release() -> Tuple[int, ...]:
+    """The installed Triton's (major, minor); (0, 0) for a version string packaging cannot read
+    (a source build's, say), which keeps the choices made for the older releases."""
+    try:
+        return Version(triton.__version__).release[:2]
+    except InvalidVersion:
+        return (0, 0)
+
+
+# The 64-head decode tile's addressing depends on it (page_tiles).
+TRITON_RELEASE = _triton_release()
 
 
 @triton.jit

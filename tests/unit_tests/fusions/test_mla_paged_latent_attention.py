@@ -261,10 +261,14 @@ def test_one_block_id_per_key_tile_where_tiles_fill_pages_and_it_was_faster(monk
     assert attention.page_tiles(64, decode_128) and not attention.page_tiles(16, decode_128)
 
 
-def test_the_triton_release_is_the_installed_one():
+def test_the_triton_release_is_the_installed_one(monkeypatch):
     import triton
 
     assert attention.TRITON_RELEASE == tuple(int(x) for x in triton.__version__.split(".")[:2])
+    monkeypatch.setattr(triton, "__version__", "3.10.0+git1234abcd")
+    assert attention._triton_release() == (3, 10)
+    monkeypatch.setattr(triton, "__version__", "not a version")
+    assert attention._triton_release() == (0, 0)  # the older releases' choices
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
