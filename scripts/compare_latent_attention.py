@@ -59,7 +59,7 @@ def load_module(path: str) -> ModuleType:
 
 
 def _page_tiles_at_any_warps(block_size: int, tile: "new.TileShape") -> bool:
-    """The launcher's rule without its warp condition."""
+    """The launcher's rule as for a 4-warp tile: one block id wherever key tiles fill pages."""
     return _LAUNCHER_PAGE_TILES(block_size, tile._replace(num_warps=4))
 
 

@@ -79,22 +79,18 @@ def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, 
     # there for the plan's construction only.
     mla.page_tiles = _page_tiles_rule(page_spec)
     try:
-        plan = _build_plan(args, step, block_h, block_n, warps, stages, splits, out)
+        plan = mla._AttentionPlan(
+            *args,
+            cases.SOFTMAX_SCALE,
+            out,
+            latent_dim=step.latent,
+            tile=mla.TileShape(1, block_h, block_n, warps),
+            num_kv_splits=splits,
+            num_stages=stages,
+        )
     finally:
         mla.page_tiles = _RULE_PAGE_TILES
     plan(*args, out)
-
-
-def _build_plan(args, step, block_h, block_n, warps, stages, splits, out):
-    return mla._AttentionPlan(
-        *args,
-        cases.SOFTMAX_SCALE,
-        out,
-        latent_dim=step.latent,
-        tile=mla.TileShape(1, block_h, block_n, warps),
-        num_kv_splits=splits,
-        num_stages=stages,
-    )
 
 
 def _compile(job: Tuple[Tuple[int, int, int], List[Setting]]) -> List[str]:

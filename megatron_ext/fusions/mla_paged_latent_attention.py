@@ -553,11 +553,10 @@ def tile_shape(
     warps = 8 if block_q * block_h * latent_dim > 16 * 512 else 4
     block_n = 16 if fp32 else 32
     if decode and not fp32 and block_h == 32 and num_stages >= 3:
-        # On an H200 64-key steps (with one block id per tile) made the 32-head decode 1.54-1.78x
-        # faster under Triton 3.6 (batch 16-64, context 4k; scripts/sweep_latent_attention.py).
-        # The 64-head tile
-        # keeps 32 keys: its query sits in shared memory beside the keys, so 64 leaves room
-        # for 2 stages only, and it spills twice as much.
+        # On an H200 64-key steps (with one block id per tile) made the 32-head decode 1.45-1.86x
+        # faster under Triton 3.6 and 3.9 (batch 1-128; scripts/compare_latent_attention.py).
+        # The 64-head tile keeps 32 keys: its query sits in shared memory beside the keys, so 64
+        # leaves room for 2 stages only, and it spills twice as much.
         block_n = WIDE_KEY_TILE
     return TileShape(block_q, block_h, block_n, warps)
 

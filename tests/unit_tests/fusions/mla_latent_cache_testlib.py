@@ -7,7 +7,10 @@ requests and tokens), guard regions, and float64 references that gather the page
 Imported as ``tests.unit_tests.fusions.mla_latent_cache_testlib`` (run from the repository root).
 """
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import List, Sequence, Tuple
 
 import pytest
@@ -15,6 +18,17 @@ import torch
 
 from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.testing.latent_cache_baseline import LatentCacheContextStandIn
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` of this checkout as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # What the guard elements around a cache or an output hold: no kernel writes it.
 GUARD = 1234.5

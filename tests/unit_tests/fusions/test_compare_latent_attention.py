@@ -3,22 +3,16 @@
 """``scripts/compare_latent_attention.py``: it refuses to run without a GPU and, on one, finds
 this checkout's kernels bitwise equal to a copy of themselves."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "scripts" / "compare_latent_attention.py"
-MODULE = ROOT / "megatron_ext" / "fusions" / "mla_paged_latent_attention.py"
+from tests.unit_tests.fusions.mla_latent_cache_testlib import REPO_ROOT, load_script
+
+MODULE = REPO_ROOT / "megatron_ext" / "fusions" / "mla_paged_latent_attention.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("compare_latent_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("compare_latent_attention")
 
 
 @pytest.mark.skipif(

@@ -3,20 +3,14 @@
 """``scripts/profile_latent_cache_host.py``: it refuses to run without a GPU and, on one, reports
 each call's host time, its launch keys and its profile."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "profile_latent_cache_host.py"
+from tests.unit_tests.fusions.mla_latent_cache_testlib import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("profile_latent_cache_host", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_latent_cache_host")
 
 
 @pytest.mark.skipif(
