@@ -22,14 +22,24 @@ Kernel design:
   :func:`page_tiles`, else one per row, so any block size works), with an online softmax in
   fp32. The number of query tiles is bounded by static sizes
   (``tokens // BLOCK_Q + requests + 1``: each request's tiles start at
-  ``cu_query_lengths[r] // BLOCK_Q + r``); a program finds its request by counting those starts,
-  and idle programs (past a request's last token) return at once.
+  ``cu_query_lengths[r] // BLOCK_Q + r + 1``, one tile per token in decode); a program finds its
+  request by counting those starts, and idle programs (past a request's last token) return at
+  once. In a multi-token tile the keys on the causal diagonal (attended by some of its tokens
+  only) run in a loop of their own that reads their values' non-finite elements as zeros, so
+  a row a token does not attend to never reaches it through ``0 * NaN``.
 * Split-KV: with few query tiles (decode) the rows each tile attends to are split across
   ``num_kv_splits`` programs, each writing a partial output and its log-sum-exp to an fp32
   workspace; stage 2 (:func:`_combine_splits_kernel`, one program per token, head tile and
   slice of latent columns, :func:`combine_tile`) combines them in split order. The split count
   comes from static sizes only (tokens, heads, the block table's width and the GPU's SM count),
   never from the lengths.
+
+Metadata the host does not read (a sync) is made safe on the device: whatever
+``cu_query_lengths``, ``kv_lengths`` and the block ids hold, no program reads or writes outside
+the tensors, and every output row is written (see :func:`mla_paged_latent_attention`).
+
+Non-finite values: a token's output depends only on the cache rows it attends to; a NaN or inf
+in one of them (or a score that overflows float32) makes it NaN, also across split-KV partials.
 
 Graph safety: no host synchronisation, no ``.item()``, grids and the split count from shapes
 only; the lengths, block ids and positions are read on the device. The same inputs give the same
@@ -44,6 +54,7 @@ ones through the compiled kernel's C launcher
 """
 
 import functools
+import numbers
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -103,6 +114,10 @@ BLOCK_H = 16
 # 512-wide fp32 accumulator is what fits in registers; fp32 inputs keep BLOCK_H.
 MAX_DECODE_BLOCK_H = 64
 LOG2E = 1.4426950408889634
+# Above this scale (times log2(e)) stage 1 keeps its logits in raw units and scales differences
+# (score - max), which cannot overflow; up to it scale * score cannot overflow float32 for any
+# finite score, nor can the difference of two such products, and the logits are scaled first.
+LARGE_SCALE_LOG2 = 0.5
 # Keys per step of the 32-head decode tile (a tensor-parallel-4 shard of 128 heads; its dots are
 # mma.sync with the query in registers) where 3 stages fit: three 72 KiB key buffers.
 WIDE_KEY_TILE = 64
@@ -127,126 +142,85 @@ TRITON_RELEASE = _triton_release()
 
 @triton.jit
 def _first_tile(cu_q, request, BLOCK_Q: tl.constexpr):
-    """Index of the first query tile of ``request`` (tiles of BLOCK_Q tokens, per request)."""
+    """Index of the first query tile of ``request`` (tiles of BLOCK_Q tokens, per request).
+
+    With BLOCK_Q > 1 the tiles before request 0's first one (at least one) hold the tokens before
+    ``cu_query_lengths[0]``; with BLOCK_Q == 1 tile ``t`` is token ``t``.
+    """
     if BLOCK_Q == 1:
         return cu_q
     else:
-        return cu_q // BLOCK_Q + request
+        return cu_q // BLOCK_Q + request + 1
 
 
 @triton.jit
-def _tile_request(tile, cu_q_ptr, num_requests, BLOCK_Q: tl.constexpr, SEQ_BLOCK: tl.constexpr):
-    """The request holding query tile ``tile``; ``num_requests`` for the tiles past the last.
+def _load_cu(cu_q_ptr, idx, mask, num_tokens):
+    """``cu_query_lengths[idx]`` clamped into ``[0, num_tokens]`` (the host never reads them)."""
+    cu_q = tl.load(cu_q_ptr + idx, mask=mask, other=0).to(tl.int64)
+    return tl.minimum(tl.maximum(cu_q, 0), num_tokens)
+
+
+@triton.jit
+def _tile_request(
+    tile, cu_q_ptr, num_tokens, num_requests, BLOCK_Q: tl.constexpr, SEQ_BLOCK: tl.constexpr
+):
+    """The request holding query tile ``tile`` (``num_requests`` for the tiles past the last),
+    and whether the clamped ``cu_query_lengths`` are non-decreasing.
 
     The first tiles are non-decreasing in the request, so the request is the number of requests
     1..num_requests (the last an end marker) whose first tile is at or before ``tile``.
     """
     request = tl.full((), 0, dtype=tl.int32)
+    decreases = tl.full((), 0, dtype=tl.int32)
     for start in range(1, num_requests + 1, SEQ_BLOCK):
         idx = start + tl.arange(0, SEQ_BLOCK)
         valid = idx <= num_requests
-        cu_q = tl.load(cu_q_ptr + idx, mask=valid, other=0).to(tl.int64)
+        cu_q = _load_cu(cu_q_ptr, idx, valid, num_tokens)
+        before = _load_cu(cu_q_ptr, idx - 1, valid, num_tokens)
         first = _first_tile(cu_q, idx.to(tl.int64), BLOCK_Q)
         request += tl.sum((valid & (first <= tile)).to(tl.int32), axis=0)
-    return request
+        decreases += tl.sum((valid & (cu_q < before)).to(tl.int32), axis=0)
+    return request, decreases == 0
 
 
-# Sizes that change from step to step: not specialised (no recompiles when one happens to be 1 or
-# a multiple of 16).
-_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_blocks"]
-
-
-@triton.jit(do_not_specialize=_RUNTIME_SIZES)
-def _latent_attention_kernel(
-    q_ptr,
+@triton.jit
+def _attend_keys(
+    m_i,
+    l_i,
+    acc,
+    q_lat,
+    q_rope,
+    lo,
+    hi,
+    row_end,
     cache_ptr,
-    block_table_ptr,
-    cu_q_ptr,
-    kv_len_ptr,
-    out_ptr,
-    lse_ptr,
-    scale_log2,
-    num_tokens,
-    num_heads,
-    num_requests,
+    table_row,
     num_blocks,
-    BLOCK_SIZE: tl.constexpr,
     max_blocks,
-    q_stride_t,
-    q_stride_h,
     cache_stride_b,
     cache_stride_o,
-    table_stride,
-    out_stride_s,
-    out_stride_t,
-    out_stride_h,
-    lse_stride_s,
-    lse_stride_t,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
     LATENT_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SEQ_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAGE_TILES: tl.constexpr,
     WIDE_ROWS: tl.constexpr,
+    LARGE_SCALE: tl.constexpr,
+    PARTIAL_ROWS: tl.constexpr,
 ):
-    tile = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2).to(tl.int64)
-    ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
-    rows = tl.arange(0, ROWS)
-    heads = head_block * BLOCK_H + rows % BLOCK_H
-    head_ok = heads < num_heads
+    """The online softmax over keys ``lo..hi`` (``lo`` on a key tile) of one query tile; returns
+    the updated ``(m_i, l_i, acc)``.
+
+    ``PARTIAL_ROWS``: some rows of the tile attend to only some of these keys (the causal
+    diagonal of a multi-token tile). A value that is not finite in a row a query row does not
+    attend to then must not reach it through ``0 * inf`` in ``P @ V``: those keys' values are
+    read with non-finite elements as zeros. An attended row's non-finite element still makes
+    its query row NaN, through the score (every element of a key row enters its score).
+    """
     lat = tl.arange(0, LATENT_DIM)
     rope = tl.arange(0, ROPE_DIM)
-
-    request = _tile_request(tile, cu_q_ptr, num_requests, BLOCK_Q, SEQ_BLOCK)
-    q_start = tl.load(cu_q_ptr + request).to(tl.int64)
-    tile_start = (tile - _first_tile(q_start, request.to(tl.int64), BLOCK_Q)) * BLOCK_Q
-    local = tile_start + rows // BLOCK_H
-    tokens = q_start + local
-
-    if request == num_requests:
-        # Tokens past the last request (CUDA-graph padding) get zeros, so no row of the output is
-        # left as it was. With split-KV, stage 2 writes them.
-        if NUM_SPLITS == 1:
-            pad = head_ok & (tokens >= 0) & (tokens < num_tokens)
-            out_rows = out_ptr + tokens * out_stride_t + heads * out_stride_h
-            zeros = tl.zeros((ROWS, LATENT_DIM), dtype=out_ptr.dtype.element_ty)
-            tl.store(out_rows[:, None] + lat[None, :], zeros, mask=pad[:, None])
-        return
-
-    q_len = tl.load(cu_q_ptr + request + 1).to(tl.int64) - q_start
-    if tile_start >= q_len:
-        return  # an idle tile: past the request's last new token
-    kv_len = tl.load(kv_len_ptr + request).to(tl.int64)
-    row_ok = (local < q_len) & (tokens < num_tokens) & head_ok
-    # New token `local` of the request sits at position kv_len - q_len + local and attends to the
-    # cached positions up to it (the step's own rows are in the cache already).
-    positions = kv_len - q_len + local
-    capacity = tl.minimum(kv_len, max_blocks * BLOCK_SIZE)
-    row_end = tl.minimum(positions + 1, capacity)
-    # The tile's key bound from scalars, not a reduction over row_end: Triton 3.7 turns a bound
-    # derived from a reduction into scalar 16-bit loads of the key rows (no async copies,
-    # register spills), 3-5x slower. Rows end in position order, so the tile's last valid row
-    # has the largest end.
-    last = tl.minimum(tl.minimum(tile_start + BLOCK_Q, q_len), num_tokens - q_start) - 1
-    tile_end = tl.where(last >= tile_start, tl.minimum(kv_len - q_len + last + 1, capacity), 0)
-    chunk = tl.cdiv(tl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, tile_end)
-
-    q_rows = q_ptr + tokens * q_stride_t + heads * q_stride_h
-    q_lat = tl.load(q_rows[:, None] + lat[None, :], mask=row_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows[:, None] + LATENT_DIM + rope[None, :], mask=row_ok[:, None], other=0.0)
-
-    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((ROWS,), dtype=tl.float32)
-    acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
-    table_row = block_table_ptr + request.to(tl.int64) * table_stride
     # The block ids come from a register vector loaded once per group of up to PAGES pages
     # (tl.gather), not from a load inside the key loop: with an in-loop load feeding the key
     # rows' addresses, Triton (3.6 to 3.9) keeps one key-tile buffer and waits for every copy
@@ -316,24 +290,222 @@ def _latent_attention_kernel(
             scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PRECISION)
             scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
             attend = ok[None, :] & (keys[None, :] < row_end[:, None])
-            scores = tl.where(attend, scores * scale_log2, float("-inf"))
+            if not LARGE_SCALE:
+                scores = scores * scale_log2
+            # An attended score of -inf (a non-finite key element) would drop its row from the
+            # softmax, a finite answer from a row that is not finite: NaN instead, as +inf and
+            # NaN scores give.
+            scores = tl.where(scores == float("-inf"), float("nan"), scores)
+            scores = tl.where(attend, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # Rows with nothing attended yet keep m = -inf; subtract 0 there instead (no NaN).
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(scores - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
+            if LARGE_SCALE:
+                # Logits in raw units, scaled after the subtraction: scale * score could
+                # overflow float32 where (score - max) * scale cannot.
+                p = tl.exp2((scores - m_use[:, None]) * scale_log2)
+                alpha = tl.exp2((m_i - m_use) * scale_log2)
+            else:
+                p = tl.exp2(scores - m_use[:, None])
+                alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None]
+            if PARTIAL_ROWS:
+                k_lat = tl.where(k_lat - k_lat == 0, k_lat, 0.0)
             acc += tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PRECISION)
             m_i = m_new
+    return m_i, l_i, acc
 
-    attended = l_i > 0
-    o = acc / tl.where(attended, l_i, 1.0)[:, None]
+
+@triton.jit
+def _fill_rows(out_ptr, tokens, heads, out_stride_t, out_stride_h, mask, value, ROWS, LATENT_DIM):
+    """Write ``value`` into the output rows (token, head) where ``mask``."""
+    lat = tl.arange(0, LATENT_DIM)
+    rows = out_ptr + tokens * out_stride_t + heads * out_stride_h
+    fill = tl.full((ROWS, LATENT_DIM), value, dtype=out_ptr.dtype.element_ty)
+    tl.store(rows[:, None] + lat[None, :], fill, mask=mask[:, None])
+
+
+# Sizes that change from step to step: not specialised (no recompiles when one happens to be 1 or
+# a multiple of 16).
+_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_blocks"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SIZES)
+def _latent_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    cu_q_ptr,
+    kv_len_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    num_tokens,
+    num_heads,
+    num_requests,
+    num_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    max_blocks,
+    q_stride_t,
+    q_stride_h,
+    cache_stride_b,
+    cache_stride_o,
+    table_stride,
+    out_stride_s,
+    out_stride_t,
+    out_stride_h,
+    lse_stride_s,
+    lse_stride_t,
+    LATENT_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
+    WIDE_ROWS: tl.constexpr,
+    LARGE_SCALE: tl.constexpr,
+):
+    tile = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2).to(tl.int64)
+    ROWS: tl.constexpr = BLOCK_Q * BLOCK_H
+    rows = tl.arange(0, ROWS)
+    heads = head_block * BLOCK_H + rows % BLOCK_H
+    head_ok = heads < num_heads
+    lat = tl.arange(0, LATENT_DIM)
+    rope = tl.arange(0, ROPE_DIM)
+
+    request, ordered = _tile_request(tile, cu_q_ptr, num_tokens, num_requests, BLOCK_Q, SEQ_BLOCK)
+    q_start = _load_cu(cu_q_ptr, request, True, num_tokens)
+    tile_start = (tile - _first_tile(q_start, request.to(tl.int64), BLOCK_Q)) * BLOCK_Q
+    local = tile_start + rows // BLOCK_H
+    tokens = q_start + local
+    # Tokens outside [cu_query_lengths[0], cu_query_lengths[-1]) (CUDA-graph padding) get zeros,
+    # so no row of the output is left as it was; with split-KV, stage 2 writes them.
+    own = tile * BLOCK_Q + rows // BLOCK_H  # the tokens of this tile index, whatever the requests
+    cu_first = _load_cu(cu_q_ptr, 0, True, num_tokens)
+    cu_last = _load_cu(cu_q_ptr, num_requests, True, num_tokens)
+    if not ordered:
+        # Request boundaries that go backwards mean nothing: NaN for every token inside them
+        # (no plausible answer), from the programs that own each token by index.
+        inside = head_ok & (own >= cu_first) & (own < cu_last)
+        if NUM_SPLITS == 1:
+            _fill_rows(
+                out_ptr,
+                own,
+                heads,
+                out_stride_t,
+                out_stride_h,
+                inside,
+                float("nan"),
+                ROWS,
+                LATENT_DIM,
+            )
+            outside = head_ok & (own < num_tokens) & ~inside
+            _fill_rows(
+                out_ptr, own, heads, out_stride_t, out_stride_h, outside, 0.0, ROWS, LATENT_DIM
+            )
+        else:
+            lse_rows = lse_ptr + split * lse_stride_s + own * lse_stride_t + heads
+            tl.store(lse_rows, tl.full((ROWS,), float("nan"), tl.float32), mask=inside)
+        return
+    if (request == num_requests) | (tile_start < 0):
+        if NUM_SPLITS == 1:
+            # Past the last request, or one of the tiles before request 0's first.
+            after = request == num_requests
+            pad_tokens = tl.where(after, tokens, own)
+            pad = head_ok & (pad_tokens < tl.where(after, num_tokens, cu_first))
+            _fill_rows(
+                out_ptr, pad_tokens, heads, out_stride_t, out_stride_h, pad, 0.0, ROWS, LATENT_DIM
+            )
+        return
+
+    q_len = _load_cu(cu_q_ptr, request + 1, True, num_tokens) - q_start
+    if tile_start >= q_len:
+        return  # an idle tile: past the request's last new token
+    # Clamped so that no position below can overflow (a length past the block table's capacity
+    # still sets the positions; the keys stop at the capacity).
+    kv_len = tl.minimum(tl.maximum(tl.load(kv_len_ptr + request).to(tl.int64), 0), 2**62)
+    row_ok = (local < q_len) & (tokens < num_tokens) & head_ok
+    # New token `local` of the request sits at position kv_len - q_len + local and attends to the
+    # cached positions up to it (the step's own rows are in the cache already).
+    positions = kv_len - q_len + local
+    capacity = tl.minimum(kv_len, max_blocks * BLOCK_SIZE)
+    row_end = tl.minimum(positions + 1, capacity)
+    # The tile's key bound from scalars, not a reduction over row_end: Triton 3.7 turns a bound
+    # derived from a reduction into scalar 16-bit loads of the key rows (no async copies,
+    # register spills), 3-5x slower. Rows end in position order, so the tile's last valid row
+    # has the largest end.
+    last = tl.minimum(tl.minimum(tile_start + BLOCK_Q, q_len), num_tokens - q_start) - 1
+    tile_end = tl.where(last >= tile_start, tl.minimum(kv_len - q_len + last + 1, capacity), 0)
+    chunk = tl.cdiv(tl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, tile_end)
+
+    q_rows = q_ptr + tokens * q_stride_t + heads * q_stride_h
+    q_lat = tl.load(q_rows[:, None] + lat[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + LATENT_DIM + rope[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
+    table_row = block_table_ptr + request.to(tl.int64) * table_stride
+    # Every row of a decode tile (the heads of one token) attends to the same keys. In a
+    # multi-token tile the keys before its first token's end are attended by every row, the
+    # causal diagonal after them by some rows only: a second loop, split on a key tile so that
+    # the tiles (and the bits) are those of one loop.
+    stop = hi
+    if BLOCK_Q > 1:
+        first_end = tl.minimum(kv_len - q_len + tile_start + 1, capacity)
+        stop = tl.minimum(lo + tl.maximum(first_end - lo, 0) // BLOCK_N * BLOCK_N, hi)
+    for phase in tl.static_range(min(BLOCK_Q, 2)):
+        if phase == 0:
+            start, end = lo, stop
+        else:
+            start, end = stop, hi
+        m_i, l_i, acc = _attend_keys(
+            m_i=m_i,
+            l_i=l_i,
+            acc=acc,
+            q_lat=q_lat,
+            q_rope=q_rope,
+            lo=start,
+            hi=end,
+            row_end=row_end,
+            cache_ptr=cache_ptr,
+            table_row=table_row,
+            num_blocks=num_blocks,
+            max_blocks=max_blocks,
+            cache_stride_b=cache_stride_b,
+            cache_stride_o=cache_stride_o,
+            scale_log2=scale_log2,
+            BLOCK_SIZE=BLOCK_SIZE,
+            LATENT_DIM=LATENT_DIM,
+            ROPE_DIM=ROPE_DIM,
+            BLOCK_N=BLOCK_N,
+            DOT_PRECISION=DOT_PRECISION,
+            PAGE_TILES=PAGE_TILES,
+            WIDE_ROWS=WIDE_ROWS,
+            LARGE_SCALE=LARGE_SCALE,
+            PARTIAL_ROWS=phase == 1,
+        )
+
+    # Nothing attended (l = 0) gives zeros; a NaN l (a non-finite attended row) stays NaN.
+    nothing = l_i == 0.0
+    o = acc / tl.where(nothing, 1.0, l_i)[:, None]
     out_rows = out_ptr + split * out_stride_s + tokens * out_stride_t + heads * out_stride_h
     tl.store(out_rows[:, None] + lat[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if NUM_SPLITS > 1:
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        lse = tl.where(attended, m_fin + tl.log2(tl.where(attended, l_i, 1.0)), float("-inf"))
+        if LARGE_SCALE:
+            lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
+        else:
+            lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i))
+        lse = tl.where(nothing, float("-inf"), lse)
         tl.store(lse_ptr + split * lse_stride_s + tokens * lse_stride_t + heads, lse, mask=row_ok)
 
 
@@ -356,9 +528,11 @@ def _combine_splits_kernel(
     lse_stride_t,
     out_stride_t,
     out_stride_h,
+    lse_scale,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    LARGE_SCALE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -367,9 +541,12 @@ def _combine_splits_kernel(
     # the same split order whatever BLOCK_D is, so the column split only adds programs.
     lat = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     out_rows = out_ptr + token * out_stride_t + heads * out_stride_h
-    # Every token before the last request's end was written by stage 1 (for every split); the
-    # ones after it are padding and get zeros.
-    if token < tl.load(cu_q_ptr + num_requests):
+    # Every token inside the requests' span was written by stage 1 (for every split); the ones
+    # outside it are padding and get zeros.
+    inside = (token >= _load_cu(cu_q_ptr, 0, True, num_tokens)) & (
+        token < _load_cu(cu_q_ptr, num_requests, True, num_tokens)
+    )
+    if inside:
         # Pointers advance split by split: no index product that could overflow 32 bits.
         lse_rows = lse_ptr + token * lse_stride_t + heads
         lse_max = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
@@ -384,14 +561,23 @@ def _combine_splits_kernel(
         part_rows += lat[None, :]
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+        # A NaN log-sum-exp (a split that attended a non-finite row) makes the token NaN
+        # whatever the maximum above made of it.
+        not_finite = tl.zeros((BLOCK_H,), dtype=tl.int1)
         for _ in tl.static_range(NUM_SPLITS):
-            weight = tl.exp2(tl.load(lse_rows, mask=head_ok, other=float("-inf")) - lse_use)
+            lse = tl.load(lse_rows, mask=head_ok, other=float("-inf"))
+            not_finite |= lse != lse
+            if LARGE_SCALE:
+                weight = tl.exp2((lse - lse_use) * lse_scale)  # stage 1's raw units
+            else:
+                weight = tl.exp2(lse - lse_use)
             part = tl.load(part_rows, mask=head_ok[:, None] & (weight > 0)[:, None], other=0.0)
             total += weight
             acc += weight[:, None] * part
             lse_rows += lse_stride_s
             part_rows += partial_stride_s
         o = acc / tl.where(total > 0, total, 1.0)[:, None]
+        o = tl.where(not_finite[:, None], float("nan"), o)
     else:
         o = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     tl.store(
@@ -664,14 +850,19 @@ def _check(
     requests = block_table.shape[0]
     check_index_vector("cu_query_lengths", cu_query_lengths, requests + 1, device)
     check_index_vector("kv_lengths", kv_lengths, requests, device)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    if not (0 < softmax_scale < float("inf")):
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        raise ValueError(f"softmax_scale {softmax_scale} is too large for a float") from None
+    if not (0 < scale < float("inf")):
         raise ValueError(f"softmax_scale must be positive and finite; got {softmax_scale}")
     # The kernel takes scale * log2(e) as an fp32 argument: outside fp32's normal range it would
-    # arrive as 0 (uniform attention) or inf (NaN logits), a plausible wrong answer.
+    # arrive as 0 (uniform attention) or inf (NaN logits), a plausible wrong answer. Inside it,
+    # no logit overflows (LARGE_SCALE_LOG2).
     fp32 = torch.finfo(torch.float32)
-    if not (fp32.tiny <= softmax_scale * LOG2E <= fp32.max):
+    if not (fp32.tiny <= scale * LOG2E <= fp32.max):
         raise ValueError(
             f"softmax_scale {softmax_scale} times log2(e) is outside float32's normal range "
             f"[{fp32.tiny:.3g}, {fp32.max:.3g}]: the kernel scales its logits in float32"
@@ -717,10 +908,17 @@ def mla_paged_latent_attention(
     row ``n`` is ``kv_cache[block_table[r, n // block_size], n % block_size]``. New token ``i`` of
     the request is at position ``kv_lengths[r] - q_len + i`` and attends to rows ``0..position``
     with keys the whole rows and values their first ``latent_dim`` columns:
-    ``out = softmax(scale * q . k) @ v``, accumulated in fp32. Tokens past
-    ``cu_query_lengths[-1]`` get zeros; a row's block id outside the cache is skipped. Not
-    checked (each needs a host sync): that ``cu_query_lengths`` is non-decreasing and that the
-    lengths match the block table.
+    ``out = softmax(scale * q . k) @ v``, accumulated in fp32.
+
+    The lengths and block ids are not checked on the host (each check needs a sync); whatever
+    they hold, the kernels stay inside the tensors and write every output row:
+    ``cu_query_lengths`` is read clamped into ``[0, tokens]``; tokens outside
+    ``[cu_query_lengths[0], cu_query_lengths[-1])`` get zeros (CUDA-graph padding); if the
+    clamped values decrease anywhere, every token inside that span gets NaN (no request
+    boundary can be trusted). A negative ``kv_lengths`` entry attends to nothing (zeros); one
+    past the block table's capacity keeps its positions and is cut at the capacity; a row whose
+    block id lies outside the cache is skipped. A token that attends to a row holding NaN or
+    inf gets NaN; rows it does not attend to never affect it.
 
     In megatron-core's ``DynamicInferenceContext`` terms: ``kv_cache`` is
     ``memory_buffer[layer]`` (``key_value_cache(layer)[0]``), ``block_table``,
@@ -901,7 +1099,12 @@ class _AttentionPlan:
         fp32 = query.dtype == torch.float32
         block_q, block_h, block_n, warps = tile
         head_tiles = cdiv(heads, block_h)
-        query_tiles = tokens // block_q + requests + 1
+        # Decode: tile t is token t. Otherwise each request's tiles start at
+        # cu_query_lengths[r] // block_q + r + 1 (_first_tile), the tiles before request 0's
+        # holding the tokens before it, and the padding tokens' tiles follow the last request's.
+        query_tiles = tokens if block_q == 1 else tokens // block_q + requests + 2
+        scale_log2 = float(softmax_scale) * LOG2E
+        large_scale = scale_log2 > LARGE_SCALE_LOG2
         if num_kv_splits == 1:
             partial, lse = out, out  # stage 1 writes the output; lse is not used
             partial_strides = (0, out.stride(0), out.stride(1))
@@ -926,7 +1129,7 @@ class _AttentionPlan:
             kv_len_ptr=kv_lengths,
             out_ptr=partial,
             lse_ptr=lse,
-            scale_log2=float(softmax_scale) * LOG2E,
+            scale_log2=scale_log2,
             num_tokens=tokens,
             num_heads=heads,
             num_requests=requests,
@@ -954,6 +1157,7 @@ class _AttentionPlan:
             DOT_PRECISION="ieee" if fp32 else "tf32",
             PAGE_TILES=page_tiles(kv_cache.shape[1], tile),
             WIDE_ROWS=block_n * kv_cache.stride(1) + kv_cache.shape[2] >= ROW_OFFSET_LIMIT,
+            LARGE_SCALE=large_scale,
         )
         self.stage1 = PreparedLaunch(
             _STAGE1,
@@ -978,9 +1182,11 @@ class _AttentionPlan:
                 lse_stride_t=lse_strides[1],
                 out_stride_t=out.stride(0),
                 out_stride_h=out.stride(1),
+                lse_scale=scale_log2,
                 BLOCK_H=combine_h,
                 BLOCK_D=combine_d,
                 NUM_SPLITS=num_kv_splits,
+                LARGE_SCALE=large_scale,
             )
             self.combine = PreparedLaunch(
                 _COMBINE,

@@ -134,23 +134,30 @@ def build_step(
 def attention_reference(step: Step, softmax_scale: float, query=None) -> torch.Tensor:
     """The step's attention in float64, each request's cache rows gathered page by page.
 
-    Follows the kernel's contract for metadata the host cannot check: a row whose block id lies
-    outside the cache is left out, and a request's context is cut at the block table's capacity.
-    Tokens past the last request get zeros.
+    Follows the kernel's contract for metadata the host cannot check: ``cu_query_lengths`` is
+    clamped into ``[0, tokens]``; tokens outside ``[cu[0], cu[-1])`` get zeros, and all tokens
+    inside it NaN if the clamped values ever decrease; a row whose block id lies outside the cache
+    is left out, and a request's context is cut at the block table's capacity. A token's output
+    depends only on the rows it attends to: NaN if one of them holds a non-finite value, zeros if
+    it attends to none.
     """
     query = step.query if query is None else query
     cache = step.kv_cache.double()
     blocks, block_size, _ = cache.shape
     table = step.block_table.long()
-    cu = step.cu_query_lengths.long().tolist()
-    kv_lengths = step.kv_lengths.long().tolist()
     tokens, heads, _ = query.shape
+    cu = step.cu_query_lengths.long().clamp(0, tokens).tolist()
+    kv_lengths = step.kv_lengths.long().tolist()
     out = torch.zeros(tokens, heads, step.latent_dim, dtype=torch.float64, device=query.device)
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        out[cu[0] : cu[-1]] = float("nan")
+        return out
     for r in range(table.shape[0]):
         start, end = cu[r], cu[r + 1]
         if end <= start:
             continue
-        keys = torch.arange(min(kv_lengths[r], table.shape[1] * block_size), device=cache.device)
+        context = max(0, min(kv_lengths[r], table.shape[1] * block_size))
+        keys = torch.arange(context, device=cache.device)
         ids = table[r, keys // block_size]
         present = (ids >= 0) & (ids < blocks)
         rows = cache[ids.clamp(0, blocks - 1), keys % block_size]  # [keys, width], page by page
@@ -159,8 +166,14 @@ def attention_reference(step: Step, softmax_scale: float, query=None) -> torch.T
         positions = kv_lengths[r] - (end - start) + torch.arange(end - start, device=cache.device)
         attend = present[None, :] & (keys[None, :] <= positions[:, None])  # [new tokens, keys]
         scores = scores.masked_fill(~attend[:, None, :], float("-inf"))
-        weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)  # a token attending to nothing
-        out[start:end] = torch.einsum("qhn,nd->qhd", weights, rows[:, : step.latent_dim])
+        weights = scores.softmax(-1)
+        # Only the attended rows' values, so that a masked row holding NaN or inf adds nothing.
+        values = torch.where(attend[:, :, None], rows[None, :, : step.latent_dim], 0.0)
+        result = torch.einsum("qhn,qnd->qhd", weights, values)
+        result[~attend.any(-1)] = 0.0
+        finite_rows = torch.isfinite(rows).all(-1)
+        result[(attend & ~finite_rows[None, :]).any(-1)] = float("nan")
+        out[start:end] = result
     return out
 
 
@@ -238,10 +251,13 @@ def record_launches(monkeypatch, module, *kernels: str) -> list:
     return launches
 
 
-def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kwargs):
-    """Run the paged attention on ``step`` into a poisoned, guarded output and assert that it
-    matches :func:`attention_reference` within ``tolerance``, writes nothing outside the output
-    and leaves every bit of the cache buffer (guards included) as it was.
+def check_attention_step(
+    step: Step, softmax_scale: float, tolerance: dict, poison: float = POISON, **kwargs
+):
+    """Run the paged attention on ``step`` into a guarded output filled with ``poison`` and
+    assert that it matches :func:`attention_reference` within ``tolerance`` (NaN where it is
+    NaN: pass a finite ``poison`` where NaN is expected), writes nothing outside the output and
+    leaves every bit of the cache buffer (guards included) as it was.
 
     Returns:
         torch.Tensor: the output.
@@ -250,7 +266,7 @@ def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kw
 
     tokens, heads, _ = step.query.shape
     out, out_buffer = guarded_tensor(
-        (tokens, heads, step.latent_dim), step.query.dtype, step.query.device, POISON
+        (tokens, heads, step.latent_dim), step.query.dtype, step.query.device, poison
     )
     cache_before = step.cache_buffer.clone()
     returned = mla_paged_latent_attention(
@@ -265,9 +281,13 @@ def check_attention_step(step: Step, softmax_scale: float, tolerance: dict, **kw
         **kwargs,
     )
     assert returned.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(out.double(), attention_reference(step, softmax_scale), **tolerance)
+    expected = attention_reference(step, softmax_scale)
+    torch.testing.assert_close(out.double(), expected, equal_nan=True, **tolerance)
     assert guards_intact(out_buffer), "a write outside the output"
-    assert torch.equal(step.cache_buffer, cache_before), "the cache changed"
+    # Bitwise (a cache may hold NaN on purpose).
+    assert torch.equal(
+        step.cache_buffer.view(torch.uint8), cache_before.view(torch.uint8)
+    ), "the cache changed"
     return out
 
 

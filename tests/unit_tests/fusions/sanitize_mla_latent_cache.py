@@ -10,7 +10,8 @@
 The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of the tables among
 the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 32, 40 and 128 heads; block
 sizes 16 and 64; decode with and without split-KV, a mixed prefill/chunked/decode step; padded
-requests and tokens; a -1 block id where the lengths say a row is used). PyTorch's caching
+requests and tokens; a -1 block id where the lengths say a row is used; lengths that are
+negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal). PyTorch's caching
 allocator is disabled so that every tensor is its own allocation and an out-of-bounds access is
 one memcheck can see. Exits non-zero if an appended row differs from megatron-core's or an
 attention output from float64 by more than the unit tests allow.
@@ -98,6 +99,44 @@ def check_attention(requests, heads, block_size, dtype, splits, seed) -> bool:
     return True
 
 
+def check_bad_metadata(heads: int, dtype: torch.dtype, splits: int, seed: int) -> bool:
+    """Lengths no host check sees (negative, past the tokens, decreasing; a NaN and an inf row
+    behind the causal diagonal): memcheck sees every access, the outputs must follow the
+    documented contract (:func:`attention_reference`)."""
+    tolerance = dict(rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    ok = True
+    for cu in ([-2, 1, 7, 10, 12], [1, 3, 6, 9, 2**30], [0, 6, 3, 9, 12]):
+        for max_query_len in (1, None):
+            step = build_step(
+                [(20, 3), (5, 3), (0, 3), (70, 3)],
+                heads=heads,
+                latent_dim=512,
+                rope_dim=64,
+                block_size=16,
+                dtype=dtype,
+                device="cuda",
+                seed=seed,
+            )
+            step.cu_query_lengths.copy_(torch.tensor(cu))
+            step.kv_lengths[1] = -(2**31)
+            block = int(step.block_table[3, 72 // 16])
+            step.kv_cache[block, 72 % 16, 7] = float("nan")
+            step.kv_cache[block, 71 % 16, 575] = float("inf")
+            try:
+                check_attention_step(
+                    step,
+                    SCALE,
+                    tolerance,
+                    poison=1234.5,
+                    max_query_len=max_query_len,
+                    num_kv_splits=splits,
+                )
+            except AssertionError as error:
+                print(f"cu={cu} max_query_len={max_query_len}: {error}")
+                ok = False
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for racecheck)")
@@ -139,6 +178,11 @@ def main() -> int:
             if not check_attention(requests, heads, block_size, dtype, splits, seed=heads):
                 failures += 1
                 print(f"BAD attention heads={heads} block={block_size} splits={splits} {dtype}")
+        for heads, splits in ((16, 1), (40, 3)) if not args.quick else ((40, 3),):
+            checks += 1
+            if not check_bad_metadata(heads, dtype, splits, seed=heads):
+                failures += 1
+                print(f"BAD metadata heads={heads} splits={splits} {dtype}")
     print(f"{checks} checks, {failures} failed")
     return 1 if failures else 0
 

@@ -82,8 +82,8 @@ def test_prefill_chunked_and_mixed_steps_match_float64(requests, kind, splits):
 def test_padded_requests_and_tokens_get_zeros_and_nothing_else_is_written(padding_tokens):
     # As megatron-core pads a CUDA-graph step: requests of length 0 (table rows of -1) and tokens
     # past the last request. The padded rows must come out zero, not as the poison left there.
-    # 34 real tokens in tiles of 8: 5 padding tokens end inside the last full tile of 8 (the
-    # one tile more than tokens // 8 + requests that the grid has for them), 6 past it.
+    # 34 real tokens in tiles of 8: 5 padding tokens end inside the last full tile of 8, 6 past
+    # it.
     step = build_step(
         MIXED,
         heads=3,
@@ -155,6 +155,87 @@ def test_inconsistent_metadata_never_reads_out_of_bounds():
     step.block_table[1, 0] = step.kv_cache.shape[0]
     step.kv_lengths[0] = 1000
     run_and_check(step, num_kv_splits=2)
+
+
+# Lengths the host cannot check without a sync (cu_query_lengths over 4 requests of 3 tokens
+# each, 12 tokens): clamped into [0, tokens]; tokens outside [cu[0], cu[-1]) get zeros; if the
+# clamped values decrease, every token inside them gets NaN. Never a read or write outside the
+# tensors (the output's guards, the cache's bits).
+BAD_CU = {
+    "negative first": [-2, 1, 7, 10, 12],
+    "past the tokens": [0, 3, 6, 9, 40],
+    "huge": [0, 1, 2**30, 2**30, 2**30],
+    "starting late": [1, 3, 6, 9, 12],
+    "ending early": [0, 3, 6, 9, 10],
+    "decreasing": [0, 6, 3, 9, 12],
+    "negative inside": [0, 3, -5, 9, 12],
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("max_query_len", [1, None])
+@pytest.mark.parametrize("case", sorted(BAD_CU))
+def test_any_cu_query_lengths_stay_in_bounds_and_give_the_documented_output(
+    case, max_query_len, splits
+):
+    step = build_step(
+        [(20, 3), (5, 3), (0, 3), (40, 3)], heads=3, block_size=16, seed=9, device=DEVICE
+    )
+    step.cu_query_lengths.copy_(torch.tensor(BAD_CU[case], dtype=step.cu_query_lengths.dtype))
+    # A finite poison: a token left unwritten must not pass for an expected NaN.
+    run_and_check(step, max_query_len=max_query_len, num_kv_splits=splits, poison=GUARD)
+
+
+@pytest.mark.parametrize("kv_lengths", [[-1, 8, 2**31 - 1, 3], [-(2**31), 0, 1, 2]])
+def test_any_kv_lengths_stay_in_bounds(kv_lengths):
+    # A negative length attends to nothing (zeros); one past the block table stops there.
+    step = build_step(
+        [(20, 3), (5, 3), (0, 3), (40, 3)], heads=2, block_size=16, seed=10, device=DEVICE
+    )
+    step.kv_lengths.copy_(torch.tensor(kv_lengths, dtype=step.kv_lengths.dtype))
+    run_and_check(step, num_kv_splits=2, poison=GUARD)
+
+
+def _cache_row(step, request: int, key: int) -> torch.Tensor:
+    """The cache row that holds key ``key`` of request ``request`` (a view)."""
+    block_size = step.kv_cache.shape[1]
+    block = int(step.block_table[request, key // block_size])
+    return step.kv_cache[block, key % block_size]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_non_finite_row_reaches_only_the_tokens_that_attend_to_it(value, splits):
+    # Request 0: 5 cached rows and 8 new tokens (one query tile). Its last new token's own row
+    # holds the value: only that token attends to it, and it alone is NaN; the 7 tokens before
+    # it are finite and right (a masked row adds nothing, not 0 * NaN). In the rope columns, a
+    # -inf gives a -inf score: NaN too, not a row dropped from the softmax.
+    step = build_step([(5, 8), (9, 1)], heads=3, block_size=4, seed=11, device=DEVICE)
+    _cache_row(step, 0, 12)[-1] = value
+    _cache_row(step, 0, 12)[3] = value
+    out = run_and_check(step, num_kv_splits=splits, poison=GUARD)
+    assert torch.isnan(out[7]).all()
+    assert torch.isfinite(out[:7]).all() and torch.isfinite(out[8:]).all()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_non_finite_row_in_one_split_makes_the_decode_token_nan(splits):
+    # One decode token over 64 rows, the value in the first split's rows: the combine must not
+    # read the NaN log-sum-exp as "nothing attended" and return the other splits' answer.
+    step = build_step([(63, 1)], heads=2, block_size=16, seed=12, device=DEVICE)
+    _cache_row(step, 0, 2)[-1] = float("inf")
+    out = run_and_check(step, max_query_len=1, num_kv_splits=splits, poison=GUARD)
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 2e38])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_large_softmax_scales_do_not_overflow(scale, splits):
+    # 2e38 makes the softmax a hard maximum: the scaled logits overflow float32, their
+    # differences (stage 1's raw units above LARGE_SCALE_LOG2) do not.
+    step = build_step(MIXED, heads=2, block_size=16, seed=13, device=DEVICE)
+    out = check_attention_step(step, scale, FP32_TOLERANCE, num_kv_splits=splits)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 5])
@@ -438,6 +519,7 @@ def _bad_inputs():
     yield "nan scale", dict(good, softmax_scale=float("nan")), ValueError, "softmax_scale must be"
     yield "scale below float32", dict(good, softmax_scale=1e-300), ValueError, "normal range"
     yield "scale above float32", dict(good, softmax_scale=1e39), ValueError, "normal range"
+    yield "scale above float", dict(good, softmax_scale=10**400), ValueError, "softmax_scale"
     yield "max_query_len 0", dict(good, max_query_len=0), ValueError, "max_query_len must be"
     yield "too many splits", dict(
         good, num_kv_splits=MAX_KV_SPLITS + 1
