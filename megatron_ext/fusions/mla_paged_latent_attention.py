@@ -24,9 +24,9 @@ Kernel design:
   (``tokens // BLOCK_Q + requests + 1``: each request's tiles start at
   ``cu_query_lengths[r] // BLOCK_Q + r + 1``, one tile per token in decode); a program finds its
   request by counting those starts, and idle programs (past a request's last token) return at
-  once. In a multi-token tile the keys on the causal diagonal (attended by some of its tokens
-  only) run in a loop of their own that reads their values' non-finite elements as zeros, so
-  a row a token does not attend to never reaches it through ``0 * NaN``.
+  once. A multi-token tile whose rows skip a key row holding NaN or inf on its causal diagonal
+  (which reaches them through ``0 * NaN`` in ``P @ V``) computes those rows again, reading
+  non-finite values as zeros: a row a token does not attend to never reaches it.
 * Split-KV: with few query tiles (decode) the rows each tile attends to are split across
   ``num_kv_splits`` programs, each writing a partial output and its log-sum-exp to an fp32
   workspace; stage 2 (:func:`_combine_splits_kernel`, one program per token, head tile and
@@ -213,11 +213,10 @@ def _attend_keys(
     """The online softmax over keys ``lo..hi`` (``lo`` on a key tile) of one query tile; returns
     the updated ``(m_i, l_i, acc)``.
 
-    ``PARTIAL_ROWS``: some rows of the tile attend to only some of these keys (the causal
-    diagonal of a multi-token tile). A value that is not finite in a row a query row does not
-    attend to then must not reach it through ``0 * inf`` in ``P @ V``: those keys' values are
-    read with non-finite elements as zeros. An attended row's non-finite element still makes
-    its query row NaN, through the score (every element of a key row enters its score).
+    ``PARTIAL_ROWS``: read the values' non-finite elements as zeros, so that a key row a query
+    row does not attend to cannot reach it through ``0 * inf`` in ``P @ V`` (the causal
+    diagonal of a multi-token tile). An attended row's non-finite element still makes its query
+    row NaN, through the score (every element of a key row enters its score).
     """
     lat = tl.arange(0, LATENT_DIM)
     rope = tl.arange(0, ROPE_DIM)
@@ -450,30 +449,29 @@ def _latent_attention_kernel(
     q_lat = tl.load(q_rows[:, None] + lat[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_rows[:, None] + LATENT_DIM + rope[None, :], mask=row_ok[:, None], other=0.0)
 
-    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((ROWS,), dtype=tl.float32)
-    acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
     table_row = block_table_ptr + request.to(tl.int64) * table_stride
     # Every row of a decode tile (the heads of one token) attends to the same keys. In a
-    # multi-token tile the keys before its first token's end are attended by every row, the
-    # causal diagonal after them by some rows only: a second loop, split on a key tile so that
-    # the tiles (and the bits) are those of one loop.
-    stop = hi
-    if BLOCK_Q > 1:
-        first_end = tl.minimum(kv_len - q_len + tile_start + 1, capacity)
-        stop = tl.minimum(lo + tl.maximum(first_end - lo, 0) // BLOCK_N * BLOCK_N, hi)
-    for phase in tl.static_range(min(BLOCK_Q, 2)):
-        if phase == 0:
-            start, end = lo, stop
-        else:
-            start, end = stop, hi
+    # multi-token tile some rows skip keys of the causal diagonal that others attend to; a value
+    # that is not finite in such a key reaches the rows that skip it as 0 * inf = NaN in P @ V.
+    # Such a row (its weights finite, its accumulator not) is rare: one loop as before, then the
+    # rows it spoiled again in a second pass that reads non-finite values as zeros (which
+    # changes nothing for the rows that attend to them: their scores are NaN already). The
+    # second pass runs no key tile when no row was spoiled.
+    todo = row_ok
+    for attempt in tl.static_range(min(BLOCK_Q, 2)):
+        m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, LATENT_DIM), dtype=tl.float32)
+        end = hi
+        if attempt == 1:
+            end = tl.where(tl.max(todo.to(tl.int32), axis=0) > 0, hi, lo)
         m_i, l_i, acc = _attend_keys(
             m_i=m_i,
             l_i=l_i,
             acc=acc,
             q_lat=q_lat,
             q_rope=q_rope,
-            lo=start,
+            lo=lo,
             hi=end,
             row_end=row_end,
             cache_ptr=cache_ptr,
@@ -491,22 +489,28 @@ def _latent_attention_kernel(
             PAGE_TILES=PAGE_TILES,
             WIDE_ROWS=WIDE_ROWS,
             LARGE_SCALE=LARGE_SCALE,
-            PARTIAL_ROWS=phase == 1,
+            PARTIAL_ROWS=attempt == 1,
         )
-
-    # Nothing attended (l = 0) gives zeros; a NaN l (a non-finite attended row) stays NaN.
-    nothing = l_i == 0.0
-    o = acc / tl.where(nothing, 1.0, l_i)[:, None]
-    out_rows = out_ptr + split * out_stride_s + tokens * out_stride_t + heads * out_stride_h
-    tl.store(out_rows[:, None] + lat[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if NUM_SPLITS > 1:
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        if LARGE_SCALE:
-            lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
-        else:
-            lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i))
-        lse = tl.where(nothing, float("-inf"), lse)
-        tl.store(lse_ptr + split * lse_stride_s + tokens * lse_stride_t + heads, lse, mask=row_ok)
+        done = todo
+        if attempt < min(BLOCK_Q, 2) - 1:  # the first of two passes
+            spoiled = (l_i - l_i == 0) & (tl.max((acc - acc != 0).to(tl.int32), axis=1) > 0)
+            done = todo & ~spoiled
+            todo = todo & spoiled
+        # Nothing attended (l = 0) gives zeros; a NaN l (a non-finite attended row) stays NaN.
+        nothing = l_i == 0.0
+        o = acc / tl.where(nothing, 1.0, l_i)[:, None]
+        out_rows = out_ptr + split * out_stride_s + tokens * out_stride_t + heads * out_stride_h
+        o = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_rows[:, None] + lat[None, :], o, mask=done[:, None])
+        if NUM_SPLITS > 1:
+            m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+            if LARGE_SCALE:
+                lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
+            else:
+                lse = m_fin + tl.log2(tl.where(nothing, 1.0, l_i))
+            lse = tl.where(nothing, float("-inf"), lse)
+            lse_rows = lse_ptr + split * lse_stride_s + tokens * lse_stride_t + heads
+            tl.store(lse_rows, lse, mask=done)
 
 
 _COMBINE_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests"]
