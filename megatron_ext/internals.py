@@ -14,6 +14,11 @@ caller takes the safe path:
   rebase a view (:data:`autograd_refuses_in_place`). Fallback: every view is treated as refused.
 - ``torch._C._functorch.is_functorch_wrapped_tensor``: refusing torch.func transforms
   (:data:`is_functorch_wrapped_tensor`). Fallback: a tensor without storage counts as wrapped.
+- ``torch.Tensor._is_view`` and ``torch.Tensor._base``: whether a tensor is a view, and of what
+  (:data:`tensor_is_view`, :data:`tensor_base`). Fallback: every tensor counts as a view (of a
+  leaf that requires grad), so the in-place RoPE rotates a copy or goes behind autograd's back.
+- ``torch._foreach_copy_``: one launch for many copies (:data:`foreach_copy_`). Fallback: one
+  ``copy_`` per pair.
 - ``torch._C._cuda_getDevice``, ``torch._C._cuda_getCurrentRawStream``: the device and stream of
   a direct kernel launch. Fallback: the public ``torch.cuda`` calls (:func:`check_cuda_current`
   compares them before the first direct launch).
@@ -21,6 +26,10 @@ caller takes the safe path:
   the direct kernel launch (:func:`bind_triton_launcher`), and ``JITFunction.arg_names``, the
   parameter order it passes arguments in (:func:`triton_kernel_arg_names`). Fallback: Triton's
   JIT launch.
+- ``JITFunction.fn`` (the Python function under a ``triton.jit`` kernel): its constexpr
+  parameters (:func:`triton_kernel_constexpr_names`; fallback: unknown, every argument keys the
+  autotuning), and ``Autotuner``/``Heuristics`` ``.fn``, the kernel under megatron-core's
+  autotuned kernels (:func:`triton_jit_function`; fallback: unwrapped by attribute).
 
 Tested on CPython 3.11 with torch 2.13 (CPU, Triton 3.9's interpreter) and on CPython 3.12 with
 torch 2.11 and Triton 3.6 (CUDA, H200); the launcher conventions are known for Triton 3.6 to 3.9.
@@ -29,13 +38,16 @@ Where a check happens at run time (the gradient calibration, the direct launch's
 fallback for the rest of the process, with a warning.
 """
 
+import inspect
+import operator
 import sys
 import threading
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import triton
+import triton.language as tl
 
 # --------------------------------------------------------------------------------------------------
 # Gradient ownership: may a backward overwrite the gradient autograd handed it?
@@ -79,7 +91,7 @@ def owns_gradient(grad: torch.Tensor, python_refs: int) -> bool:
         bool: True if the backward may write ``grad`` in place.
     """
     exclusive = EXCLUSIVE_GRADIENT_REFERENCES.get(grad.device.type)
-    if exclusive is None or grad.requires_grad or grad._base is not None:
+    if exclusive is None or grad.requires_grad or tensor_base(grad) is not None:
         return False
     try:
         if python_refs > exclusive[0] or _tensor_use_count(grad) > exclusive[1]:
@@ -192,7 +204,7 @@ _DEFAULT_CREATION = getattr(getattr(torch._C._autograd, "CreationMeta", None), "
 def _refuses_by_creation_meta(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view autograd cannot rebase: made inside a custom Function, by a
     multi-output op, or under no-grad or inference mode (an unexpected answer: refused)."""
-    if not t._is_view():
+    if not tensor_is_view(t):
         return False
     try:
         return _get_creation_meta(t) != _DEFAULT_CREATION
@@ -202,7 +214,7 @@ def _refuses_by_creation_meta(t: torch.Tensor) -> bool:
 
 def _refuses_every_view(t: torch.Tensor) -> bool:
     """Fallback without creation metadata: every view is treated as one autograd cannot rebase."""
-    return t._is_view()
+    return tensor_is_view(t)
 
 
 # Whether ``ctx.mark_dirty(t)`` would be refused for a tensor ``t`` that requires grad. Where the
@@ -230,6 +242,56 @@ def _has_no_storage(x: torch.Tensor) -> bool:
 is_functorch_wrapped_tensor: Callable[[torch.Tensor], bool] = (
     getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     or _has_no_storage
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Views, and many copies in one launch
+# --------------------------------------------------------------------------------------------------
+
+
+def _every_tensor_a_view(t: torch.Tensor) -> bool:
+    """Fallback without ``Tensor._is_view``: every tensor counts as a view (the callers' safe
+    side: a view is refused in place, rotated behind autograd's back or copied)."""
+    return True
+
+
+class _UnknownLeaf:
+    """Fallback base without ``Tensor._base``: a leaf that requires grad (its callers copy)."""
+
+    is_leaf = True
+    requires_grad = True
+
+
+def _unknown_base(t: torch.Tensor) -> _UnknownLeaf:
+    return _UnknownLeaf()
+
+
+_PROBE_TENSOR = torch.zeros(2)
+# Whether ``t`` is a view (a C method, no Python frame).
+tensor_is_view: Callable[[torch.Tensor], bool] = (
+    getattr(torch.Tensor, "_is_view", None)
+    if callable(getattr(torch.Tensor, "_is_view", None))
+    else _every_tensor_a_view
+)
+# The tensor ``t`` views, or None (a C attribute getter, no Python frame).
+tensor_base: Callable[[torch.Tensor], Optional[torch.Tensor]] = (
+    operator.attrgetter("_base")
+    if getattr(_PROBE_TENSOR[:1], "_base", None) is _PROBE_TENSOR
+    else _unknown_base
+)
+del _PROBE_TENSOR
+
+
+def _copy_each(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Fallback without ``torch._foreach_copy_``: one ``copy_`` per pair (same values)."""
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
+
+
+# ``destinations[i].copy_(sources[i])`` for every i, in as few launches as torch can.
+foreach_copy_: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] = (
+    getattr(torch, "_foreach_copy_", None) or _copy_each
 )
 
 
@@ -341,6 +403,50 @@ def triton_kernel_arg_names(kernel) -> Optional[List[str]]:
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         return None
     return list(names)
+
+
+def triton_kernel_constexpr_names(kernel) -> Optional[Tuple[str, ...]]:
+    """A ``triton.jit`` function's constexpr parameter names, read from the annotations of the
+    Python function it wraps (``fn``; the compiled and the interpreted kernel both keep it), or
+    None where that is missing.
+
+    Args:
+        kernel: the ``triton.jit`` function.
+
+    Returns:
+        Optional[Tuple[str, ...]]: the names, in signature order.
+    """
+    try:
+        params = inspect.signature(kernel.fn).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return tuple(p.name for p in params if p.annotation is tl.constexpr)
+
+
+try:
+    from triton.runtime.autotuner import Autotuner as _Autotuner
+    from triton.runtime.autotuner import Heuristics as _Heuristics
+
+    _KERNEL_WRAPPERS: Tuple[type, ...] = (_Autotuner, _Heuristics)
+except ImportError:  # moved: unwrap by name
+    _KERNEL_WRAPPERS = ()
+
+
+def triton_jit_function(kernel):
+    """The ``triton.jit`` function under Triton's ``autotune``/``heuristics`` wrappers (each
+    keeps the function it wraps as ``fn``), so that it launches at one given config.
+
+    Args:
+        kernel: a kernel, wrapped or not.
+
+    Returns:
+        The innermost kernel.
+    """
+    while (
+        isinstance(kernel, _KERNEL_WRAPPERS) or type(kernel).__name__ in ("Autotuner", "Heuristics")
+    ) and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel
 
 
 def bind_triton_launcher(compiled) -> Optional[DirectLaunch]:

@@ -15,24 +15,25 @@ warning, and every launch takes Triton's JIT path. It is also skipped under the 
 while Triton launch hooks are set (profilers see every launch), for kernels whose convention is
 unknown or that need scratch memory, and with ``MEGATRON_EXT_DIRECT_LAUNCH=0``.
 
-Users: the MLA RoPE launches (:mod:`megatron_ext.fusions.mla_rope.launch`, keyed by the call's
-shapes, which also skips their checks), and, through :class:`KernelLaunches` (keyed by what Triton
-specialises on), the top-k draw and the paged latent-cache kernels (attention and its split
-combine, the RoPE + append). The latent-cache kernels keep a :class:`PreparedLaunch` per checked
-call layout (:mod:`megatron_ext.fusions.launch_plans`): only the tensors change between its calls,
-so a call swaps their pointers into the stored arguments instead of rebuilding them.
+Every Triton kernel of the package launches through a :class:`PreparedLaunch`: one launch whose
+arguments other than its leading tensors are fixed, kept in a checked call layout's plan
+(:mod:`megatron_ext.fusions.launch_plans`). Its first call launches through Triton's JIT and
+binds the compiled kernel's C launcher (shared by the kernel's :class:`KernelLaunches`, one
+binding per specialisation); later calls launch directly with the call's pointers, or through
+the JIT wherever the direct launch is off.
 """
 
 import os
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from megatron_ext import internals
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+from megatron_ext.fusions.launch_plans import MAX_PLANS, LaunchPlan
+from megatron_ext.fusions.tensor_checks import INTERPRETED
 from megatron_ext.internals import DirectLaunch
 
 ENABLED = not INTERPRETED and os.environ.get("MEGATRON_EXT_DIRECT_LAUNCH", "1") != "0"
@@ -133,22 +134,23 @@ _INT64_MAX = 2**63
 
 
 class KernelLaunches:
-    """Launches of one Triton kernel: through Triton's JIT on a specialisation's first call, then
-    directly through the compiled kernel's C launcher (:func:`bind`), once :func:`verified`.
+    """One Triton kernel's JIT launch and the direct launches bound for it, one per specialisation.
 
     A specialisation is keyed by what Triton compiles a kernel for: each tensor argument's dtype
     and 16-byte alignment, each specialised integer's value (Triton specialises on 1 and on
     multiples of 16), for the ``unspecialized`` integers only their width, every other argument's
     value (constexprs, strings, None), floats by type, the launch options and the device. A key
     that is not the compiled kernel's own is never made: a key only ever splits one of Triton's.
+    The :class:`PreparedLaunch` objects of a kernel share its bindings: a new call layout of a
+    specialisation seen before (another token count) launches directly from its first call.
 
     Args:
         kernel: the ``triton.jit`` function.
         unspecialized: its ``do_not_specialize`` parameter names.
-        max_entries: bound on the cached launches (cleared when reached).
+        max_entries: bound on the bindings kept (cleared when reached).
     """
 
-    def __init__(self, kernel, unspecialized: Sequence[str] = (), max_entries: int = 1024):
+    def __init__(self, kernel, unspecialized: Sequence[str] = (), max_entries: int = MAX_PLANS):
         self.kernel = kernel
         self.unspecialized = frozenset(unspecialized)
         self.max_entries = max_entries
@@ -156,16 +158,17 @@ class KernelLaunches:
         self.launches: Dict[tuple, Any] = {}
 
     def key(self, args: Mapping[str, Any], device_index: int, options: Mapping[str, Any]) -> tuple:
-        """The specialisation key of a launch (see the class docstring)."""
-        return self._key_and_values(args, device_index, options)[0]
+        """The specialisation key of a launch (see the class docstring).
 
-    def _key_and_values(
-        self, args: Mapping[str, Any], device_index: int, options: Mapping[str, Any]
-    ) -> Tuple[tuple, tuple]:
-        """The launch's key and the C launcher's argument values (tensors as pointers), in one
-        pass over the arguments: this runs on every launch."""
+        Args:
+            args: every kernel parameter by name, in the kernel's order.
+            device_index: the CUDA device.
+            options: Triton's launch options.
+
+        Returns:
+            tuple: the key.
+        """
         parts = [device_index, *options.items()]
-        values = []
         unspecialized = self.unspecialized
         for name, value in args.items():
             kind = type(value)  # exact types first
@@ -174,66 +177,70 @@ class KernelLaunches:
                     parts.append((value in _INT32, value < _INT64_MAX))
                 else:
                     parts.append(value)
-                values.append(value)
             elif kind is float:
                 parts.append(float)
-                values.append(value)
             elif isinstance(value, torch.Tensor):
-                pointer = value.data_ptr()
-                parts.append((value.dtype, pointer % 16 == 0))
-                values.append(pointer)
+                parts.append((value.dtype, value.data_ptr() % 16 == 0))
             else:  # bool, str, None, constexpr values; other int types by value
                 parts.append(value)
-                values.append(value)
-        return tuple(parts), tuple(values)
+        return tuple(parts)
 
-    def __call__(self, grid, args: Mapping[str, Any], **options: Any) -> None:
-        """Launch on ``grid`` (up to three dimensions) with ``args``: every kernel parameter by
-        name, in the kernel's order (constexprs included), and Triton's launch ``options``
-        (``num_warps``, ``num_stages``). CUDA tensors launch on their device's current stream;
-        CPU tensors (the interpreter) through the JIT."""
+    def __call__(self, grid, args: Mapping[str, Any], **options: Any):
+        """Launch through Triton's JIT, on the tensors' device (``kernel[grid](...)``).
+
+        Args:
+            grid: the launch grid (up to three dimensions).
+            args: every kernel parameter by name.
+            options: Triton's launch options (``num_warps``, ``num_stages``, ...).
+
+        Returns:
+            The compiled kernel Triton returned.
+        """
         first = next((v for v in args.values() if isinstance(v, torch.Tensor)), None)
         if first is None or first.device.type != "cuda":
-            self.kernel[grid](**args, **options)
-            return
-        index = first.device.index
-        key, values = self._key_and_values(args, index, options)
+            return self.kernel[grid](**args, **options)
+        with torch.cuda.device(first.device.index):
+            return self.kernel[grid](**args, **options)
+
+    def bound(self, key: tuple, compiled) -> Any:
+        """The direct launch of the specialisation ``key``, bound to ``compiled`` on its first
+        request (False where the direct launch cannot take it: never rebound)."""
         direct = self.launches.get(key)
-        if direct and not hooks_set() and internals.cuda_current_device() == index:
-            gx, gy, gz = (*grid, 1, 1)[:3]
-            direct(gx, gy, gz, internals.cuda_current_raw_stream(index), values)
-            return
-        with torch.cuda.device(index):
-            compiled = self.kernel[grid](**args, **options)
-        if direct is None and verified(first.device):
+        if direct is None:
+            direct = bind(compiled) or False
             if len(self.launches) >= self.max_entries:
                 self.launches.clear()
-            # The C launcher takes the arguments in the kernel's order: bind only when the given
-            # names are the kernel's. False, not None: no rebinding per call.
-            names = internals.triton_kernel_arg_names(self.kernel)
-            ok = names is not None and list(args) == names
-            self.launches[key] = (ok and bind(compiled)) or False
+            self.launches[key] = direct
+        return direct
 
 
-class PreparedLaunch:
-    """One launch of a :class:`KernelLaunches` kernel whose arguments other than its tensors are
-    fixed: a call passes only the tensors (same names, dtypes and order as the ones it was
-    prepared with; the caller's plan key guarantees that) and goes direct once bound.
+class PreparedLaunch(LaunchPlan):
+    """One launch of a kernel whose arguments other than its leading tensors are fixed: the one
+    "direct launch, else Triton's JIT" path of the package.
 
-    It keeps no tensor (a cached launch must not hold device memory alive): the launch key and the
-    C launcher's values are stored with the tensors' slots empty, and each call fills them with
-    the pointers and their 16-byte alignment (which Triton specialises on, so it stays in the key).
+    A call passes the tensors (or None for an absent pointer) in the prepared order. Its plan's
+    key guarantees that they have the layout and 16-byte alignment of the ones it was prepared
+    with (tensors the plan allocates come from torch's allocator, aligned as well), so one bound
+    C launcher serves every call: a call that finds it bound, on the current device, with no
+    Triton launch hook set, launches directly (~8 us of host time); any other call takes
+    Triton's JIT (~17 us), and the first one on a CUDA device binds the launcher once
+    :func:`verified`. It keeps no tensor (a cached launch must not hold device memory alive).
 
     Args:
-        launches: the kernel's launches (shared with its other callers: one JIT compile and one
-            binding per specialisation).
+        launches: the kernel's launches (shared with its other prepared launches), or a stand-in
+            called as ``launches(grid, args, **options)`` (tests record launches that way; it is
+            never launched directly).
         grid: the launch grid (up to three dimensions).
-        args: every kernel parameter by name, in the kernel's order, as for
-            :meth:`KernelLaunches.__call__`.
+        args: every kernel parameter by name (any order; the kernel's signature orders them),
+            the tensors of this call among them.
         options: Triton's launch options.
+        tensors: how many leading kernel parameters each call passes (tensors or None); by
+            default the leading run of tensors in ``args``.
     """
 
-    __slots__ = ("launches", "grid", "args", "options", "names", "slots", "parts", "values")
+    __slots__ = (
+        "launches", "grid", "options", "args", "names", "device_index", "key", "after", "direct"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -241,45 +248,69 @@ class PreparedLaunch:
         grid: Tuple[int, ...],
         args: Mapping[str, Any],
         options: Mapping[str, Any],
+        tensors: Optional[int] = None,
     ):
+        items = list(args.items())
+        if tensors is None:
+            tensors = next(
+                (i for i, (_, v) in enumerate(items) if not isinstance(v, torch.Tensor)), len(items)
+            )
         self.launches = launches
-        self.grid = tuple(grid)
+        self.grid = (*grid, 1, 1)[:3]
         self.options = dict(options)
-        self.names = [name for name, v in args.items() if isinstance(v, torch.Tensor)]
-        self.args = {n: (None if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
-        first = args[self.names[0]] if self.names else None
-        # No stored key (every call through ``launches(grid, args)``) for CPU tensors (the
-        # interpreter) and for a stand-in launcher (tests record launches that way).
-        self.parts: Optional[List[Any]] = None
-        self.slots: List[Tuple[int, int, torch.dtype]] = []
-        self.values: List[Any] = []
-        if first is None or first.device.type != "cuda" or not isinstance(launches, KernelLaunches):
+        self.names = tuple(name for name, _ in items[:tensors])
+        # What the JIT path takes: every argument by name, the tensors' slots filled per call.
+        self.args = {n: (None if i < tensors else v) for i, (n, v) in enumerate(items)}
+        first = next((v for _, v in items[:tensors] if isinstance(v, torch.Tensor)), None)
+        cuda = first is not None and first.device.type == "cuda"
+        self.device_index = first.device.index if cuda else None
+        # The specialisation (None: never direct) and the arguments after the pointers in the
+        # kernel's order (constexprs included: the C launcher takes them all).
+        self.key: Optional[tuple] = None
+        self.after: tuple = ()
+        # None: not bound yet (the interpreter: never); False: never direct; else the launcher.
+        self.direct: Any = None
+        if not cuda:
             return
-        key, values = launches._key_and_values(args, first.device.index, options)
-        # (position in the key, position in the values, dtype) of each tensor argument.
-        offset = len(key) - len(values)
-        positions = [i for i, v in enumerate(args.values()) if isinstance(v, torch.Tensor)]
-        self.slots = [(offset + i, i, args[n].dtype) for i, n in zip(positions, self.names)]
-        self.parts = list(key)
-        self.values = list(values)
+        kernel_launches = isinstance(launches, KernelLaunches)
+        names = internals.triton_kernel_arg_names(launches.kernel) if kernel_launches else None
+        if (
+            names is None
+            or tuple(names[:tensors]) != self.names
+            or set(names) != set(args)
+            or any(isinstance(args[name], torch.Tensor) for name in names[tensors:])
+        ):
+            self.direct = False
+            return
+        ordered = {name: args[name] for name in names}
+        self.key = launches.key(ordered, self.device_index, self.options)
+        self.after = tuple(ordered[name] for name in names[tensors:])
+        # Bound by an earlier plan of the same specialisation: direct from the first call.
+        self.direct = launches.launches.get(self.key)
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        """Launch with ``tensors`` for the tensor arguments (in the prepared order)."""
-        parts = self.parts
-        if parts is not None:
-            parts = parts.copy()
-            values = self.values.copy()
-            for (key_at, value_at, dtype), tensor in zip(self.slots, tensors):
-                pointer = tensor.data_ptr()
-                parts[key_at] = (dtype, pointer % 16 == 0)
-                values[value_at] = pointer
-            index = parts[0]
-            direct = self.launches.launches.get(tuple(parts))
-            if direct and not hooks_set() and internals.cuda_current_device() == index:
-                gx, gy, gz = (*self.grid, 1, 1)[:3]
-                direct(gx, gy, gz, internals.cuda_current_raw_stream(index), tuple(values))
-                return
-        # The first call of a specialisation (or no direct launch): the full path binds it.
+    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Launch with ``tensors`` for the leading arguments (in the prepared order)."""
+        direct = self.direct
+        if direct and internals.cuda_current_device() == self.device_index and not hooks_set():
+            gx, gy, gz = self.grid
+            direct(
+                gx,
+                gy,
+                gz,
+                internals.cuda_current_raw_stream(self.device_index),
+                (*[None if t is None else t.data_ptr() for t in tensors], *self.after),
+            )
+            return
+        self.launch_jit(*tensors)
+
+    def launch_jit(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Launch through Triton's JIT; bind the direct launch on the first success."""
         args = dict(self.args)
         args.update(zip(self.names, tensors))
-        self.launches(self.grid, args, **self.options)
+        compiled = self.launches(self.grid, args, **self.options)
+        if (
+            self.direct is None
+            and self.key is not None
+            and verified(torch.device("cuda", self.device_index))
+        ):
+            self.direct = self.launches.bound(self.key, compiled)

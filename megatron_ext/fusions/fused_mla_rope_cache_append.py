@@ -33,18 +33,18 @@ import triton.language as tl
 from torch import Tensor
 
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
-from megatron_ext.fusions.latent_cache_checks import (
+from megatron_ext.fusions.latent_cache_checks import check_paged_cache, rows_of
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
+from megatron_ext.fusions.launch_plans import NO_LAUNCH, PlanCache, layout_key
+from megatron_ext.fusions.tensor_checks import (
     FLOAT_DTYPES,
+    check_device,
     check_disjoint,
     check_index_vector,
     check_no_self_overlap,
-    check_paged_cache,
     check_runnable,
-    rows_of,
+    check_tensor,
 )
-from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
-from megatron_ext.fusions.launch_plans import PlanCache, layout_key
-from megatron_ext.fusions.mla_rope.checks import check_device, check_tensor
 
 __all__ = ["fused_mla_rope_cache_append"]
 
@@ -152,8 +152,6 @@ def _rope_cache_append_kernel(
 _APPEND = KernelLaunches(_rope_cache_append_kernel, _RUNTIME_SIZES)
 # Checked call layouts -> their prepared launches (megatron_ext.fusions.launch_plans).
 _PLANS = PlanCache()
-# The plan of a call without tokens (no launch).
-_NOTHING = object()
 
 
 def _check_disjoint_cache(
@@ -289,17 +287,16 @@ def fused_mla_rope_cache_append(
     else:
         # What the layout cannot tell: whether the cache shares memory with an input.
         _check_disjoint_cache(*tensors)
-    if launch is not _NOTHING:
-        # In the kernel's argument order (the cache last).
-        launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
+    # In the kernel's argument order (the cache last).
+    launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
     return kv_cache
 
 
 def _plan(kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset):
-    """Check a call; return its prepared launch (``_NOTHING`` without tokens)."""
+    """Check a call; return its prepared launch (``NO_LAUNCH`` without tokens)."""
     plan = _check(kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset)
     if plan is None:
-        return _NOTHING
+        return NO_LAUNCH
     sizes, latent_dim, rope_dim = plan
     args = dict(
         latent_ptr=kv_latent,

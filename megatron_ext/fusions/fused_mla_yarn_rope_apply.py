@@ -19,9 +19,10 @@ config. What differs, and why:
 * Host cost: each call builds its argument record once (:class:`~megatron_ext.fusions.mla_rope.
   checks.QueryRope`, :class:`~megatron_ext.fusions.mla_rope.checks.KeyValueRope`) and hands it
   to :func:`megatron_ext.fusions.mla_rope.launch.run`, the one run path of every kernel: a cached
-  call runs Python in this file and that one only; a call shape's first call also checks it
-  (:mod:`megatron_ext.fusions.mla_rope.checks`). ``scripts/trace_rope_call_path.py`` prints the
-  path; a unit test bounds it.
+  call runs Python in this file, that one and its plan's prepared launch
+  (:class:`megatron_ext.fusions.direct_launch.PreparedLaunch`) only; a call shape's first call
+  also checks it (:mod:`megatron_ext.fusions.mla_rope.checks`).
+  ``scripts/trace_rope_call_path.py`` prints the path; a unit test bounds it.
 * Keyword-only extras of upstream Megatron-LM main: ``inverse``, ``remove_interleaving``,
   ``position_ids``.
 
@@ -62,6 +63,7 @@ from megatron_ext.fusions.mla_rope.launch import (  # noqa: F401 (re-exported)
 )
 from megatron_ext.internals import EXCLUSIVE_GRADIENT_REFERENCES
 from megatron_ext.internals import is_functorch_wrapped_tensor as _is_functorch_wrapped
+from megatron_ext.internals import tensor_base, tensor_is_view
 
 __all__ = [
     "KernelConfig",
@@ -137,7 +139,7 @@ class _FusedMLARoPEQ(torch.autograd.Function):
         """Rotate ``t`` in place and return it. Args: ``t`` and the call's :class:`QueryRope`."""
         # Decided before the write: afterwards the creation metadata still answers the same, but
         # a refusal must never arrive once t is rotated. Only a view can be refused.
-        behind_autograd = t._is_view() and internals.autograd_refuses_in_place(t)
+        behind_autograd = tensor_is_view(t) and internals.autograd_refuses_in_place(t)
         run(mla_rope_q_fwd_kernel, t, None, rope)
         if behind_autograd:
             # A view autograd cannot rebase onto this Function: Transformer Engine's linears
@@ -252,7 +254,7 @@ def fused_apply_mla_rope_for_q(
         return t
     if t.device.type not in EXCLUSIVE_GRADIENT_REFERENCES:
         internals.calibrate_gradient_ownership(t.device)
-    base = t._base
+    base = tensor_base(t)
     if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
         # No in-place op may modify a leaf that requires grad, or a view of one (autograd refuses
         # it, after the write); megatron-core rotates their data behind autograd's back. Rotating

@@ -22,17 +22,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from megatron_ext.fusions.direct_launch import KernelLaunches
+from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.launch_math import next_power_of_2
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+from megatron_ext.fusions.launch_plans import NO_LAUNCH, LaunchPlan, PlanCache, layout_key
+from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_disjoint, check_runnable
 
 __all__ = ["FUSED_DTYPES", "MAX_FUSED_CAP", "sample_top_k_candidates"]
 
 # Above this many candidates a row no longer fits one program's registers well; the caller keeps
 # its torch path there.
 MAX_FUSED_CAP = 4096
-# Logit dtypes the kernel reads.
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Logit dtypes the kernel reads (the sampling controller asks by this name).
+FUSED_DTYPES = FLOAT_DTYPES
 
 
 @triton.jit
@@ -82,21 +83,23 @@ def _num_warps(block: int) -> int:
 
 
 # Triton's JIT on a specialisation's first call, then the direct launch.
-_LAUNCHES = KernelLaunches(_top_k_candidates_kernel, max_entries=256)
+_LAUNCHES = KernelLaunches(_top_k_candidates_kernel)
+# Checked call layouts -> their prepared launches (megatron_ext.fusions.launch_plans).
+_PLANS: PlanCache[LaunchPlan] = PlanCache()
 
 
-def _overlaps(a: Tensor, b: Tensor) -> bool:
-    """Whether the memory spans of two non-empty tensors intersect."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-
-    def span(t: Tensor):
-        start = t.data_ptr()
-        extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-        return start, start + (extent + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def _check_disjoint_out(values, indices, temperature, top_k, noise, out) -> None:
+    check_disjoint(
+        "out",
+        out,
+        (
+            ("values", values),
+            ("indices", indices),
+            ("temperature", temperature),
+            ("top_k", top_k),
+            ("noise", noise),
+        ),
+    )
 
 
 def _check(
@@ -151,15 +154,8 @@ def _check(
     for name, tensor in (("temperature", temperature), ("top_k", top_k), ("out", out)):
         if rows > 1 and tensor.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
-    storage = out.untyped_storage().data_ptr()
-    for name, tensor in inputs:
-        # Tensors of separate allocations cannot overlap: the span arithmetic only for views.
-        if tensor.untyped_storage().data_ptr() == storage and _overlaps(out, tensor):
-            raise ValueError(f"out overlaps {name}: the kernel would read what it writes")
-    if device.type != "cuda" and not INTERPRETED:
-        raise ValueError(
-            "sample_top_k_candidates runs on a CUDA device (or on the CPU with TRITON_INTERPRET=1)"
-        )
+    _check_disjoint_out(values, indices, temperature, top_k, noise, out)
+    check_runnable("sample_top_k_candidates", "values", values)
     return cap
 
 
@@ -194,12 +190,29 @@ def sample_top_k_candidates(
         TypeError, ValueError: for arguments of other types, dtypes, shapes, devices or layouts,
             before any launch.
     """
-    if out is None and isinstance(values, Tensor) and values.dim() == 2:
+    tensors = (values, indices, temperature, top_k, noise)
+    key = layout_key((*tensors, out), ())
+    launch = _PLANS.get(key)
+    if launch is None:
+        # First call of this layout: every check, then the launch (cached once they passed).
+        if out is None and isinstance(values, Tensor) and values.dim() == 2:
+            out = torch.empty(values.shape[0], dtype=torch.int64, device=values.device)
+        launch = _PLANS.put(key, _plan(*tensors, out))
+    elif out is None:
         out = torch.empty(values.shape[0], dtype=torch.int64, device=values.device)
+    else:
+        # What the layout cannot tell: whether out shares memory with an input.
+        _check_disjoint_out(*tensors, out)
+    launch(*tensors, out)
+    return out
+
+
+def _plan(values, indices, temperature, top_k, noise, out) -> LaunchPlan:
+    """Check a call; return its prepared launch (``NO_LAUNCH`` without rows)."""
     cap = _check(values, indices, temperature, top_k, noise, out)
     rows = values.shape[0]
     if rows == 0:
-        return out
+        return NO_LAUNCH
     block = next_power_of_2(cap)
     args = dict(
         values_ptr=values,
@@ -215,5 +228,4 @@ def sample_top_k_candidates(
         TINY=torch.finfo(torch.float32).tiny,
         BLOCK=block,
     )
-    _LAUNCHES((rows,), args, num_warps=_num_warps(block))
-    return out
+    return PreparedLaunch(_LAUNCHES, (rows,), args, dict(num_warps=_num_warps(block)))

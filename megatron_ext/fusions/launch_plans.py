@@ -1,15 +1,18 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Checked launch plans of the paged latent-cache kernels, cached by the call's layout.
+"""Checked launch plans of megatron_ext's Triton kernels, cached by the call's layout.
 
-Checking a call of the paged latent attention
-(:mod:`megatron_ext.fusions.mla_paged_latent_attention`) and building its launch arguments took
-most of its host time, and an engine makes the same call (same shapes, strides, dtypes, devices
-and flags; new data pointers) once per layer and step. A kernel's function keys its plan by
-:func:`layout_key` of the call and keeps it in a :class:`PlanCache`: a hit skips every check that
-depends on the layout alone and launches the plan's
-:class:`megatron_ext.fusions.direct_launch.PreparedLaunch` objects. What depends on the data
-pointers (an output overlapping an input) is checked on every call, before any launch.
+Checking a call and building its launch arguments costs more host time than the launch itself,
+and a model makes the same call (same shapes, strides, dtypes, devices, pointer alignments and
+flags; new data pointers) once per layer and step. So every kernel function keys its call's
+:class:`LaunchPlan` by the layout (:func:`layout_key`, or an inline key on the RoPE path) and keeps
+it in a :class:`PlanCache`: a hit skips every check that depends on the layout alone and calls
+the plan with the call's tensors. What depends on the data pointers (an output overlapping an
+input) is checked on every call, before any launch.
+
+A plan is one :class:`megatron_ext.fusions.direct_launch.PreparedLaunch` (one kernel, launched
+directly through its C launcher once bound, else through Triton's JIT), a kernel's plan made of
+such launches, or :data:`NO_LAUNCH` for a call with nothing to launch (no tokens, no heads).
 """
 
 import threading
@@ -17,13 +20,36 @@ from typing import Any, Dict, Generic, Hashable, Optional, Tuple, TypeVar
 
 import torch
 
-__all__ = ["PlanCache", "layout_key"]
+__all__ = ["MAX_PLANS", "NO_LAUNCH", "LaunchPlan", "PlanCache", "layout_key"]
 
-Plan = TypeVar("Plan")
+# The most plans a cache keeps (and launch bindings a kernel keeps) before it starts over.
+MAX_PLANS = 4096
+
+
+class LaunchPlan:
+    """What one checked call layout launches: call it with the call's tensors.
+
+    The base launches nothing (:data:`NO_LAUNCH`); subclasses hold no tensor (a cached plan must
+    not keep device memory alive).
+    """
+
+    __slots__ = ()
+
+    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Launch nothing."""
+
+
+# The plan of a call with nothing to launch.
+NO_LAUNCH = LaunchPlan()
+
+Plan = TypeVar("Plan", bound=LaunchPlan)
 
 
 def layout_key(tensors: Tuple[Any, ...], scalars: Tuple[Any, ...]) -> Optional[tuple]:
     """Everything a call's checks and launch arguments depend on but the data pointers.
+
+    Each pointer's 16-byte alignment is part of it: Triton specialises on it, so a plan's bound
+    launch is only ever called with pointers it was compiled for.
 
     Args:
         tensors: the call's tensor arguments (None for an absent optional one).
@@ -40,7 +66,7 @@ def layout_key(tensors: Tuple[Any, ...], scalars: Tuple[Any, ...]) -> Optional[t
         if x is None:
             parts.append(None)
         elif isinstance(x, torch.Tensor):
-            parts.append((type(x), x.shape, x.stride(), x.dtype, x.device))
+            parts.append((type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15))
         else:
             return None
     for value in scalars:
@@ -49,24 +75,30 @@ def layout_key(tensors: Tuple[Any, ...], scalars: Tuple[Any, ...]) -> Optional[t
 
 
 class PlanCache(Generic[Plan]):
-    """A bounded map from :func:`layout_key` keys to checked plans (cleared when full).
+    """A bounded map from layout keys to checked plans (cleared when :data:`MAX_PLANS` is reached).
 
     Threads may share it: a lookup never sees a half-built plan (plans are stored whole, after
-    their checks passed) and two threads that miss together both build the same plan.
+    their checks passed, under a lock) and two threads that miss together both build the same
+    plan.
 
     Args:
         max_entries: the most plans kept.
+
+    Attributes:
+        lookup: the plan stored under a key, or None; raises TypeError for an unhashable key
+            (the dictionary's own ``get``: no Python frame, for a caller that catches it).
     """
 
-    def __init__(self, max_entries: int = 1024):
+    __slots__ = ("max_entries", "_plans", "_lock", "lookup")
+
+    def __init__(self, max_entries: int = MAX_PLANS):
         self.max_entries = max_entries
         self._plans: Dict[Hashable, Plan] = {}
         self._lock = threading.Lock()
+        self.lookup = self._plans.get
 
     def get(self, key: Optional[Hashable]) -> Optional[Plan]:
         """The plan stored under ``key``, or None (also for a None or unhashable key)."""
-        if key is None:
-            return None
         try:
             return self._plans.get(key)
         except TypeError:
@@ -84,6 +116,10 @@ class PlanCache(Generic[Plan]):
                     self._plans.clear()
                 self._plans[key] = plan
         return plan
+
+    def plans(self) -> Tuple[Plan, ...]:
+        """The plans stored now."""
+        return tuple(self._plans.values())
 
     def clear(self) -> None:
         """Forget every plan."""

@@ -64,18 +64,21 @@ from packaging.version import InvalidVersion, Version
 from torch import Tensor
 
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
-from megatron_ext.fusions.latent_cache_checks import (
+from megatron_ext.fusions.latent_cache_checks import check_paged_cache
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
+from megatron_ext.fusions.launch_plans import LaunchPlan, PlanCache, layout_key
+from megatron_ext.fusions.tensor_checks import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
     check_disjoint,
     check_index_vector,
+    check_int,
     check_no_self_overlap,
-    check_paged_cache,
     check_runnable,
+    check_tensor,
     check_unit_last_stride,
 )
-from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
-from megatron_ext.fusions.launch_plans import PlanCache, layout_key
-from megatron_ext.fusions.mla_rope.checks import INDEX_DTYPES, check_device, check_int, check_tensor
 
 __all__ = [
     "MAX_KV_SPLITS",
@@ -1062,7 +1065,7 @@ def _plan(
     )
 
 
-class _AttentionPlan:
+class _AttentionPlan(LaunchPlan):
     """Both stages of one checked call layout, prepared (:class:`PreparedLaunch`): a call
     allocates the split-KV workspace and launches them with its tensors. Holds no tensor.
 

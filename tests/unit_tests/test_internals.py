@@ -249,6 +249,95 @@ def test_functorch_check_on_this_torch_and_its_fallback(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
+# Views, and many copies in one launch
+# --------------------------------------------------------------------------------------------------
+
+
+def test_view_bindings_on_this_torch():
+    """Bound to torch's own C callables: no Python frame on the drop-ins' per-call path."""
+    assert internals.tensor_is_view is torch.Tensor._is_view
+    base = torch.ones(2, 3)
+    assert internals.tensor_is_view(base[0]) and not internals.tensor_is_view(base)
+    assert internals.tensor_base(base[0]) is base and internals.tensor_base(base) is None
+
+
+def test_without_view_internals_the_drop_in_copies_and_gives_the_same_bits(monkeypatch):
+    """The fallbacks' side: every tensor counts as a view of a leaf that requires grad, so the
+    in-place forward rotates a copy (or goes behind autograd's back) and the backward copies the
+    gradient; output and gradient are the same, and the caller's leaf is left as it was."""
+    assert internals._every_tensor_a_view(torch.ones(2))
+    fallback_base = internals._unknown_base(torch.ones(2))
+    assert fallback_base.is_leaf and fallback_base.requires_grad
+    t, cos, sin, weight = _query("cpu", seed=8)
+
+    def run():
+        leaf = t.clone().requires_grad_(True)
+        with pinned_kernel_config(2, 1):
+            out = rope.fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB)
+            (out * weight).sum().backward()
+            kept = t.clone().requires_grad_(True)
+            rope.fused_apply_mla_rope_for_q(kept, cos, sin, QK, EMB)
+        return out.detach(), leaf.grad, kept.detach()
+
+    with_internals = run()
+    for module in (internals, rope):
+        monkeypatch.setattr(module, "tensor_is_view", internals._every_tensor_a_view)
+        monkeypatch.setattr(module, "tensor_base", internals._unknown_base)
+    without = run()
+    assert all(torch.equal(a, b) for a, b in zip(with_internals, without))
+    assert torch.equal(without[2], t), "a leaf was rotated in place"
+    grad = torch.ones(3)
+    assert not internals.owns_gradient(grad, 0)
+
+
+def test_foreach_copy_on_this_torch_and_its_fallback():
+    assert internals.foreach_copy_ is torch._foreach_copy_
+    for copy in (internals.foreach_copy_, internals._copy_each):
+        destinations = [torch.zeros(3), torch.zeros(2, dtype=torch.int32)]
+        sources = [torch.arange(3.0), torch.tensor([7, 8], dtype=torch.int32)]
+        copy(destinations, sources)
+        assert all(torch.equal(d, s) for d, s in zip(destinations, sources))
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels' Python side
+# --------------------------------------------------------------------------------------------------
+
+
+def test_constexpr_names_on_this_triton_and_their_fallback(monkeypatch):
+    from megatron_ext.fusions.mla_rope import checks
+
+    names = internals.triton_kernel_constexpr_names(mla_rope_q_bwd_kernel)
+    assert "EMB_DIM" in names and "BLOCK_H" in names and "head_num" not in names
+    assert internals.triton_kernel_constexpr_names(types.SimpleNamespace()) is None
+    # Unknown constexprs: every argument keys the tuned config (finer, never wrong).
+    cos, sin = torch.rand(8, EMB), torch.rand(8, EMB)
+    record = checks.QueryRope(cos, sin, None, None, QK, EMB, 0, 1, False, False)
+    plan = checks.plan_query(mla_rope_q_bwd_kernel, torch.zeros(4, 2, 3, QK + EMB), record)
+    monkeypatch.setattr(internals, "triton_kernel_constexpr_names", lambda kernel: None)
+    checks._constexpr_names.cache_clear()
+    try:
+        assert plan.constexprs() == dict(plan.args)
+    finally:
+        checks._constexpr_names.cache_clear()
+
+
+def test_jit_function_under_autotuners_and_its_fallback(monkeypatch):
+    from megatron.core.fusions import fused_mla_yarn_rope_apply as mcore
+
+    kernel = internals.triton_jit_function(mcore.rotary_fwd_q_kernel)
+    assert type(kernel).__name__ in ("JITFunction", "InterpretedFunction")
+    assert internals.triton_jit_function(kernel) is kernel
+    # Without the wrapper classes (moved in a release): unwrapped by their names.
+    monkeypatch.setattr(internals, "_KERNEL_WRAPPERS", ())
+    assert internals.triton_jit_function(mcore.rotary_fwd_q_kernel) is kernel
+    Autotuner = type("Autotuner", (), {})
+    wrapped = Autotuner()
+    wrapped.fn = kernel
+    assert internals.triton_jit_function(wrapped) is kernel
+
+
+# --------------------------------------------------------------------------------------------------
 # CUDA's current device and stream
 # --------------------------------------------------------------------------------------------------
 

@@ -1,23 +1,22 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""The checks of an MLA RoPE call, and the launch plan a checked call gives.
+"""The checks of an MLA RoPE call, and the plan a checked call gives.
 
 A call is one kernel, the tensor(s) it reads and one argument record (:class:`QueryRope` or
 :class:`KeyValueRope`, built once by the caller). :func:`plan` checks it and returns a
-:class:`LaunchPlan`: the kernel's arguments by name, everything a launch needs but the data
-pointers. It runs once per call shape (shapes, strides, dtypes, devices, flags): the launch cache
-of :mod:`megatron_ext.fusions.mla_rope.launch` keeps what it returns, so the checks may format
-messages freely. Bad input raises TypeError or ValueError before anything is launched. Nothing
-here reads a device tensor's values (no host sync); what can only be checked that way is listed
-in :func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`.
+:class:`RopePlan`: the kernel's arguments by name, everything a launch needs but the data
+pointers and the launch config. It runs once per call layout (shapes, strides, dtypes, devices,
+flags): :mod:`megatron_ext.fusions.mla_rope.launch` prepares its launch and caches it, so the
+checks may format messages freely. Bad input raises TypeError or ValueError before anything is
+launched. Nothing here reads a device tensor's values (no host sync); what can only be checked
+that way is listed in
+:func:`megatron_ext.fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`.
 
-The generic tensor checks at the top are shared with megatron_ext's other kernels.
+The generic tensor checks come from :mod:`megatron_ext.fusions.tensor_checks`.
 """
 
 import dataclasses
 import functools
-import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -25,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_ext import internals
+from megatron_ext.fusions.launch_plans import LaunchPlan
 from megatron_ext.fusions.mla_rope import pairing
 from megatron_ext.fusions.mla_rope.kernels import (
     HEAD_UNROLL,
@@ -35,30 +36,18 @@ from megatron_ext.fusions.mla_rope.kernels import (
     mla_rope_q_bwd_kernel,
     mla_rope_q_fwd_kernel,
 )
+from megatron_ext.fusions.tensor_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_int,
+    check_no_self_overlap,
+    check_runnable,
+    check_tensor,
+)
 
-# Triton decides at decoration time whether kernels run in its CPU interpreter.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def check_tensor(name: str, x, dtypes: Sequence[torch.dtype]) -> None:
-    """Raise TypeError unless ``x`` is a tensor of one of ``dtypes``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {names}; got {x.dtype}")
-
-
-def check_int(name: str, value, minimum: int) -> int:
-    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``; return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+# What the device check's message calls the kernels.
+KERNELS_NAME = "megatron_ext's MLA RoPE"
 
 
 def check_emb_dim(emb_dim) -> int:
@@ -69,59 +58,12 @@ def check_emb_dim(emb_dim) -> int:
     return emb_dim
 
 
-def check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
-    """Raise ValueError unless ``x`` is on ``device``."""
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, but the input is on {device}")
-
-
-def check_runnable(name: str, x: torch.Tensor) -> None:
-    """Raise ValueError for a device the kernels cannot run on, saying how to fix it.
-
-    CUDA tensors run compiled; CPU tensors only in Triton's interpreter, which must be chosen
-    before Triton is imported (Triton would otherwise fail with "0 active drivers").
-    """
-    if x.device.type == "cuda":
-        return
-    if x.device.type == "cpu" and INTERPRETED:
-        return
-    if x.device.type == "cpu":
-        raise ValueError(
-            f"{name} is on the CPU; megatron_ext's MLA RoPE kernels run on CUDA devices. Move the "
-            "tensors to a GPU (.cuda()), or set TRITON_INTERPRET=1 in the environment before "
-            "Python starts to run them in Triton's CPU interpreter (slow; meant for tests)"
-        )
-    raise ValueError(
-        f"{name} is on {x.device}; megatron_ext's MLA RoPE kernels run on CUDA devices (or on the "
-        "CPU with TRITON_INTERPRET=1)"
-    )
-
-
-def check_no_overlap(name: str, x: torch.Tensor) -> None:
-    """Raise ValueError if two elements of ``x`` share memory (stride 0, overlapping views).
-
-    The in-place kernels would rotate such elements several times, with a result that depends on
-    the launch config. Sufficient test: with the dims of size > 1 sorted by stride, each stride
-    must exceed the span of the dims before it. A few exotic non-overlapping layouts (dims whose
-    strides interleave) fail it too and are refused: copy them with ``.contiguous()``.
-    """
-    span = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(x.shape, x.stride()) if sz > 1):
-        if stride < span:
-            raise ValueError(
-                f"{name} (shape {tuple(x.shape)}, strides {tuple(x.stride())}) has elements that "
-                "share memory (an expanded or overlapping view); an in-place kernel would rotate "
-                "them more than once. Pass a tensor that owns its elements (e.g. .contiguous())"
-            )
-        span += stride * (size - 1)
-
-
 def check_tables(
     cos, sin, emb_dim: int, device: torch.device, min_rows: int
 ) -> Tuple[int, int, int]:
     """Check cos/sin ([rows, emb_dim] or [rows, 1, ..., 1, emb_dim]); return rows, row strides."""
-    check_tensor("cos", cos, SUPPORTED_DTYPES)
-    check_tensor("sin", sin, SUPPORTED_DTYPES)
+    check_tensor("cos", cos, FLOAT_DTYPES)
+    check_tensor("sin", sin, FLOAT_DTYPES)
     if cos.dtype != sin.dtype:
         raise TypeError(f"cos and sin must have the same dtype; got {cos.dtype} and {sin.dtype}")
     for name, table in (("cos", cos), ("sin", sin)):
@@ -324,7 +266,7 @@ class Checked:
 
 def _check_sequences(name: str, x, layout: Layout, rope, cu_name: str) -> Checked:
     """The checks the query and key/value calls share: device, cu_seqlens, positions, tables."""
-    check_runnable(name, x)
+    check_runnable(KERNELS_NAME, name, x)
     seq_num, cp_rank, cp_size = 0, rope.cp_rank, rope.cp_size
     if rope.cu_seqlens is not None:
         seq_num, cp_rank, cp_size = check_cu_seqlens(
@@ -347,7 +289,7 @@ def check_query(name: str, x, rope: QueryRope, in_place: bool = True) -> Checked
     """Check a query kernel's call: ``x`` is rotated in place, or only read when not
     ``in_place`` (its elements may then share memory); ``name`` is what messages call it."""
     check_flags(False, inverse=rope.inverse, remove_interleaving=rope.remove_interleaving)
-    check_tensor(name, x, SUPPORTED_DTYPES)
+    check_tensor(name, x, FLOAT_DTYPES)
     check_int("qk_head_dim", rope.qk_head_dim, 0)
     check_emb_dim(rope.emb_dim)
     layout = check_layout(name, x, thd=rope.cu_seqlens is not None)
@@ -357,14 +299,14 @@ def check_query(name: str, x, rope: QueryRope, in_place: bool = True) -> Checked
             f"{rope.qk_head_dim} + {rope.emb_dim}"
         )
     if in_place:
-        check_no_overlap(name, x)
+        check_no_self_overlap(name, x)
     return _check_sequences(name, x, layout, rope, "cu_seqlens_q")
 
 
 def _check_key_value_dims(rope: KeyValueRope, *tensors: Tuple[str, Any]) -> None:
     check_flags(False, remove_interleaving=rope.remove_interleaving)
     for name, x in tensors:
-        check_tensor(name, x, SUPPORTED_DTYPES)
+        check_tensor(name, x, FLOAT_DTYPES)
     check_emb_dim(rope.emb_dim)
     check_int("k_dim", rope.k_dim, 1)
     check_int("v_dim", rope.v_dim, 1)
@@ -412,8 +354,9 @@ _TABLE_POINTERS = RECORD_TENSORS  # cos, sin, cu_seqlens, position_ids
 
 
 @dataclass(frozen=True, eq=False)
-class LaunchPlan:
-    """One checked launch of one kernel, without its data pointers.
+class RopePlan(LaunchPlan):
+    """One checked call of one RoPE kernel: its arguments but the data pointers, the outputs a
+    call allocates, and (once configured) its prepared launch.
 
     Args:
         kernel: the Triton JIT kernel.
@@ -426,6 +369,8 @@ class LaunchPlan:
         contiguous_inputs: whether the tensors read are launched as contiguous copies (rows
             addressed with one stride).
         options: Triton compile options of the launch (FP fusion off for an unfused pairing).
+        launch: the configured launch (:func:`megatron_ext.fusions.mla_rope.launch.configure`),
+            called with the pointers; None until configured.
     """
 
     kernel: Any
@@ -437,9 +382,12 @@ class LaunchPlan:
     outputs: Tuple[Tuple[int, ...], ...] = ()
     contiguous_inputs: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    launch: Optional[LaunchPlan] = None
 
     def __post_init__(self):
-        names = tuple(self.kernel.arg_names)
+        names = internals.triton_kernel_arg_names(self.kernel)
+        if names is None:  # unknown to this Triton: the JIT launch names what is wrong
+            return
         expected = set(names[self.pointers :]) - {"BLOCK_H"}
         if set(self.args) != expected or "BLOCK_H" not in names:
             raise RuntimeError(
@@ -447,7 +395,11 @@ class LaunchPlan:
                 f"takes {sorted(expected)} after its {self.pointers} pointers"
             )
 
-    def with_pairing(self, fma: pairing.Pairing) -> "LaunchPlan":
+    def __call__(self, *pointers: Optional[torch.Tensor]) -> None:
+        """Launch with these pointer arguments (tensors or None, in the kernel's order)."""
+        self.launch(*pointers)
+
+    def with_pairing(self, fma: pairing.Pairing) -> "RopePlan":
         """This plan with the rotation's products paired as ``fma`` says."""
         return dataclasses.replace(
             self, args={**self.args, **fma.kernel_args}, options=fma.compile_options
@@ -459,24 +411,19 @@ class LaunchPlan:
             return None
         return (self.rows, triton.cdiv(self.head_num, block_h), 1)
 
-    def args_after_pointers(self, block_h: int) -> tuple:
-        """Every argument after the pointers, in the kernel's order, ``BLOCK_H`` included."""
-        values = dict(self.args, BLOCK_H=block_h)
-        return tuple(values[name] for name in self.kernel.arg_names[self.pointers :])
-
     def constexprs(self) -> Dict[str, Any]:
-        """The constexpr arguments (each value compiles another variant)."""
-        return {
-            name: self.args[name] for name in _constexpr_names(self.kernel) if name in self.args
-        }
+        """The constexpr arguments (each value compiles another variant; every argument where
+        the kernel's annotations cannot be read)."""
+        names = _constexpr_names(self.kernel)
+        if names is None:
+            return dict(self.args)
+        return {name: self.args[name] for name in names if name in self.args}
 
 
 @functools.lru_cache(maxsize=None)
-def _constexpr_names(kernel) -> Tuple[str, ...]:
-    # Read from the Python function's annotations: the compiled and the interpreted kernel both
-    # keep it as ``fn``.
-    params = inspect.signature(kernel.fn).parameters.values()
-    return tuple(p.name for p in params if p.annotation is tl.constexpr)
+def _constexpr_names(kernel) -> Optional[Tuple[str, ...]]:
+    # The Python function's annotations: the compiled and the interpreted kernel both keep it.
+    return internals.triton_kernel_constexpr_names(kernel)
 
 
 # Which pairing each kernel's rotation uses (pairing.KINDS); the copy kernel is a query backward.
@@ -491,7 +438,7 @@ PAIRING_KIND = {
 
 def _sequence_args(checked: Checked, kernel) -> Dict[str, Any]:
     """The arguments every kernel takes: heads, sequences, tables and the default pairing (which
-    :meth:`LaunchPlan.with_pairing` replaces by the one chosen for the installed Triton)."""
+    :meth:`RopePlan.with_pairing` replaces by the one chosen for the installed Triton)."""
     return dict(
         head_num=checked.layout.head_num,
         batch_size=checked.layout.batch_size,
@@ -506,7 +453,7 @@ def _sequence_args(checked: Checked, kernel) -> Dict[str, Any]:
     )
 
 
-def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> LaunchPlan:
+def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> RopePlan:
     """Check a query launch and plan it.
 
     Args:
@@ -517,7 +464,7 @@ def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> LaunchPlan:
         name: what error messages call ``x``.
 
     Returns:
-        LaunchPlan: pointers ``x`` (then the output, for the copy kernel), cos, sin, cu_seqlens,
+        RopePlan: pointers ``x`` (then the output, for the copy kernel), cos, sin, cu_seqlens,
         position_ids.
     """
     copy = kernel is mla_rope_q_bwd_copy_kernel
@@ -535,16 +482,14 @@ def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> LaunchPlan:
         REMOVE_INTERLEAVING=rope.remove_interleaving,
     )
     if not copy:
-        return LaunchPlan(kernel, layout.rows, layout.head_num, 1 + _TABLE_POINTERS, args, True)
+        return RopePlan(kernel, layout.rows, layout.head_num, 1 + _TABLE_POINTERS, args, True)
     args.update(
         stride_out_row=layout.head_num * layout.head_dim,
         stride_out_h=layout.head_dim,
         QK_BLOCK=triton.next_power_of_2(max(1, rope.qk_head_dim)),
     )
     outputs = (tuple(x.shape),)
-    return LaunchPlan(
-        kernel, layout.rows, layout.head_num, 2 + _TABLE_POINTERS, args, False, outputs
-    )
+    return RopePlan(kernel, layout.rows, layout.head_num, 2 + _TABLE_POINTERS, args, False, outputs)
 
 
 def _key_value_dims(rope: KeyValueRope, compute) -> Dict[str, Any]:
@@ -559,7 +504,7 @@ def _key_value_dims(rope: KeyValueRope, compute) -> Dict[str, Any]:
     )
 
 
-def plan_key_value(kv, k_pos_emb, rope: KeyValueRope) -> LaunchPlan:
+def plan_key_value(kv, k_pos_emb, rope: KeyValueRope) -> RopePlan:
     """Check and plan the key/value forward; pointers kv, k_pos_emb, key, value, cos, sin,
     cu_seqlens, position_ids. The outputs are new contiguous tensors: their row and head strides
     follow from the shape."""
@@ -580,12 +525,12 @@ def plan_key_value(kv, k_pos_emb, rope: KeyValueRope) -> LaunchPlan:
         stride_value_h=v_dim,
     )
     outputs = (lead + (heads, k_dim + emb_dim), lead + (heads, v_dim))
-    return LaunchPlan(
+    return RopePlan(
         mla_rope_kv_fwd_kernel, layout.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs
     )
 
 
-def plan_key_value_grad(dkey, dvalue, rope: KeyValueRope) -> LaunchPlan:
+def plan_key_value_grad(dkey, dvalue, rope: KeyValueRope) -> RopePlan:
     """Check and plan the key/value backward; pointers dkey, dvalue, d_kv, d_emb, cos, sin,
     cu_seqlens, position_ids, with dkey and dvalue launched as contiguous tensors."""
     checked = check_key_value_grad(dkey, dvalue, rope)
@@ -604,12 +549,12 @@ def plan_key_value_grad(dkey, dvalue, rope: KeyValueRope) -> LaunchPlan:
         HEAD_UNROLL=min(HEAD_UNROLL, triton.next_power_of_2(heads)),
     )
     outputs = (lead + (heads, k_dim + v_dim), lead + (1, emb_dim))
-    return LaunchPlan(
+    return RopePlan(
         mla_rope_kv_bwd_kernel, layout.rows, heads, 4 + _TABLE_POINTERS, args, False, outputs, True
     )
 
 
-def plan(kernel, x, y, rope, name: str = "t") -> LaunchPlan:
+def plan(kernel, x, y, rope, name: str = "t") -> RopePlan:
     """Check a call of ``kernel`` and plan its launch (default pairing).
 
     Args:
@@ -620,7 +565,7 @@ def plan(kernel, x, y, rope, name: str = "t") -> LaunchPlan:
         name: what a query kernel's messages call ``x``.
 
     Returns:
-        LaunchPlan: the plan.
+        RopePlan: the plan.
     """
     if kernel is mla_rope_kv_fwd_kernel:
         return plan_key_value(x, y, rope)

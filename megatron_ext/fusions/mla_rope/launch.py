@@ -1,17 +1,17 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""How a call of an MLA RoPE kernel is launched: the cached launch, and its configs.
+"""How a call of an MLA RoPE kernel is launched: its cached plan, and its configs.
 
 :func:`run` is the one path of every kernel, query and key/value, forward and backward. It looks
-the launch up in :data:`LAUNCHES` by everything that decides it except the data pointers (shapes,
-strides, dtypes, devices, the argument record's values and types, pointer alignment, the pinned
-config and a forced FMA pairing), built inline from the call's argument record. A hit allocates
-the outputs and launches; a miss checks the call into a launch plan
-(:func:`megatron_ext.fusions.mla_rope.checks.plan`), pairs its FMAs as chosen for the installed
-Triton, picks the config and caches a :class:`CachedLaunch`. The first launch goes through
-Triton's JIT, keeping the compiled kernel it returns; later ones launch that compiled kernel
-through its C launcher (:mod:`megatron_ext.fusions.direct_launch`, which says when it falls back
-to the JIT path) with the pointers and the stored arguments.
+the call's plan up in :data:`PLANS` (a :class:`megatron_ext.fusions.launch_plans.PlanCache`) by
+everything that decides it except the data pointers (shapes, strides, dtypes, devices, the
+argument record's values and types, pointer alignment, the pinned config and a forced FMA
+pairing), built inline from the call's argument record. A hit allocates the outputs and launches;
+a miss checks the call into a :class:`megatron_ext.fusions.mla_rope.checks.RopePlan`, pairs its
+FMAs as chosen for the installed Triton, picks the config and prepares its launch
+(:func:`configure`): a :class:`megatron_ext.fusions.direct_launch.PreparedLaunch`, which launches
+through Triton's JIT first and through the compiled kernel's C launcher afterwards (that module
+says when it stays with the JIT).
 
 Launch configs (``BLOCK_H`` heads per program, ``num_warps``) are autotuned on first use for each
 compiled variant, head count and power-of-two bucket of the token count: every config in
@@ -20,12 +20,12 @@ kept. The output is the same for all of them. :func:`pinned_kernel_config` pins 
 (tests, benchmarks, and the Triton interpreter, which cannot time anything). Tune before capturing
 a CUDA graph: a variant first seen during capture runs with ``KernelConfig(16, 4)``.
 
-Graph safety: :func:`run` and :meth:`CachedLaunch.__call__` can be captured once the call shape
-was seen outside capture.
+Graph safety: :func:`run` can be captured once the call shape was seen outside capture.
 """
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -33,10 +33,13 @@ import torch
 import triton
 
 from megatron_ext import internals
-from megatron_ext.fusions import direct_launch
+from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
+from megatron_ext.fusions.launch_plans import NO_LAUNCH, PlanCache
 from megatron_ext.fusions.mla_rope import checks, probe
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED, LaunchPlan
+from megatron_ext.fusions.mla_rope.checks import RopePlan
+from megatron_ext.fusions.mla_rope.kernels import RUNTIME_INTS
 from megatron_ext.fusions.mla_rope.pairing import CHOSEN, FORCED, Pairing
+from megatron_ext.fusions.tensor_checks import INTERPRETED
 
 BLOCK_H_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Token counts share an autotuning result within a power-of-two bucket up to this size.
@@ -120,9 +123,9 @@ CAPTURE_DEFAULT = KernelConfig(16, 4)
 
 
 def clear_autotune_cache() -> None:
-    """Forget every autotuned config and cached launch (benchmarks re-tune per shape with this)."""
+    """Forget every autotuned config and cached plan (benchmarks re-tune per shape with this)."""
     TUNED.clear()
-    LAUNCHES.clear()
+    PLANS.clear()
 
 
 def autotuned_configs() -> Dict[tuple, KernelConfig]:
@@ -135,7 +138,7 @@ def benchmark_us(launch: Callable[[], None]) -> float:
     return triton.testing.do_bench(launch, warmup=5, rep=20, return_mode="median") * 1e3
 
 
-def tuned_config(plan: LaunchPlan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfig:
+def tuned_config(plan: RopePlan, tensors: Sequence[Optional[torch.Tensor]]) -> KernelConfig:
     """Time each config once per (variant, size) and keep the fastest.
 
     Unlike ``triton.autotune`` with ``restore_value``, which clones and restores the in-place
@@ -180,100 +183,35 @@ def tuned_config(plan: LaunchPlan, tensors: Sequence[Optional[torch.Tensor]]) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# The cached launch
+# The cached plans
 # --------------------------------------------------------------------------------------------------
 
-# Launches cached by the drop-ins (key -> CachedLaunch); cleared when it grows past MAX_LAUNCHES.
-LAUNCHES: Dict[tuple, "CachedLaunch"] = {}
-MAX_LAUNCHES = 4096
+# Checked, configured plans of the drop-ins' calls (key built inline by run).
+PLANS: PlanCache[RopePlan] = PlanCache()
+# Each kernel's launches (its JIT launch and direct-launch bindings, shared by its plans).
+KERNEL_LAUNCHES: Dict[object, KernelLaunches] = {
+    kernel: KernelLaunches(kernel, RUNTIME_INTS) for kernel in checks.PAIRING_KIND
+}
 
 
-class CachedLaunch:
-    """One checked, configured launch of a kernel, replayed with new data pointers.
-
-    Args:
-        plan: the launch plan.
-        config: the launch config.
-        device: the tensors' device.
-    """
-
-    __slots__ = ("plan", "grid", "config", "device_index", "direct", "args_after_pointers")
-
-    def __init__(self, plan: LaunchPlan, config: KernelConfig, device: torch.device):
-        self.plan = plan
-        self.grid = plan.grid(config.block_h)
-        self.config = config
-        self.device_index = device.index if device.type == "cuda" else None
-        self.direct = None
-        # What the C launcher parses after the pointers (it ignores the constexprs' values).
-        self.args_after_pointers = plan.args_after_pointers(config.block_h)
-
-    def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Launch with these pointer arguments (tensors or None, in the kernel's order)."""
-        if self.grid is None:
-            return
-        direct = self.direct
-        if (
-            direct
-            and internals.cuda_current_device() == self.device_index
-            and not direct_launch.hooks_set()
-        ):
-            gx, gy, gz = self.grid
-            stream = internals.cuda_current_raw_stream(self.device_index)
-            direct(
-                gx,
-                gy,
-                gz,
-                stream,
-                (
-                    *[None if t is None else t.data_ptr() for t in tensors],
-                    *self.args_after_pointers,
-                ),
-            )
-            return
-        self.launch_jit(*tensors)
-
-    def launch_jit(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Launch through Triton's JIT (``kernel[grid](...)``); bind the direct path on success."""
-        if self.grid is None:
-            return
-        device = self.device_index
-        guard = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
-        with guard:
-            compiled = self.plan.kernel[self.grid[:2]](
-                *tensors,
-                **self.plan.args,
-                **self.plan.options,
-                BLOCK_H=self.config.block_h,
-                num_warps=self.config.num_warps,
-            )
-        if (
-            self.direct is None
-            and device is not None
-            and direct_launch.verified(torch.device("cuda", device))
-        ):
-            # False, not None, for a kernel the direct launch cannot take: no rebinding per call.
-            self.direct = direct_launch.bind(compiled) or False
-
-
-def prepare(
+def configure(
     key: Optional[tuple],
-    plan: LaunchPlan,
+    plan: RopePlan,
     tensors: Sequence[Optional[torch.Tensor]],
     device: torch.device,
-) -> CachedLaunch:
+) -> RopePlan:
     """Configure the launch of ``plan`` (a cache miss) and cache it under ``key``.
 
     Args:
         key: the cache key (everything that decides the launch except the data pointers), or
             None to not cache it.
-        plan: the checked launch plan, its pairing applied.
+        plan: the checked plan, its pairing applied.
         tensors: the pointer arguments of this call (tuning runs on them, or on a scratch copy of
             the first for an in-place kernel).
         device: the tensors' device.
 
     Returns:
-        CachedLaunch: call it with the pointer arguments to launch.
+        RopePlan: ``plan`` with its launch; call that with the pointer arguments.
     """
     config = current_config()
     cacheable = True
@@ -282,12 +220,20 @@ def prepare(
             config = tuned_config(plan, tensors)
         # A config chosen during CUDA-graph capture is a stand-in: tune again after capture.
         cacheable = not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    launch = CachedLaunch(plan, config or CAPTURE_DEFAULT, device)
-    if cacheable and key is not None:
-        if len(LAUNCHES) >= MAX_LAUNCHES:
-            LAUNCHES.clear()
-        LAUNCHES[key] = launch
-    return launch
+    config = config or CAPTURE_DEFAULT
+    grid = plan.grid(config.block_h)
+    launch = NO_LAUNCH
+    if grid is not None:
+        names = internals.triton_kernel_arg_names(plan.kernel)
+        if names is None:
+            raise RuntimeError(f"cannot read the parameter names of {plan.kernel.__name__}")
+        args = dict(zip(names[: plan.pointers], tensors), **plan.args, BLOCK_H=config.block_h)
+        options = dict(plan.options, num_warps=config.num_warps)
+        launch = PreparedLaunch(KERNEL_LAUNCHES[plan.kernel], grid, args, options, plan.pointers)
+    plan = dataclasses.replace(plan, launch=launch)
+    if cacheable:
+        PLANS.put(key, plan)
+    return plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -295,7 +241,7 @@ def prepare(
 # --------------------------------------------------------------------------------------------------
 
 
-def pairing_for(plan: LaunchPlan, x, y, rope) -> Pairing:
+def pairing_for(plan: RopePlan, x, y, rope) -> Pairing:
     """The FMA pairing of a new plan: forced, chosen before (a dict lookup), or asked of
     :func:`megatron_ext.fusions.mla_rope.probe.pairing_for`, which probes on first use.
 
@@ -379,14 +325,13 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
             PINNED.get(),
             FORCED.get(),
         )
-        launch = LAUNCHES.get(key)
+        plan = PLANS.lookup(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
-        key, launch = None, None
-    if launch is None:
+        key, plan = None, None
+    hit = plan is not None
+    if not hit:
         plan = checks.plan(kernel, x, y, rope, name)
         plan = plan.with_pairing(pairing_for(plan, x, y, rope))
-    else:
-        plan = launch.plan
     if plan.contiguous_inputs:
         x, y = x.contiguous(), y.contiguous()
     if pos is not None and not pos.is_contiguous():  # indexed by flat row
@@ -396,7 +341,7 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
         pointers = (x, *outputs, cos, sin, cu, pos)
     else:
         pointers = (x, y, *outputs, cos, sin, cu, pos)
-    if launch is None:
-        launch = prepare(key, plan, pointers, x.device)
-    launch(*pointers)
+    if not hit:
+        plan = configure(key, plan, pointers, x.device)
+    plan.launch(*pointers)
     return outputs

@@ -16,14 +16,14 @@ import contextlib
 from typing import Callable, Dict, Optional
 
 import torch
-from triton.runtime.autotuner import Autotuner, Heuristics
 
+from megatron_ext import internals
 from megatron_ext.fusions.mla_rope import checks, pairing
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED
 from megatron_ext.fusions.mla_rope.kernels import (
     mla_rope_q_bwd_kernel,
     mla_rope_q_fwd_kernel,
 )
+from megatron_ext.fusions.tensor_checks import INTERPRETED
 
 # The probe's shape: sbhd, one sequence of ROWS tokens, HEADS heads (a 576-wide MLA query has
 # 128; the pairing does not depend on the count), DeepSeek's 64 RoPE elements. Pairings can differ
@@ -123,16 +123,10 @@ def _inputs(kind, x_dtype, table_dtype, device) -> Dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _jit(kernel):
-    while isinstance(kernel, (Autotuner, Heuristics)):
-        kernel = kernel.fn
-    return kernel
-
-
 def _mcore(name: str):
     from megatron.core.fusions import fused_mla_yarn_rope_apply
 
-    return _jit(getattr(fused_mla_yarn_rope_apply, name))
+    return internals.triton_jit_function(getattr(fused_mla_yarn_rope_apply, name))
 
 
 _COMMON = dict(batch_size=1, seq_num=None, cp_rank=0, cp_size=1, BLOCK_H=1)
@@ -217,7 +211,7 @@ _MEGATRON_CORE = {
 # --------------------------------------------------------------------------------------------------
 
 
-def _launch(plan: checks.LaunchPlan, candidate: pairing.Pairing, *pointers) -> None:
+def _launch(plan: checks.RopePlan, candidate: pairing.Pairing, *pointers) -> None:
     plan = plan.with_pairing(candidate)
     plan.kernel[plan.grid(1)[:2]](*pointers, **plan.args, **plan.options, BLOCK_H=1, num_warps=1)
 

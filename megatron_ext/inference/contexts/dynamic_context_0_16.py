@@ -22,6 +22,7 @@ from typing import Any, Dict, List
 import torch
 from torch import Tensor
 
+from megatron_ext import internals
 from megatron_ext.inference.contexts.attention_context.mha_metadata_0_16 import (
     with_device_counts,
 )
@@ -262,7 +263,7 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
         for statics, templates, sources in self._gather_groups:
             gathered = torch.stack(sources).index_select(1, index)
             kept = torch.where(padded, templates, torch.stack(statics))
-            torch._foreach_copy_(statics, torch.where(copied, gathered, kept).unbind(0))
+            internals.foreach_copy_(statics, torch.where(copied, gathered, kept).unbind(0))
         lengths = torch.where(copied, self.request_query_lengths.index_select(0, index), 0)
         last = torch.cumsum(lengths, dim=0, dtype=torch.int32).sub_(1)
         neutral = ACTIVE_REQUEST_PAD_VALUES["last_token_idxs"]

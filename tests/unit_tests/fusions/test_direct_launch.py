@@ -12,7 +12,7 @@ import triton.language as tl
 
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
-from megatron_ext.fusions.mla_rope.checks import INTERPRETED
+from megatron_ext.fusions.tensor_checks import INTERPRETED
 
 HAVE_CUDA = torch.cuda.is_available()
 # The Triton releases whose launchers the direct launch knows (the probe still checks each one).
@@ -109,7 +109,7 @@ def test_gpu_probe_catches_a_wrong_calling_convention(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# KernelLaunches: one direct launch per specialisation Triton compiles
+# KernelLaunches and PreparedLaunch: one direct launch per specialisation Triton compiles
 # --------------------------------------------------------------------------------------------------
 
 
@@ -170,10 +170,10 @@ def test_arg_names_internal_falls_back_to_none():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_launches_go_direct_after_the_first_call_with_the_jit_bits(monkeypatch):
-    """The first call of a specialisation binds its direct launch, later calls take it (for any
-    unspecialised size) and write what Triton's JIT writes; names out of the kernel's order
-    bind nothing."""
+def test_gpu_prepared_launches_go_direct_after_the_first_call_with_the_jit_bits(monkeypatch):
+    """The first launch of a specialisation binds its direct launch; later prepared launches of
+    it (for any unspecialised size) take it and write what Triton's JIT writes; names out of the
+    kernel's order bind nothing."""
     device = torch.device("cuda", torch.cuda.current_device())
     if not direct_launch.verified(device):
         pytest.skip("the direct launch is off on this Triton (its probe warned why)")
@@ -190,20 +190,20 @@ def test_gpu_kernel_launches_go_direct_after_the_first_call_with_the_jit_bits(mo
     outs = []
     for n in (50, 7, 64):
         out = torch.full((256,), -1.0, device=device)
-        launches((1,), _scale_args(out, x, n, factor=3.0))
+        args = _scale_args(out, x, n, factor=3.0)
+        direct_launch.PreparedLaunch(launches, (1,), args, {})(out, x)
         outs.append((n, out))
     assert len(jit_calls) == 1 and len(launches.launches) == 1
     assert callable(next(iter(launches.launches.values())))
     for n, out in outs:
         assert torch.equal(out[:n], x[:n] * 3.0) and (out[n:] == -1).all(), n
-    shuffled = direct_launch.KernelLaunches(_scale_kernel, ["n"])
     args = _scale_args(torch.zeros(256, device=device), x, 50)
-    shuffled((1,), {k: args[k] for k in reversed(list(args))})
-    assert list(shuffled.launches.values()) == [False]
+    shuffled = direct_launch.PreparedLaunch(launches, (1,), dict(reversed(args.items())), {})
+    assert shuffled.direct is False
 
 
 class _OnCuda(torch.Tensor):
-    """A CPU tensor that says it is on cuda:0: drives KernelLaunches' CUDA branch on the CPU."""
+    """A CPU tensor that says it is on cuda:0: drives PreparedLaunch's CUDA branch on the CPU."""
 
     @property
     def device(self):
@@ -236,38 +236,37 @@ def _stubbed_cuda_branch(monkeypatch, jit: list, direct: list) -> direct_launch.
     return direct_launch.KernelLaunches(FakeKernel(), ["n"])
 
 
-def test_kernel_launches_cuda_branch_binds_once_then_launches_directly(monkeypatch):
-    """The CUDA branch with the device, Triton and the C launcher stubbed: the first call of a
-    key launches through the JIT under the tensor's device and binds; later calls (another
-    unspecialised size) call the bound launcher with the grid padded to three dimensions, the
-    current stream, and every argument in order with tensors as pointers; another key, a set
-    launch hook or another current device take the JIT again."""
+def test_prepared_launch_binds_once_then_launches_directly(monkeypatch):
+    """The CUDA branch with the device, Triton and the C launcher stubbed: the first call
+    launches through the JIT under the tensor's device and binds; later calls call the bound
+    launcher with the grid padded to three dimensions, the current stream, and every argument in
+    order with tensors as pointers; a set launch hook or another current device take the JIT."""
     jit, direct = [], []
     launches = _stubbed_cuda_branch(monkeypatch, jit, direct)
     x = torch.zeros(64).as_subclass(_OnCuda)
     out = torch.zeros(64).as_subclass(_OnCuda)
-
-    launches((3,), _scale_args(out, x, 50), num_warps=4)
-    assert len(jit) == 1 and jit[0][0] == (3,) and jit[0][1]["num_warps"] == 4 and not direct
-    launches((3,), _scale_args(out, x, 7), num_warps=4)
+    prepared = direct_launch.PreparedLaunch(
+        launches, (3,), _scale_args(out, x, 7), dict(num_warps=4)
+    )
+    prepared(out, x)
+    assert len(jit) == 1 and jit[0][0] == (3, 1, 1) and jit[0][1]["num_warps"] == 4
+    assert not direct and len(launches.launches) == 1
+    prepared(out, x)
     assert len(jit) == 1
     assert direct == [(3, 1, 1, 1234, (out.data_ptr(), x.data_ptr(), 2.0, 7, 1, 64))]
-    launches((3,), _scale_args(out, x, 7, stride=2), num_warps=4)  # another key
-    assert len(jit) == 2 and len(direct) == 1
     monkeypatch.setattr(direct_launch, "hooks_set", lambda: True)
-    launches((3,), _scale_args(out, x, 9), num_warps=4)
-    assert len(jit) == 3 and len(direct) == 1
+    prepared(out, x)
+    assert len(jit) == 2 and len(direct) == 1
     monkeypatch.setattr(direct_launch, "hooks_set", lambda: False)
     monkeypatch.setattr(internals, "cuda_current_device", lambda: 1)
-    launches((3,), _scale_args(out, x, 9), num_warps=4)
-    assert len(jit) == 4 and len(direct) == 1
+    prepared(out, x)
+    assert len(jit) == 3 and len(direct) == 1
 
 
-def test_prepared_launch_swaps_in_the_pointers_and_shares_the_kernels_bindings(monkeypatch):
-    """A PreparedLaunch (the CUDA branch stubbed as above): its first call takes the full path
-    (the JIT, then the binding, stored under the kernel's own key); later calls launch the bound
-    launcher with their tensors' pointers in the stored arguments; a tensor of another 16-byte
-    alignment is another specialisation (the JIT again); it keeps no tensor."""
+def test_prepared_launches_share_the_kernels_bindings_and_keep_no_tensor(monkeypatch):
+    """A second PreparedLaunch of a bound specialisation (another unspecialised size) launches
+    directly from its first call; one of another 16-byte alignment or another specialised value
+    is another specialisation (the JIT first); none keeps a tensor alive."""
     import weakref
 
     jit, direct = [], []
@@ -283,14 +282,15 @@ def test_prepared_launch_swaps_in_the_pointers_and_shares_the_kernels_bindings(m
     prepared(out2, x2)
     assert len(jit) == 1 and jit[0][1]["out_ptr"] is out2 and jit[0][1]["x_ptr"] is x2
     assert jit[0][1]["n"] == 50 and not direct
-    # The same key as the kernel's own path: an ordinary call of these arguments goes direct.
-    assert len(launches.launches) == 1
-    prepared(out, x2)
-    assert direct == [(3, 1, 1, 1234, (out.data_ptr(), x2.data_ptr(), 2.0, 50, 1, 64))]
-    launches((3,), _scale_args(out2, x2, 50))
-    assert len(jit) == 1 and len(direct) == 2
-    prepared(out, x2[1:])  # 4 bytes off: not 16-byte aligned
-    assert len(jit) == 2 and len(direct) == 2
+    other_size = direct_launch.PreparedLaunch(launches, (3,), _scale_args(out, x2, 9), {})
+    other_size(out, x2)
+    assert len(jit) == 1
+    assert direct == [(3, 1, 1, 1234, (out.data_ptr(), x2.data_ptr(), 2.0, 9, 1, 64))]
+    shifted = direct_launch.PreparedLaunch(launches, (3,), _scale_args(out, x2[1:], 50), {})
+    shifted(out, x2[1:])  # 4 bytes off: not 16-byte aligned
+    strided = direct_launch.PreparedLaunch(launches, (3,), _scale_args(out, x2, 50, 16), {})
+    strided(out, x2)
+    assert len(jit) == 3 and len(direct) == 1 and len(launches.launches) == 3
 
 
 def test_prepared_launch_of_cpu_tensors_or_a_stand_in_takes_the_full_path():
@@ -306,5 +306,5 @@ def test_prepared_launch_of_cpu_tensors_or_a_stand_in_takes_the_full_path():
     )
     x2 = torch.ones(8)
     prepared(out, x2)
-    assert prepared.parts is None
-    assert calls == [((2,), _scale_args(out, x2, 8), {"num_warps": 1})]
+    assert prepared.direct is None
+    assert calls == [((2, 1, 1), _scale_args(out, x2, 8), {"num_warps": 1})]

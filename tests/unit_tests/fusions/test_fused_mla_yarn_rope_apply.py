@@ -186,7 +186,9 @@ def _q_bwd_copy_guarded(case, g, cos, sin, config, slack, inverse=False, remove_
     kernel = kernels.mla_rope_q_bwd_copy_kernel
     plan, tables = plan_ours_q(kernel, case, g, cos, sin, inverse, remove_interleaving)
     out, buf = guarded(torch.zeros(plan.outputs[0], dtype=g.dtype, device=g.device), slack, slack)
-    launch.CachedLaunch(plan, config, g.device)(g, out, *tables)
+    pointers = (g, out, *tables)
+    with pinned_kernel_config(config.block_h, config.num_warps):
+        launch.configure(None, plan, pointers, g.device)(*pointers)
     return out, buf
 
 

@@ -555,9 +555,9 @@ def test_bad_input_is_refused_after_a_good_call_of_its_layout(case, monkeypatch)
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
-    from megatron_ext.fusions import latent_cache_checks
+    from megatron_ext.fusions import tensor_checks
 
-    monkeypatch.setattr(latent_cache_checks, "INTERPRETED", False)
+    monkeypatch.setattr(tensor_checks, "INTERPRETED", False)
     step = build_step([(3, 1)], heads=1, seed=13)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         mla_paged_latent_attention(

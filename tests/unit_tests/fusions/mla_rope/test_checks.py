@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+from megatron_ext.fusions import tensor_checks
 from megatron_ext.fusions.mla_rope import checks, kernels, launch
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -29,7 +30,7 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a launch was prepared")
 
-    monkeypatch.setattr(launch, "prepare", refuse)
+    monkeypatch.setattr(launch, "configure", refuse)
     rope.clear_autotune_cache()
     yield
     rope.clear_autotune_cache()
@@ -79,12 +80,12 @@ def test_self_aliasing_query_is_refused_by_the_drop_in(no_launch):
 )
 def test_views_that_do_not_alias_pass(shape, strides):
     storage = torch.zeros(2000)
-    checks.check_no_overlap("t", storage.as_strided(shape, strides))
+    checks.check_no_self_overlap("t", storage.as_strided(shape, strides))
 
 
 @pytest.mark.skipif(HAVE_CUDA, reason="checks the CPU error; a GPU machine runs CUDA tensors")
 def test_cpu_tensor_without_the_interpreter_names_the_device_and_the_fix(monkeypatch, no_launch):
-    monkeypatch.setattr(checks, "INTERPRETED", False)
+    monkeypatch.setattr(tensor_checks, "INTERPRETED", False)
     t = torch.randn(4, 2, 3, 24)
     cos, sin = _tables()
     with pytest.raises(ValueError, match="t is on the CPU") as err:
@@ -98,7 +99,7 @@ def test_cpu_tensor_without_the_interpreter_names_the_device_and_the_fix(monkeyp
 def test_other_devices_are_refused_with_the_supported_ones_named(no_launch):
     t = torch.empty(4, 2, 3, 24, device="meta")
     with pytest.raises(ValueError, match="meta.*CUDA devices"):
-        checks.check_runnable("t", t)
+        checks.check_runnable(checks.KERNELS_NAME, "t", t)
 
 
 def test_context_parallel_lengths():
@@ -163,10 +164,7 @@ def _every_plan():
 def test_a_plan_names_every_argument_of_its_kernel(name):
     plan = _every_plan()[name]
     names = plan.kernel.arg_names
-    after_pointers = plan.args_after_pointers(4)
-    assert len(after_pointers) == len(names) - plan.pointers
-    for value, param in zip(after_pointers, names[plan.pointers :]):
-        assert value == (4 if param == "BLOCK_H" else plan.args[param]), param
+    assert set(plan.args) | {"BLOCK_H"} == set(names[plan.pointers :])
     assert set(plan.constexprs()) <= set(plan.args)
     assert "EMB_DIM" in plan.constexprs() and "head_num" not in plan.constexprs()
     assert plan.grid(2) == (8, 2, 1)
@@ -195,12 +193,12 @@ def test_a_plan_that_does_not_name_the_kernels_parameters_is_refused():
     names = kernels.mla_rope_q_fwd_kernel.arg_names[5:]
     args = {name: 1 for name in names if name != "BLOCK_H"}
     with pytest.raises(RuntimeError, match="names .*'extra'"):
-        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, dict(args, extra=1), True)
+        checks.RopePlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, dict(args, extra=1), True)
     del args["stride_h"]
     with pytest.raises(RuntimeError, match="mla_rope_q_fwd_kernel"):
-        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, args, True)
+        checks.RopePlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 5, args, True)
     with pytest.raises(RuntimeError, match="after its 4 pointers"):
-        checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 4, args, True)
+        checks.RopePlan(kernels.mla_rope_q_fwd_kernel, 1, 1, 4, args, True)
 
 
 def test_the_copying_backward_reads_an_expanded_gradient_the_in_place_one_refuses():

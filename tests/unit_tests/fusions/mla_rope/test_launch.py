@@ -1,6 +1,6 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Launch configs, the tuner, and the cached launch (direct C launch and its JIT fallback)."""
+"""Launch configs, the tuner, and the cached plans (direct C launch and its JIT fallback)."""
 
 import pytest
 import torch
@@ -8,6 +8,8 @@ import torch
 from megatron_ext import internals
 from megatron_ext.fusions import direct_launch
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as rope
+from megatron_ext.fusions import tensor_checks
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_rope import checks, kernels, launch
 from megatron_ext.fusions.mla_rope.launch import KernelConfig, pinned_kernel_config
 
@@ -69,13 +71,13 @@ def test_facade_reexports_the_launch_names():
 def test_backward_uses_config_pinned_in_forward(monkeypatch):
     t, cos, sin = _q_inputs()
     seen = []
-    prepare = launch.prepare
+    configure = launch.configure
 
     def spy(key, plan, *args, **kwargs):
         seen.append((plan.kernel, launch.current_config()))
-        return prepare(key, plan, *args, **kwargs)
+        return configure(key, plan, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "prepare", spy)
+    monkeypatch.setattr(launch, "configure", spy)
     q = t.clone().requires_grad_(True) * 1.0
     with pinned_kernel_config(2, 1):
         out = rope.fused_apply_mla_rope_for_q(q, cos, sin, 8, 16)
@@ -89,7 +91,7 @@ def test_backward_uses_config_pinned_in_forward(monkeypatch):
 def test_autotuner_times_on_scratch_and_caches(monkeypatch):
     """The tuner times every config on a scratch copy, keeps the fastest, and caches it per size."""
     monkeypatch.setattr(launch, "INTERPRETED", False)
-    monkeypatch.setattr(checks, "INTERPRETED", True)  # CPU tensors stay allowed
+    monkeypatch.setattr(tensor_checks, "INTERPRETED", True)  # CPU tensors stay allowed
     calls = []
 
     def fake_benchmark(run):
@@ -116,7 +118,7 @@ def test_autotuner_times_on_scratch_and_caches(monkeypatch):
     rope.mla_rope_q_fwd_(t[:1].clone(), cos, sin, 8, 16)
     assert len(calls) == 2 * len(expected) and len(rope.autotuned_configs()) == 2
     rope.clear_autotune_cache()
-    assert rope.autotuned_configs() == {} and launch.LAUNCHES == {}
+    assert rope.autotuned_configs() == {} and len(launch.PLANS) == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,13 +127,13 @@ def test_autotuner_times_on_scratch_and_caches(monkeypatch):
 
 def _count_prepares(monkeypatch):
     calls = []
-    prepare = launch.prepare
+    configure = launch.configure
 
     def spy(*args, **kwargs):
         calls.append(args[1].kernel)
-        return prepare(*args, **kwargs)
+        return configure(*args, **kwargs)
 
-    monkeypatch.setattr(launch, "prepare", spy)
+    monkeypatch.setattr(launch, "configure", spy)
     return calls
 
 
@@ -183,12 +185,12 @@ def test_a_float_argument_is_refused_even_after_the_int_was_cached():
 
 
 def test_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(launch, "MAX_LAUNCHES", 2)
+    monkeypatch.setattr(launch, "PLANS", PlanCache(max_entries=2))
     t, cos, sin = _q_inputs(seq=4)
     with pinned_kernel_config(2, 1):
         for rows in (1, 2, 3, 4):
             rope.mla_rope_q_fwd_(t[:rows].clone(), cos, sin, 8, 16)
-    assert 1 <= len(launch.LAUNCHES) <= 2
+    assert 1 <= len(launch.PLANS) <= 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,22 +201,30 @@ def test_interpreter_and_disabled_direct_launch_take_the_jit_path(monkeypatch):
     """With the direct launch off (always under the interpreter) every launch goes through JIT."""
     monkeypatch.setattr(direct_launch, "ENABLED", False)
     jit_calls = []
-    launch_jit = launch.CachedLaunch.launch_jit
+    launch_jit = direct_launch.PreparedLaunch.launch_jit
 
     def spy(self, *tensors):
-        jit_calls.append(self.plan.kernel)
+        jit_calls.append(self.launches.kernel)
         return launch_jit(self, *tensors)
 
-    monkeypatch.setattr(launch.CachedLaunch, "launch_jit", spy)
+    monkeypatch.setattr(direct_launch.PreparedLaunch, "launch_jit", spy)
     t, cos, sin = _q_inputs()
     with pinned_kernel_config(2, 1):
         for _ in range(2):
             rope.mla_rope_q_fwd_(t.clone(), cos, sin, 8, 16)
     assert jit_calls == [kernels.mla_rope_q_fwd_kernel] * 2
-    assert all(entry.direct is None for entry in launch.LAUNCHES.values())
+    assert all(not plan.launch.direct for plan in launch.PLANS.plans())
 
 
-def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: prepares a launch for a CUDA device on the CPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_a_configured_plan_hands_every_argument_in_signature_order(monkeypatch):
     """Pointers as ints (None stays None), then the scalars, then the constexprs."""
     monkeypatch.setattr(internals, "cuda_current_device", lambda: 0)
     monkeypatch.setattr(internals, "cuda_current_raw_stream", lambda i: 777)
@@ -223,12 +233,13 @@ def test_cached_launch_hands_every_argument_in_signature_order(monkeypatch):
     # Handed over out of order: the plan names them, the kernel's signature orders them.
     args = {name: 100 + i for i, name in enumerate(names) if name != "BLOCK_H"}
     args = dict(reversed(list(args.items())))
-    plan = checks.LaunchPlan(kernels.mla_rope_q_fwd_kernel, 6, 5, 5, args, True)
-    entry = launch.CachedLaunch(plan, KernelConfig(2, 4), torch.device("cuda", 0))
+    plan = checks.RopePlan(kernels.mla_rope_q_fwd_kernel, 6, 5, 5, args, True)
+    t = torch.zeros(4).as_subclass(_OnCuda)
+    with pinned_kernel_config(2, 4):
+        plan = launch.configure(None, plan, (t, t, t, None, None), t.device)
     calls = []
-    entry.direct = lambda *args: calls.append(args)
-    t = torch.zeros(4)
-    entry(t, t, t, None, None)
+    plan.launch.direct = lambda *args: calls.append(args)
+    plan(t, t, t, None, None)
     ((gx, gy, gz, stream, args),) = calls
     assert (gx, gy, gz, stream) == (6, 3, 1, 777)
     ptr = t.data_ptr()
@@ -264,10 +275,12 @@ def test_gpu_direct_launch_bitwise_equals_jit(dtype, monkeypatch):
     for config in (KernelConfig(1, 1), KernelConfig(16, 4), KernelConfig(128, 8)):
         with pinned_kernel_config(config.block_h, config.num_warps):
             first = run_all()  # misses: JIT launches, direct launchers bound
-            assert launch.LAUNCHES and all(e.direct for e in launch.LAUNCHES.values())
+            plans = launch.PLANS.plans()
+            assert plans and all(plan.launch.direct for plan in plans)
             direct = run_all()
             torch.cuda.synchronize()
-            monkeypatch.setattr(launch.CachedLaunch, "__call__", launch.CachedLaunch.launch_jit)
+            prepared = direct_launch.PreparedLaunch
+            monkeypatch.setattr(prepared, "__call__", prepared.launch_jit)
             jit = run_all()
             monkeypatch.undo()
         for a, b, c in zip(first, direct, jit):
@@ -281,7 +294,8 @@ def test_gpu_direct_launch_on_a_side_stream_and_in_a_graph():
     expected = t.clone()
     with pinned_kernel_config(4, 1):
         rope.mla_rope_q_fwd_(expected, cos, sin, 128, 64)
-        assert all(e.direct for e in launch.LAUNCHES.values()), "no direct launch was bound"
+        plans = launch.PLANS.plans()
+        assert all(plan.launch.direct for plan in plans), "no direct launch was bound"
         side = torch.cuda.Stream()
         x = t.clone()
         side.wait_stream(torch.cuda.current_stream())
@@ -300,7 +314,7 @@ def test_gpu_direct_launch_on_a_side_stream_and_in_a_graph():
 
 
 def test_both_argument_records_hold_four_tensors_then_six_scalars():
-    """launch.run unpacks either record the same way, to build its cache key without a call."""
+    """launch.run unpacks either record the same way, to build its plan key without a call."""
     tensors = ("cos", "sin", "cu_seqlens", "position_ids")
     for record in (checks.QueryRope, checks.KeyValueRope):
         assert record._fields[:4] == tensors and len(record._fields) == 10, record
