@@ -20,18 +20,25 @@
 #      torch release; the build is kept in --te-cache, default ~/.cache/megatron_ext/te); with
 #      --flashinfer VERSION, FlashInfer's MLA decode the way scripts/flashinfer_offline.sh does
 #      (the parts kept in ~/.cache/megatron_ext/flashinfer, the site in <venv>/flashinfer);
-#   5. with --server, installs the `server` extra of pyproject.toml (megatron-core 0.19's
+#   5. with --also-mcore VERSION (repeatable), puts that megatron-core release's wheel beside the
+#      first in --wheels-dir/megatron-core-<version>/ without installing it (for
+#      scripts/run_gpu_matrix.sh, which installs each release into a private site per row); with
+#      --triton VERSION, installs that Triton release into <venv>/triton-<version> (pip --target,
+#      no dependencies; a wheel already in --wheels-dir/triton-<version>/ is used offline), which
+#      the job puts first on PYTHONPATH through run_gpu_matrix.sh's --tritons NAME=SITE;
+#   6. with --server, installs the `server` extra of pyproject.toml (megatron-core 0.19's
 #      OpenAI-compatible server's Quart/Hypercorn/ZMQ dependencies and the openai client), with
 #      torch pinned to the image's so that pip cannot replace it;
-#   6. on GitHub Actions, puts the environment first on PATH for the following steps and exports
-#      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`) and
-#      PYTHONPATH (the checkout, so megatron_ext imports from it, Transformer Engine's and
-#      FlashInfer's sites).
+#   7. on GitHub Actions, puts the environment first on PATH for the following steps and exports
+#      MEGATRON_CORE_WHEELS (the folder holding the wheel, for `run_gpu_suite.sh --wheels`; with
+#      --also-mcore, the folders of every release, space-separated, for `run_gpu_matrix.sh
+#      --wheels`), TRITON_SITE (with --triton) and PYTHONPATH (the checkout, so megatron_ext
+#      imports from it, Transformer Engine's and FlashInfer's sites).
 #
 # Usage:
 #   bash .github/scripts/prepare_gpu_env.sh --python 3.12 --mcore 0.16.1 [--min-gpus 1]
 #       [--venv DIR] [--wheels-dir DIR] [--transformer-engine VERSION] [--te-cache DIR]
-#       [--flashinfer VERSION] [--server]
+#       [--flashinfer VERSION] [--server] [--also-mcore VERSION]... [--triton VERSION]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -45,6 +52,8 @@ te_version=""
 te_cache="${HOME:-$tmp}/.cache/megatron_ext/te"
 fi_version=""
 server=""
+also_mcore=()
+triton_version=""
 
 while (($#)); do
     case "$1" in
@@ -57,7 +66,9 @@ while (($#)); do
         --te-cache) te_cache="$2"; shift 2 ;;
         --flashinfer) fi_version="$2"; shift 2 ;;
         --server) server=1; shift ;;
-        -h | --help) sed -n '3,34p' "$0"; exit 0 ;;
+        --also-mcore) also_mcore+=("$2"); shift 2 ;;
+        --triton) triton_version="$2"; shift 2 ;;
+        -h | --help) sed -n '3,41p' "$0"; exit 0 ;;
         *) echo "prepare_gpu_env.sh: unknown argument '$1'" >&2; exit 2 ;;
     esac
 done
@@ -100,19 +111,35 @@ if count < need:
     sys.exit(f"found {count} CUDA device(s), this job needs {need}")
 PY
 
-echo "== megatron-core $mcore wheel in $wheels"
-mkdir -p "$wheels"
 shopt -s nullglob
-found=("$wheels"/megatron_core-"$mcore"-*.whl)
-if ((${#found[@]} == 0)); then
-    "$python" -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" \
-        "megatron-core==$mcore"
-    found=("$wheels"/megatron_core-"$mcore"-*.whl)
-fi
-if ((${#found[@]} == 0)); then
-    echo "prepare_gpu_env.sh: no megatron-core $mcore wheel for Python $py_version" >&2
-    exit 1
-fi
+# wheel_of NAME VERSION DIR: DIR's wheel of NAME==VERSION, downloaded there unless it is there.
+wheel_of() {
+    local name=$1 version=$2 dir=$3 file
+    file=${name//-/_}
+    mkdir -p "$dir"
+    local found=("$dir"/"$file"-"$version"-*.whl)
+    if ((${#found[@]} == 0)); then
+        "$python" -m pip download --quiet --no-deps --only-binary=:all: --dest "$dir" \
+            "$name==$version" >&2
+        found=("$dir"/"$file"-"$version"-*.whl)
+    fi
+    if ((${#found[@]} == 0)); then
+        echo "prepare_gpu_env.sh: no $name $version wheel for Python $py_version" >&2
+        exit 1
+    fi
+    printf '%s\n' "${found[@]}"
+}
+
+echo "== megatron-core $mcore wheel in $wheels"
+mapfile -t found < <(wheel_of megatron-core "$mcore" "$wheels")
+((${#found[@]})) || exit 1
+all_wheels="$wheels"
+for extra in "${also_mcore[@]}"; do
+    echo "== megatron-core $extra wheel in $wheels_root/megatron-core-$extra (not installed)"
+    mapfile -t extra_found < <(wheel_of megatron-core "$extra" "$wheels_root/megatron-core-$extra")
+    ((${#extra_found[@]})) || exit 1
+    all_wheels="$all_wheels $wheels_root/megatron-core-$extra"
+done
 
 echo "== installing megatron-core $mcore; megatron_ext from the checkout (PYTHONPATH)"
 # --no-deps --no-index: torch, numpy and packaging come from the image (see the runner contract),
@@ -168,6 +195,17 @@ if [[ -n "$fi_version" ]]; then
     export PYTHONPATH
 fi
 
+triton_site=""
+if [[ -n "$triton_version" ]]; then
+    triton_site="$venv/triton-$triton_version"
+    echo "== Triton $triton_version in $triton_site (first on PYTHONPATH only where a step puts it)"
+    mapfile -t triton_wheel < <(wheel_of triton "$triton_version" "$wheels_root/triton-$triton_version")
+    ((${#triton_wheel[@]})) || exit 1
+    "$python" -m pip install --quiet --no-deps --no-index --no-compile --target "$triton_site" \
+        "${triton_wheel[@]}"
+    PYTHONPATH="$triton_site" "$python" -c 'import triton; print("triton", triton.__version__)'
+fi
+
 if [[ -n "$server" ]]; then
     echo "== the server extra"
     mapfile -t server_reqs < <("$python" -c 'import tomllib
@@ -181,6 +219,7 @@ if [[ -n "${GITHUB_PATH:-}" ]]; then
     echo "$venv/bin" >>"$GITHUB_PATH"
 fi
 if [[ -n "${GITHUB_ENV:-}" ]]; then
-    echo "MEGATRON_CORE_WHEELS=$wheels" >>"$GITHUB_ENV"
+    echo "MEGATRON_CORE_WHEELS=$all_wheels" >>"$GITHUB_ENV"
+    echo "TRITON_SITE=$triton_site" >>"$GITHUB_ENV"
     echo "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" >>"$GITHUB_ENV"
 fi

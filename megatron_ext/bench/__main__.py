@@ -6,8 +6,11 @@ Each benchmark times megatron-core's own code and megatron_ext's in the same pro
 table last. Without a GPU it says so and runs a small correctness check instead of timing.
 
 The report goes to ``--out`` (default ``results/bench`` under the current directory): each
-benchmark's JSON (and, on a GPU, the plots ``rope.png`` and ``mla_serving.png``), and
-``report.md`` with every benchmark's printed output, its tables included.
+benchmark's JSON (and, on a GPU, the plots ``rope.png`` and ``mla_serving.png``), its section
+``reports/BENCHMARK.md`` (its environment, exit status and printed output, tables included), and
+``report.md``, every section in the directory joined under an index. A run rewrites the sections
+of the benchmarks it ran and keeps the others, so ``rope`` run after ``all`` leaves the other
+benchmarks' sections in ``report.md``.
 """
 
 import argparse
@@ -37,6 +40,9 @@ NAMED_ONLY: Dict[str, str] = {
 }
 DEFAULT_OUT = Path("results") / "bench"
 REPORT_NAME = "report.md"
+# One file per benchmark under --out, from which report.md is rebuilt after every run.
+SECTIONS_DIR = "reports"
+_STATUS_PREFIX = "- exit status: "
 # Options that every benchmark accepts, so that `all` can pass them on.
 _COMMON_OPTIONS = ("--quick",)
 _HELP = ("-h", "--help")
@@ -130,14 +136,45 @@ def _environment() -> List[str]:
     ]
 
 
-def _report(sections: List[Dict[str, object]]) -> str:
-    lines = ["# megatron_ext benchmarks", "", *_environment(), ""]
+def _section(name: str, status: int, output: str) -> str:
+    """One benchmark's section of the report: its heading, environment, exit status and output.
+
+    Args:
+        name: the benchmark.
+        status: its exit status.
+        output: what it printed.
+
+    Returns:
+        str: the section's markdown.
+    """
+    lines = [f"## {name}", "", *_environment(), f"{_STATUS_PREFIX}{status}", "", "```text"]
+    return "\n".join(lines + [output.rstrip(), "```"]) + "\n"
+
+
+def _section_status(text: str) -> str:
+    """The exit status a section records ("?" where it has none)."""
+    for line in text.splitlines():
+        if line.startswith(_STATUS_PREFIX):
+            return line[len(_STATUS_PREFIX) :].strip()
+    return "?"
+
+
+def _write_report(out: Path) -> None:
+    """Rebuild ``report.md`` from every benchmark section under ``out``: an index (benchmark, exit
+    status) and the sections, known benchmarks in their listing's order, then any others by name.
+
+    Args:
+        out: the report directory.
+    """
+    order = [*BENCHMARKS, *NAMED_ONLY]
+    files = {p.stem: p for p in (out / SECTIONS_DIR).glob("*.md")}
+    names = [n for n in order if n in files] + sorted(set(files) - set(order))
+    texts = {name: files[name].read_text() for name in names}
+    lines = ["# megatron_ext benchmarks", "", "Each section is the last run of its benchmark.", ""]
     lines += ["| benchmark | exit status |", "| --- | --- |"]
-    lines += [f"| {s['name']} | {s['status']} |" for s in sections]
-    for section in sections:
-        lines += ["", f"## {section['name']}", "", "```text", str(section["output"]).rstrip()]
-        lines += ["```"]
-    return "\n".join(lines) + "\n"
+    lines += [f"| {name} | {_section_status(texts[name])} |" for name in names]
+    body = "\n".join(lines) + "\n"
+    (out / REPORT_NAME).write_text(body + "".join("\n" + texts[name] for name in names))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -158,7 +195,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.benchmark == "all":
             parser.print_help()
             return 0
-        return _benchmark_main(args.benchmark)([*rest, "--help"])
+        # Importing a benchmark imports megatron-core, which warns about optional packages.
+        with warnings.catch_warnings():
+            ignore_optional_dependency_warnings()
+            benchmark = _benchmark_main(args.benchmark)
+        return benchmark([*rest, "--help"])
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
     if len(names) > 1:
         foreign = [word for word in rest if word not in _COMMON_OPTIONS]
@@ -172,7 +213,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     out = args.out.resolve()
-    sections = []
     rc = 0
     for name in names:
         tee = _Tee(sys.stdout)
@@ -180,9 +220,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             ignore_optional_dependency_warnings()
             status = _benchmark_main(name)([*rest, "--out", str(out)])
         rc |= status
-        sections.append({"name": name, "status": status, "output": tee.copy.getvalue()})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / REPORT_NAME).write_text(_report(sections))
+        (out / SECTIONS_DIR).mkdir(parents=True, exist_ok=True)
+        section = _section(name, status, tee.copy.getvalue())
+        (out / SECTIONS_DIR / f"{name}.md").write_text(section)
+        _write_report(out)
     written = sorted(p.name for p in out.iterdir() if p.is_file())
     print(f"report written to {out}: {', '.join(written)}")
     return rc

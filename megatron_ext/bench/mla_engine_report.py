@@ -1,7 +1,8 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """What the MLA engine benchmark (:mod:`megatron_ext.bench.mla_engine`) prints: the paired-round
-comparisons, the host share of a step, the verdicts against issue 35's target and the table.
+comparisons, the host share of a step, the verdict against the engine target (the graphed dynamic
+engine at twice the static engine's decode tokens/s) and the table.
 
 Pure functions of the report's rows, so that the tests check them on made-up figures.
 """
@@ -108,7 +109,7 @@ def _ratio_text(result: Optional[Dict[str, float]]) -> str:
 
 
 def verdicts(report: Dict[str, Any]) -> List[str]:
-    """Issue 35's target per model (the graphed dynamic engine at >= 2x the static engine's decode
+    """The engine target per model (the graphed dynamic engine at >= 2x the static engine's decode
     tokens/s at 256 requests) and each graphed row's distance from the sum of its kernels.
 
     Args:

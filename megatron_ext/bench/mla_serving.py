@@ -34,7 +34,7 @@ Each call: GPU time (``triton.testing.do_bench`` median of a CUDA graph of N cal
 time (100 calls back to back and a sync, per call) and host time (the same without the sync),
 the eager and host figures the median of rounds that alternate the contenders. The copy ceiling
 (a large ``copy_``, read + write) is measured in the same run. Printed last: a table per section,
-the verdicts against issue 35's targets (decode >= 80% of the ceiling at context >= 4k and batch
+the verdicts against the project's targets (decode >= 80% of the ceiling at context >= 4k and batch
 >= 16, and at least FlashInfer's speed there; RoPE+append >= 85% of the ceiling from 1024 tokens
 and >= 3x megatron-core at 1-256 tokens; no eager row behind FlashInfer by more than its launch
 cost) with the worst rows named. Writes ``mla_serving.json`` and ``mla_serving.png`` (where

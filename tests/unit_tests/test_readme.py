@@ -1,6 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""The README's set-up commands are the ones CI runs, and they name things that exist."""
+"""The README's set-up commands are the ones CI runs, and they name things that exist; the Python
+blocks of the README and of docs/ run, compile or quote their files line for line."""
 
 import re
 import shlex
@@ -10,6 +11,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = (REPO_ROOT / "README.md").read_text()
+# The documents whose ```python blocks are checked: the README and every page under docs/.
+DOCUMENTS = ["README.md"] + sorted(
+    p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "docs").rglob("*.md")
+)
 
 
 def _quick_start_commands():
@@ -51,20 +56,38 @@ def test_quick_start_names_the_main_jobs_report_directory():
     assert "python3 -m megatron_ext.bench --help" in section
 
 
-def _python_blocks():
-    """(marker, path, code) for every ```python block. A ``<!-- readme-block: sketch -->`` line
-    right before a block marks a sketch that the tests only compile; ``<!-- readme-block: excerpt
-    PATH -->`` marks lines quoted from a file of the repository."""
+def _python_blocks(document: str = "README.md"):
+    """(marker, path, code) for every ```python block of a document (a path from the repository
+    root). A ``<!-- readme-block: sketch -->`` line right before a block marks a sketch that the
+    tests only compile; ``<!-- readme-block: excerpt PATH -->`` marks lines quoted from a file of
+    the repository (PATH from the repository root)."""
+    text = (REPO_ROOT / document).read_text()
     pattern = r"(?:<!-- readme-block: (\w+)(?: (\S+))? -->\n)?```python\n(.*?)\n```"
-    return [m.groups() for m in re.finditer(pattern, README, flags=re.S)]
+    return [m.groups() for m in re.finditer(pattern, text, flags=re.S)]
 
 
-def test_readme_python_blocks_are_marked_or_run():
-    blocks = _python_blocks()
+def _all_python_blocks():
+    """(document, index) of every ```python block of the README and docs/."""
+    return [(doc, index) for doc in DOCUMENTS for index in range(len(_python_blocks(doc)))]
+
+
+def test_python_blocks_are_marked_or_run():
+    blocks = [block for doc in DOCUMENTS for block in _python_blocks(doc)]
     assert len(blocks) >= 3
     assert {marker for marker, _, _ in blocks} <= {None, "sketch", "excerpt"}
     assert all((marker == "excerpt") == (path is not None) for marker, path, _ in blocks)
-    assert sum(marker is None for marker, _, _ in blocks) >= 2
+    assert sum(marker is None for marker, _, _ in _python_blocks()) >= 2  # the README's own
+    markers = {marker for doc in DOCUMENTS[1:] for marker, _, _ in _python_blocks(doc)}
+    assert {"sketch", "excerpt"} <= markers, "docs/ hold the sketches and excerpts"
+
+
+def test_every_readme_block_marker_is_read():
+    """A marker that is not right before a ```python block would leave its block unchecked."""
+    for doc in DOCUMENTS:
+        text = (REPO_ROOT / doc).read_text()
+        markers = len(re.findall(r"<!-- readme-block: ", text))
+        marked = sum(marker is not None for marker, _, _ in _python_blocks(doc))
+        assert markers == marked, f"{doc}: {markers} markers, {marked} marked blocks"
 
 
 EXCERPT_HEADER = "# A fragment, not a script: "
@@ -112,24 +135,25 @@ def test_excerpt_check():
             check_excerpt(code, source, "bad")
 
 
-@pytest.mark.parametrize("index", range(len(_python_blocks())))
-def test_readme_python_block_runs_as_written(index):
+@pytest.mark.parametrize("document,index", _all_python_blocks())
+def test_python_block_runs_as_written(document, index):
     """Every unmarked block runs as written on CPU; a sketch compiles and its megatron_ext
     imports resolve (it also needs megatron.training and a GPU, which CI does not have); an
     excerpt's lines are its file's, in the file's order (the file runs where it can)."""
-    marker, path, code = _python_blocks()[index]
+    marker, path, code = _python_blocks(document)[index]
+    where = f"{document} block {index}"
     if marker == "excerpt":
-        check_excerpt(code, (REPO_ROOT / path).read_text(), f"README block {index} ({path})")
+        check_excerpt(code, (REPO_ROOT / path).read_text(), f"{where} ({path})")
         return
     if marker == "sketch":
-        compile(code, f"README block {index}", "exec")
+        compile(code, where, "exec")
         for line in code.splitlines():
             if line.startswith("from megatron_ext"):
-                exec(compile(line, f"README block {index}", "exec"), {})
+                exec(compile(line, where, "exec"), {})
         return
     from megatron_ext import undo_megatron_ext
 
     try:
-        exec(compile(code, f"README block {index}", "exec"), {"__name__": "readme"})
+        exec(compile(code, where, "exec"), {"__name__": "readme"})
     finally:
         undo_megatron_ext()

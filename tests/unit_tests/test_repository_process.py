@@ -33,6 +33,7 @@ GPU_WORKFLOW = WORKFLOWS_DIR / "gpu-tests.yml"
 CASES_ROOT = REPO_ROOT / "tests" / "functional_tests" / "test_cases"
 FUNCTIONAL_RUNNER = "tests/functional_tests/python_test_utils/run_functional_case.py"
 GPU_SUITE = "scripts/run_gpu_suite.sh"
+GPU_MATRIX = "scripts/run_gpu_matrix.sh"
 LINT_SCRIPT = "scripts/lint.sh"
 DETERMINISM_MANIFEST = "tests/unit_tests/determinism/kernels/manifest.py"
 
@@ -41,6 +42,7 @@ DETERMINISM_MANIFEST = "tests/unit_tests/determinism/kernels/manifest.py"
 SINGLE_GPU_FUNCTIONAL_JOB = "functional"
 MULTI_GPU_FUNCTIONAL_JOB = "functional-multi-gpu"
 GPU_UNIT_JOB = "gpu-unit-tests"
+TRITON_MATRIX_JOB = "triton-matrix"
 # The platform tag of the golden values the GPU runners compare with (golden_values_<env>_<platform>
 # .json); it follows the runner labels (gpu-h200-*).
 GOLDEN_PLATFORM = "h200"
@@ -396,6 +398,32 @@ def test_gpu_unit_matrix_covers_the_supported_megatron_core_releases():
     for mcore, python in pairs:
         assert Version(mcore) in mcore_requirement.specifier, f"{mcore} outside pyproject's range"
         assert Version(python) in requires_python, f"Python {python} outside requires-python"
+
+
+def _readme_tritons() -> List[str]:
+    """The Triton releases the README's support matrix lists: the rows of its table whose first
+    column is headed ``Triton``."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Support matrix", 1)[1].split("\n## ", 1)[0]
+    table = section.split("\n| Triton |", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^\| (\d+\.\d+\.\d+) \|", table, flags=re.M)
+
+
+def test_triton_matrix_runs_every_triton_the_readme_lists():
+    job = _jobs(_load_yaml(GPU_WORKFLOW))[TRITON_MATRIX_JOB]
+    blocks = _run_blocks(job)
+    matrix_runs = [b for b in blocks if GPU_MATRIX in _script_references(b)]
+    assert matrix_runs, f"job {TRITON_MATRIX_JOB!r} must run {GPU_MATRIX}"
+    assert all("${{ matrix.triton }}" in b for b in matrix_runs), "one Triton per job"
+    tritons = list(map(str, _matrix_values(job, "triton")))
+    claimed = _readme_tritons()
+    assert len(claimed) >= 2, f"README support matrix lists Tritons {claimed}"
+    assert sorted(tritons) == sorted(set(claimed)) and len(tritons) == len(set(tritons)), (
+        f"{GPU_WORKFLOW.name} jobs.{TRITON_MATRIX_JOB} runs Tritons {tritons}; "
+        f"the README claims {claimed}"
+    )
+    prepare = [b for b in blocks if "prepare_gpu_env.sh" in b]
+    assert prepare and all("--triton" in b for b in prepare), "each row installs its Triton"
 
 
 def _matrix_mismatch(job_id: str, listed: List[str], expected: Set[str]) -> Optional[str]:

@@ -2,6 +2,10 @@
 
 """The main job's command line (python -m megatron_ext.bench): listing, dispatch, report."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from megatron_ext.bench import __main__ as bench_main
@@ -86,3 +90,45 @@ def test_a_failing_benchmark_fails_the_job(tmp_path, monkeypatch, calls):
     monkeypatch.setattr(rope, "main", fake_benchmark("rope", calls, status=1))
     assert bench_main.main(["--out", str(tmp_path)]) == 1
     assert "| rope | 1 |" in (tmp_path / "report.md").read_text()
+
+
+def test_one_benchmarks_run_keeps_the_others_sections(tmp_path, monkeypatch, calls):
+    assert bench_main.main(["all", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(rope, "main", fake_benchmark("rope", calls, status=1))
+    assert bench_main.main(["rope", "--out", str(tmp_path)]) == 1
+    report = (tmp_path / "report.md").read_text()
+    for name in ("inference", "mla-serving"):
+        assert f"| {name} | 0 |" in report
+        assert f"=== table: {name}" in report
+        assert f"\n## {name}\n" in report
+    assert "| rope | 1 |" in report and "| rope | 0 |" not in report
+    assert report.count("=== table: rope") == 1  # rope's section replaced, not added
+    assert report.index("## rope") < report.index("## inference") < report.index("## mla-serving")
+    sections = sorted(p.name for p in (tmp_path / bench_main.SECTIONS_DIR).iterdir())
+    assert sections == ["inference.md", "mla-serving.md", "rope.md"]
+
+
+def test_report_keeps_a_section_of_a_benchmark_it_does_not_list(tmp_path, calls):
+    sections = tmp_path / bench_main.SECTIONS_DIR
+    sections.mkdir()
+    (sections / "old-benchmark.md").write_text("## old-benchmark\n\nkept\n")
+    assert bench_main.main(["inference", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| inference | 0 |\n| old-benchmark | ? |" in report
+    assert report.index("## inference") < report.index("## old-benchmark")
+    assert "kept" in report
+
+
+@pytest.mark.parametrize("benchmark", ["mla-engine", "mla-serving", "inference"])
+def test_benchmark_help_prints_no_warnings(benchmark):
+    """A benchmark's --help imports megatron-core, whose optional-package warnings stay hidden."""
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.bench", benchmark, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: python -m megatron_ext.bench {benchmark}")
+    assert "Warning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
