@@ -199,7 +199,8 @@ def test_gpu_prepared_launches_go_direct_after_the_first_call_with_the_jit_bits(
         assert torch.equal(out[:n], x[:n] * 3.0) and (out[n:] == -1).all(), n
     args = _scale_args(torch.zeros(256, device=device), x, 50)
     shuffled = direct_launch.PreparedLaunch(launches, (1,), dict(reversed(args.items())), {})
-    assert shuffled.direct is False
+    # No launch key: it can never bind a direct launch (every call takes the JIT).
+    assert not shuffled.direct and shuffled.key is None
 
 
 class _OnCuda(torch.Tensor):
