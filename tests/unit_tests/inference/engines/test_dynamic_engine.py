@@ -278,3 +278,54 @@ def test_the_vocabulary_comes_from_the_controller_on_either_line():
     assert dynamic_engine.model_vocab_size(stock_0_19) == 6
     assert dynamic_engine.model_vocab_size(stock_0_16) == 7
     assert dynamic_engine.model_vocab_size(SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "gpu"]
+)
+def test_an_id_outside_the_vocabulary_never_reaches_a_real_embedding(device, monkeypatch):
+    """A small GPT with a real embedding: an id >= the vocabulary would raise an IndexError there
+    on the CPU and, on a GPU, trip a device-side assert that ends the process's CUDA context. It
+    is refused where it enters, and the same process then serves good requests on that device,
+    as it serves them without the bad one."""
+    from megatron_ext.testing.small_gpt import build_small_gpt, build_small_gpt_engine
+    from megatron_ext.testing.synthetic import ensure_model_parallel
+    from megatron_ext.testing.torch_paged_attention import (
+        allow_dynamic_inference_without_flash_attn,
+    )
+
+    if device == "cpu":
+        if torch.cuda.is_available():
+            pytest.skip("the CPU variant runs where no GPU is visible (the model follows it)")
+        # The context's fused KV append is a Triton GPU kernel; megatron-core falls back to
+        # indexing when it is absent.
+        from megatron.core.inference.contexts import dynamic_context as mcore_context
+
+        monkeypatch.setattr(mcore_context, "triton_append_key_value_cache", None)
+    sizes = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=4)
+    sizes.update(ffn_hidden_size=64, vocab_size=VOCAB, max_sequence_length=64, seed=3)
+    sizes.update(max_requests=8, max_tokens=64, block_size_tokens=16, kv_blocks=16)
+    args = SimpleNamespace(**sizes, paused_kv_blocks=2, device=device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ensure_model_parallel()
+    model, _ = build_small_gpt(args, dtype)
+    good = {0: ([5, 9, 2, 7], _params(5)), 1: ([1, 2, 3], _params(4))}
+
+    def serve(bad: bool) -> Dict[int, List[int]]:
+        with inference_flag(), allow_dynamic_inference_without_flash_attn():
+            engine, _, _ = build_small_gpt_engine(model, args, dtype)
+            add_to_engine(engine, {0: good[0]})
+            if bad:
+                add_to_engine(engine, {BAD_ID: ([3, VOCAB, 4], _params())})
+            records = step_until_done(engine, {0, BAD_ID} if bad else {0})
+            # A good request after the refused one, in the same process.
+            add_to_engine(engine, {1: good[1]})
+            records.update(step_until_done(engine, {1}))
+        if bad:
+            assert "prompt_tokens[1] is 64" in failure_reason(records[BAD_ID])
+        if device == "cuda":
+            torch.cuda.synchronize()  # a device-side assert would surface here
+        assert all(completed(records[k]) for k in good)
+        return {k: list(records[k].generated_tokens) for k in good}
+
+    assert serve(bad=True) == serve(bad=False)
