@@ -356,6 +356,18 @@ def wait_until_healthy(port: int, timeout: float) -> float:
         time.sleep(0.25)
 
 
+def openai_client(port: int, args: argparse.Namespace) -> Any:
+    """The ``openai`` package's ``AsyncOpenAI`` client of the server on ``HOST:port``."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(
+        base_url=f"http://{HOST}:{port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=args.request_timeout,
+    )
+
+
 async def drive(
     port: int, args: argparse.Namespace, requests: List[Dict[str, Any]]
 ) -> Tuple[Dict[int, Dict[str, Any]], float]:
@@ -366,14 +378,7 @@ async def drive(
         ``generated_log_probs``, ``latency`` (seconds) and ``endpoint``; and the wall time of
         the whole load.
     """
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(
-        base_url=f"http://{HOST}:{port}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=args.request_timeout,
-    )
+    client = openai_client(port, args)
     gate = asyncio.Semaphore(args.concurrency)
     # megatron-core's extensions to the OpenAI request: no end-of-document stop.
     extra_body = {"ignore_eos": True}
@@ -447,14 +452,9 @@ async def drive_bad_then_good(
         Tuple[Dict[str, Dict[str, Any]], List[int]]: per bad request the HTTP ``status`` and the
         response's ``message`` (and what it must say, ``expect``); the good request's tokens.
     """
-    from openai import APIStatusError, AsyncOpenAI
+    from openai import APIStatusError
 
-    client = AsyncOpenAI(
-        base_url=f"http://{HOST}:{port}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=args.request_timeout,
-    )
+    client = openai_client(port, args)
     extra_body = {"ignore_eos": True}
     refusals: Dict[str, Dict[str, Any]] = {}
     try:
