@@ -16,13 +16,13 @@ from torch import Tensor
 
 __all__ = [
     "as_bool",
-    "as_count",
     "as_int",
     "as_real",
     "check_generation_length",
     "check_log_prob_options",
     "check_metadata_value",
     "check_sampling_ranges",
+    "describe",
     "prompt_token_ids",
 ]
 
@@ -90,18 +90,6 @@ def check_metadata_value(label: str, value: Any, dtype: torch.dtype) -> None:
                 f"{label} ({number}) does not fit the context's {dtype} "
                 f"([{info.min}, {info.max}])"
             )
-
-
-def as_count(name: str, value: Any, low: int) -> int:
-    """``value`` as an int >= ``low`` (Python or numpy integers; not a bool or a float).
-
-    Raises:
-        TypeError, ValueError: naming ``name`` and the value.
-    """
-    number = as_int(name, value)
-    if number < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {number}")
-    return number
 
 
 def describe(value: Any) -> str:

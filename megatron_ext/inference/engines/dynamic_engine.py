@@ -156,7 +156,10 @@ def _refusal(engine: Any, request: Any) -> Tuple[Optional[str], Any]:
 def _is_resumed(engine: Any, request: Any) -> bool:
     """Whether ``request`` is the engine's own request, added again when the engine resumes
     (checked when it first entered; its prompt now holds its generated tokens too)."""
-    entry = engine.requests.get(getattr(request, "request_id", None))
+    try:
+        entry = engine.requests.get(getattr(request, "request_id", None))
+    except TypeError:  # an unhashable id: not one the engine holds
+        return False
     return entry is not None and entry.record[-1] is request
 
 
