@@ -177,7 +177,7 @@ def _stack():
     return build_synthetic_stack(extension=True, max_requests=16, vocab_size=VOCAB)
 
 
-def _serve(bad: Optional[Tuple[int, List[int], SamplingParams]] = None):
+def _serve(bad: Optional[Tuple[int, List[int], SamplingParams]] = None, refused: bool = True):
     """The GOOD requests through megatron-core's engine (flag applied); after their first step,
     the ``bad`` request (id, prompt, params), if any. Returns the finished records by id and the
     bad request's future; checks that adding it changed nothing in the context and that the
@@ -193,7 +193,8 @@ def _serve(bad: Optional[Tuple[int, List[int], SamplingParams]] = None):
             before = _context_state(context)
             future = engine.add_request(*bad)
             assert _context_state(context) == before
-            assert bad[0] not in engine.waiting_request_ids  # it never reaches the scheduler
+            # A refused request never reaches the scheduler.
+            assert (bad[0] not in engine.waiting_request_ids) == refused
         wanted = set(GOOD) | ({bad[0]} if bad is not None and bad[0] not in GOOD else set())
         records = step_until_done(engine, wanted)
         assert _context_state(context) == fresh
@@ -239,8 +240,9 @@ def test_a_request_id_in_use_fails_alone_and_the_request_holding_it_finishes():
 def test_zero_tokens_to_generate_is_megatron_cores_prompt_only_request_where_honoured():
     """megatron-core gives 0 the meaning 'score the prompt, generate nothing'; its 0.19 engine
     honours it (no token comes back), 0.16's would generate one token, so it is refused there."""
-    records, _ = _serve((BAD_ID, [3, 4], _params(0)))
-    if ZERO_TOKENS_TO_GENERATE_HONOURED:
+    honoured = ZERO_TOKENS_TO_GENERATE_HONOURED
+    records, _ = _serve((BAD_ID, [3, 4], _params(0)), refused=not honoured)
+    if honoured:
         assert completed(records[BAD_ID]) and records[BAD_ID].generated_tokens == []
     else:
         assert "num_tokens_to_generate must be >= 1, got 0" in failure_reason(records[BAD_ID])

@@ -468,7 +468,9 @@ async def drive_bad_then_good(
                     extra_body=extra_body,
                 )
             except APIStatusError as error:
-                refusals[name] = dict(status=error.status_code, message=str(error), expect=expect)
+                # The endpoint answers in plain text, which the client keeps as the response.
+                message = error.response.text
+                refusals[name] = dict(status=error.status_code, message=message, expect=expect)
             else:
                 served = reply.choices[0].generation_token_ids
                 refusals[name] = dict(status=200, message=f"served {served}", expect=expect)
