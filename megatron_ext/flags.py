@@ -76,21 +76,32 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         action="store_true",
         default=False,
         dest="mla_rope_contiguous_load",
-        help="Apply multi-latent attention's fused YaRN RoPE with megatron_ext's contiguous-load "
-        "Triton kernels instead of megatron-core's (bit-identical results, fewer memory "
-        "transactions). Needs --multi-latent-attention, yarn RoPE (--rope-type yarn or the MLA "
-        "default) and RoPE fusion (--position-embedding-type rope, no --no-rope-fusion). Runs in "
-        "training and in static-batching inference (StaticInferenceContext); dynamic batching "
-        "with RoPE fusion is refused.",
+        help="Run multi-latent attention's YaRN RoPE with megatron_ext's contiguous-load Triton "
+        "kernels instead of megatron-core's (bit-identical results, fewer memory transactions). "
+        "Needs --multi-latent-attention and yarn RoPE (--rope-type yarn or the MLA default). "
+        "Training and static-batching inference (StaticInferenceContext): needs RoPE fusion "
+        "(--position-embedding-type rope, no --no-rope-fusion). Dynamic batching "
+        "(DynamicInferenceEngine): needs --cache-mla-latents --no-rope-fusion; megatron_ext's MLA "
+        "step then serves it with its own paged latent-cache kernels (kv_lora_rank and "
+        "qk_pos_emb_head_dim powers of two >= 16, context parallel size 1, a tensor parallel "
+        "size that divides the attention heads, no sequence parallelism, no FP8 KV cache), at "
+        "any KV block size with --inference-static-active-slices (megatron-core's own context "
+        "takes 64 only). Dynamic batching with RoPE fusion on is refused.",
     )
     slices_action = group.add_argument(
         INFERENCE_STATIC_ACTIVE_SLICES_FLAG,
         action="store_true",
         default=False,
         dest="inference_static_active_slices",
-        help="Dynamic inference: keep the active-request slices of the inference context in "
-        "static-address tensors, rebuilt in place each step, so that sampling and step "
-        "bookkeeping can run inside CUDA graphs.",
+        help="Dynamic inference: megatron-core's DynamicInferenceContext and "
+        "TextGenerationController are built as megatron_ext's subclasses, which keep the "
+        "active-request slices in static-address tensors, rebuilt in place each step, and sample "
+        "in a region that CUDA graphs capture when the engine uses them. megatron-core's "
+        "DynamicInferenceEngine then checks each request where it enters (prompt token ids within "
+        "the model's vocabulary, a non-empty prompt, integer token counts, sampling values in "
+        "range, the log-prob options it asserts on, an id no request in the engine holds) and "
+        "fails a bad request, or one whose logits are not finite, alone, with the reason, while "
+        "it serves the others.",
     )
     for action in (mla_action, slices_action):
         setattr(action, _ADDED_BY_MEGATRON_EXT, True)

@@ -23,8 +23,10 @@ on first use), so threads may share a module. GRAPH-SAFE: no host synchronisatio
 comes from shapes and host ints of the context.
 """
 
+import operator
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.identity_op import IdentityOp
@@ -47,13 +49,38 @@ __all__ = [
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _is_pow2_at_least_16(value: Any) -> bool:
-    return (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value >= 16
-        and not (value & (value - 1))
-    )
+def _as_int(value: Any) -> Optional[int]:
+    """``value`` as an int (Python or numpy integers, through ``operator.index``), or None for
+    anything else (a bool, a float, a str, None)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _width_problem(name: str, value: Any, what: str, example: int) -> Optional[str]:
+    """Why ``value`` is no width the paged latent-cache kernels take (a power of two >= 16), or
+    None; the message says what the value is."""
+    width = _as_int(value)
+    if width is None:
+        return f"{name}={value!r} is not an integer; the paged latent-cache kernels take {what}"
+    if width < 16 or width & (width - 1):
+        return (
+            f"{name}={width}: the paged latent-cache kernels take {what} (DeepSeek-V3: {example})"
+        )
+    return None
+
+
+def _size_problem(name: str, value: Any) -> Tuple[Optional[int], Optional[str]]:
+    """(``value`` as an int >= 1, or None; why it is not one, or None). None (unset) is 1."""
+    if value is None:
+        return 1, None
+    size = _as_int(value)
+    if size is None or size < 1:
+        return None, f"{name}={value!r}: must be an integer >= 1"
+    return size, None
 
 
 def mla_dynamic_config_problems(
@@ -78,36 +105,44 @@ def mla_dynamic_config_problems(
     problems = []
     latent = getattr(config, "kv_lora_rank", None)
     rope = getattr(config, "qk_pos_emb_head_dim", None)
-    if not _is_pow2_at_least_16(latent):
-        problems.append(
-            f"kv_lora_rank={latent!r}: the paged latent-cache kernels take a latent width that is "
-            "a power of two >= 16 (DeepSeek-V3: 512)"
-        )
-    if not _is_pow2_at_least_16(rope):
-        problems.append(
-            f"qk_pos_emb_head_dim={rope!r}: the paged latent-cache kernels take a RoPE head size "
-            "that is a power of two >= 16 (DeepSeek-V3: 64)"
-        )
+    for problem in (
+        _width_problem("kv_lora_rank", latent, "a latent width that is a power of two >= 16", 512),
+        _width_problem(
+            "qk_pos_emb_head_dim", rope, "a RoPE head size that is a power of two >= 16", 64
+        ),
+    ):
+        if problem is not None:
+            problems.append(problem)
     rope_type = getattr(config, "rope_type", "yarn")
     if rope_type not in (None, "yarn"):
         problems.append(f"rope_type={rope_type!r}: the dynamic MLA path rotates with yarn RoPE")
     cp = context_parallel_size
     if cp is None:
-        cp = getattr(config, "context_parallel_size", 1) or 1
-    if cp != 1:
+        cp = getattr(config, "context_parallel_size", None)
+    cp, problem = _size_problem("context_parallel_size", cp)
+    if problem is not None:
+        problems.append(problem)
+    elif cp != 1:
         problems.append(
             f"context_parallel_size={cp}: dynamic-batching MLA does not split a step's tokens "
             "across context-parallel ranks"
         )
     tp = tensor_parallel_size
     if tp is None:
-        tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+        tp = getattr(config, "tensor_model_parallel_size", None)
+    tp, problem = _size_problem("tensor_model_parallel_size", tp)
+    if problem is not None:
+        problems.append(problem)
     heads = getattr(config, "num_attention_heads", None)
-    if isinstance(heads, int) and (tp < 1 or heads % tp):
-        problems.append(
-            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}: each "
-            "rank must hold whole query heads"
-        )
+    if heads is not None:
+        heads, problem = _size_problem("num_attention_heads", heads)
+        if problem is not None:
+            problems.append(problem)
+        elif tp is not None and heads % tp:
+            problems.append(
+                f"tensor_model_parallel_size={tp} does not divide num_attention_heads={heads}: "
+                "each rank must hold whole query heads"
+            )
     if getattr(config, "sequence_parallel", False):
         problems.append("sequence_parallel is on: dynamic-batching steps are not sequence-split")
     for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):

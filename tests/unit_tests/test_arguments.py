@@ -5,6 +5,7 @@
 import argparse
 import sys
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
@@ -45,6 +46,15 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
+def latent_cache(**overrides) -> dict:
+    """Overrides for megatron_lm_args: the dynamic-batching configuration the flag serves
+    (``--cache-mla-latents --no-rope-fusion``, DeepSeek-V3's widths), then ``overrides``."""
+    fields = dict(cache_mla_latents=True, apply_rope_fusion=False, num_attention_heads=16)
+    fields.update(kv_lora_rank=512, qk_pos_emb_head_dim=64)
+    fields.update(overrides)
+    return fields
+
+
 @pytest.fixture(autouse=True)
 def _clean_state():
     undo_megatron_ext()
@@ -77,10 +87,43 @@ class TestParser:
         assert "yarn" in mla_help
         # It also serves static-batching inference (not "training only").
         assert "static-batching inference" in mla_help and "training only" not in mla_help
-        assert (
-            "CUDA graphs" in parser._option_string_actions[INFERENCE_STATIC_ACTIVE_SLICES_FLAG].help
-        )
+        slices_help = parser._option_string_actions[INFERENCE_STATIC_ACTIVE_SLICES_FLAG].help
+        assert "CUDA graphs" in slices_help
+        assert "vocabulary" in slices_help and "alone" in slices_help
         assert "megatron_ext" in parser.format_help()
+
+    def test_help_text_says_what_the_configuration_check_takes(self):
+        """The help's two recipes are what the check accepts: RoPE fusion for training and
+        static batching, and the README's serving recipe (--cache-mla-latents
+        --no-rope-fusion) for dynamic batching; RoPE fusion off without the latent cache is
+        refused."""
+        parser = add_megatron_ext_args(argparse.ArgumentParser())
+        mla_help = " ".join(
+            parser._option_string_actions[MLA_ROPE_CONTIGUOUS_LOAD_FLAG].help.split()
+        )
+        assert (
+            "Training and static-batching inference (StaticInferenceContext): needs RoPE fusion"
+            in mla_help
+        )
+        assert (
+            "Dynamic batching (DynamicInferenceEngine): needs --cache-mla-latents --no-rope-fusion"
+            in mla_help
+        )
+        check_mla_rope_config(megatron_lm_args())
+        check_mla_rope_config(megatron_lm_args(**latent_cache()))
+        with pytest.raises(MegatronExtConfigError, match="apply_rope_fusion is off"):
+            check_mla_rope_config(megatron_lm_args(apply_rope_fusion=False))
+        # The limits the help lists are the ones the check names.
+        for field, value in (
+            ("kv_lora_rank", 384),
+            ("qk_pos_emb_head_dim", 48),
+            ("context_parallel_size", 2),
+            ("sequence_parallel", True),
+        ):
+            with pytest.raises(MegatronExtConfigError, match=field):
+                check_mla_rope_config(megatron_lm_args(**latent_cache(**{field: value})))
+        assert "powers of two >= 16" in mla_help and "context parallel size 1" in mla_help
+        assert "no sequence parallelism" in mla_help and "no FP8 KV cache" in mla_help
 
     def test_adding_twice_is_harmless(self):
         parser = argparse.ArgumentParser()
@@ -216,6 +259,16 @@ class TestApplyUndo:
             "context_parallel_size=2",
         ),
         (dict(experimental_attention_variant="dsa"), "experimental_attention_variant"),
+        # Sizes that are no sizes were read as 1 (`or 1`), or let through.
+        (latent_cache(tensor_model_parallel_size=0), r"tensor_model_parallel_size=0: must be an"),
+        (latent_cache(context_parallel_size=0), r"context_parallel_size=0: must be an integer"),
+        (latent_cache(context_parallel_size=-2), r"context_parallel_size=-2: must be an integer"),
+        (latent_cache(num_attention_heads=0), r"num_attention_heads=0: must be an integer >= 1"),
+        (latent_cache(num_attention_heads=16.0), r"num_attention_heads=16.0: must be an integer"),
+        # A numpy integer is judged by its value, and the message says the value.
+        (latent_cache(kv_lora_rank=np.int64(384)), r"kv_lora_rank=384: the paged latent-cache"),
+        (latent_cache(kv_lora_rank=512.0), r"kv_lora_rank=512.0 is not an integer"),
+        (latent_cache(qk_pos_emb_head_dim=True), r"qk_pos_emb_head_dim=True is not an integer"),
     ],
 )
 def test_configurations_the_flag_cannot_act_on(overrides, reason):
@@ -226,6 +279,22 @@ def test_configurations_the_flag_cannot_act_on(overrides, reason):
     # A refusal leaves megatron-core as it was.
     assert mcore_specs.MLASelfAttention is mcore_mla.MLASelfAttention
     assert not applied_megatron_ext()["mla_rope_contiguous_load"]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(kv_lora_rank=np.int64(512), qk_pos_emb_head_dim=np.int32(64)),
+        dict(tensor_model_parallel_size=np.int64(4), num_attention_heads=np.int64(16)),
+        dict(tensor_model_parallel_size=None, context_parallel_size=None),
+    ],
+    ids=["numpy_widths", "numpy_sizes", "unset_sizes"],
+)
+def test_numpy_integers_and_unset_sizes_are_taken(sizes):
+    """Configuration values from numpy (a checkpoint's metadata, say) are integers; an unset
+    parallel size is 1."""
+    apply_megatron_ext(megatron_lm_args(**latent_cache(**sizes)))
+    assert applied_megatron_ext()["mla_rope_contiguous_load"]
 
 
 def test_latent_caching_is_the_dynamic_batching_path():

@@ -67,7 +67,11 @@ def latent_cache_request_0_19(
     )
     pg_collection = getattr(inference_config, "pg_collection", None)
     tp, cp = _tp_cp_sizes(pg_collection, getattr(model_config, "tensor_model_parallel_size", None))
-    cp = max(cp, getattr(model_config, "context_parallel_size", 1) or 1)
+    config_cp = getattr(model_config, "context_parallel_size", None)
+    if isinstance(config_cp, int) and not isinstance(config_cp, bool) and config_cp >= 1:
+        cp = max(cp, config_cp)
+    elif config_cp is not None:
+        cp = config_cp  # no size (0, a negative, a float): the check names it
     return on, model_config, dict(tensor_parallel_size=tp, context_parallel_size=cp)
 
 

@@ -10,7 +10,12 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from megatron_ext.inference.contexts.request_checks import as_bool, as_int, as_real
+from megatron_ext.inference.contexts.request_checks import (
+    as_bool,
+    as_int,
+    as_real,
+    check_sampling_ranges,
+)
 
 __all__ = [
     "RequestSamplingRegistry",
@@ -114,12 +119,15 @@ def request_features(
             float ``top_k``).
         ValueError: for what megatron-core's sampler refuses with an assert or fails on (top-k
             and top-p together, top-p above 1 or NaN, temperature 0 when sampling, ``top_k``
-            above the limit), for a negative temperature when sampling (stock would sample the
-            least likely tokens), and for values no sampler can use (a temperature whose
-            reciprocal overflows, ``top_n_logprobs`` above the logits' width).
+            above the limit), for values outside their range
+            (:func:`~megatron_ext.inference.contexts.request_checks.check_sampling_ranges`:
+            negative ``top_k``, ``top_p`` or temperature, a temperature that is not finite), and
+            for values no sampler can use (a temperature whose reciprocal overflows,
+            ``top_n_logprobs`` above the logits' width).
     """
     if sampling_params is None:
         raise TypeError("sampling_params must be a SamplingParams, got None")
+    check_sampling_ranges(sampling_params)
     top_k = as_int("top_k", sampling_params.top_k)
     top_p = as_real("top_p", sampling_params.top_p)
     temperature = as_real("temperature", sampling_params.temperature)
@@ -131,8 +139,6 @@ def request_features(
             f"top_k ({top_k}) and top_p ({top_p}) cannot both be greater than zero "
             "(megatron-core's sampler asserts the same)"
         )
-    if not top_p <= 1.0:  # a NaN too, as megatron-core's assert refuses it
-        raise ValueError(f"top_p must be at most 1.0, got {top_p}")
     if limits.max_top_k is not None and top_k > limits.max_top_k:
         raise ValueError(
             f"top_k ({top_k}) is larger than the sampler allows ({limits.max_top_k}: the "

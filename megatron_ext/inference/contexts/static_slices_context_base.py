@@ -9,13 +9,19 @@ The release-specific classes live in ``dynamic_context_0_16`` and ``dynamic_cont
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Container, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
-from megatron_ext.inference.contexts.request_checks import as_int, check_metadata_value
+from megatron_ext.inference.contexts.request_checks import (
+    as_int,
+    check_generation_length,
+    check_log_prob_options,
+    check_metadata_value,
+    prompt_token_ids,
+)
 from megatron_ext.inference.contexts.sampling_registry import (
     RequestSamplingRegistry,
     SamplingLimits,
@@ -32,6 +38,10 @@ __all__ = [
     "UPSTREAM_HAS_ACTIVE_SLICES",
     "check_row_count",
 ]
+
+# num_tokens_to_generate=0 is megatron-core's "score the prompt, generate nothing"; from 0.19 its
+# dynamic engine honours it (it trims the sampled token), 0.16's appends one token.
+ZERO_TOKENS_TO_GENERATE_HONOURED = is_megatron_core_min_version("0.19.0")
 
 # megatron-core 0.19 keeps request bookkeeping in pinned host memory and already has
 # build_active_slices/pad_active_slices; earlier releases keep it on the device and have neither.
@@ -292,18 +302,57 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         request_features(params, self._sampling_limits)
         return request_id
 
-    def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> None:
-        """The prompt tokens, and the chunk and output lengths megatron-core's ``add_request``
-        stores (int32), checked before it allocates anything."""
-        tokens = req.remaining_prompt_tokens
-        if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
-            raise TypeError(
-                "the prompt tokens must be a 1-D integer tensor (megatron-core would cast a "
-                f"floating one to ids), got {_describe(tokens)}"
+    def check_new_request(
+        self,
+        req: Any,
+        *,
+        vocab_size: Optional[int] = None,
+        ids_in_use: Container = (),
+        last_token_logits_only: Optional[bool] = None,
+    ) -> Tensor:
+        """Refuse a request that cannot run, where it enters megatron-core's engine (before the
+        engine queues it or this context allocates anything); changes nothing.
+
+        Checked: :meth:`check_request`; the prompt (:func:`prompt_token_ids`: a non-empty 1-D
+        tensor of integral ids in ``[0, vocab_size)``); the generation length
+        (:func:`check_generation_length`: 0 only where megatron-core's engine honours it); the
+        log-prob options megatron-core's engine asserts on (:func:`check_log_prob_options`); and
+        that no request the engine holds has the same id.
+
+        Args:
+            req: a ``DynamicInferenceRequest``, as megatron-core's engine builds it.
+            vocab_size: the model's vocabulary (None: ids are checked to be >= 0 only).
+            ids_in_use: ids of the requests the engine holds (queued, running or paused).
+            last_token_logits_only: whether the forward pass materializes only last-token logits
+                (default: this context's setting).
+
+        Returns:
+            Tensor: the prompt as int64 ids (the request's own tensor when it is int64).
+
+        Raises:
+            TypeError, ValueError: naming the field and its value.
+        """
+        request_id = self.check_request(req)
+        if request_id in ids_in_use:
+            raise ValueError(
+                f"request_id {request_id} is in use by a request the engine has not finished; "
+                "request ids must be unique among the requests an engine holds"
             )
+        tokens = prompt_token_ids("prompt_tokens", req.prompt_tokens, vocab_size)
+        params = req.sampling_params
+        check_generation_length(params, tokens.numel(), ZERO_TOKENS_TO_GENERATE_HONOURED)
+        if last_token_logits_only is None:
+            last_token_logits_only = self.materializes_only_last_token_logits
+        check_log_prob_options(params, last_token_logits_only)
+        return tokens
+
+    def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> Tensor:
+        """The prompt tokens, and the chunk and output lengths megatron-core's ``add_request``
+        stores (int32), checked before it allocates anything; returns the tokens as int64."""
+        tokens = prompt_token_ids(
+            f"request {req.request_id}'s remaining prompt tokens", req.remaining_prompt_tokens
+        )
         remaining = tokens.numel()
-        if remaining == 0:
-            raise ValueError(f"request {req.request_id} has no prompt tokens left to add")
         chunk = args[0] if args else kwargs.get("chunk_length", kwargs.get("prefill_chunk_length"))
         if chunk is not None:
             check_row_count(
@@ -318,6 +367,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
             INT32_MAX - done - remaining,
             "the request's output length is stored as int32",
         )
+        return tokens
 
     def release_request_sampling_state(self, request_ids: Iterable[int]) -> None:
         """Tell the context that requests have left it (finished), for
@@ -407,14 +457,15 @@ class StaticSlicesContextBase(DynamicInferenceContext):
 
         Raises:
             TypeError, ValueError: for what :meth:`check_request` refuses, prompt tokens that
-                are not a non-empty 1-D integer tensor, a chunk length or
+                are not a non-empty 1-D tensor of integral ids >= 0 (floating ids with integral
+                values are stored as int64, as megatron-core stores them), a chunk length or
                 ``num_tokens_to_generate`` megatron-core could not store, and a request whose id
                 is already in the context (megatron-core would hold two rows with one id;
                 finishing either would then be ambiguous), except for a later chunk of a
                 chunked-prefill request. All before megatron-core changes anything.
         """
         request_id = self.check_request(req)
-        self._check_added_tokens(req, args, kwargs)
+        tokens = self._check_added_tokens(req, args, kwargs)
         # A later chunk of a chunked prefill comes back under its id (finished_chunk_token_count
         # counts the chunks already added).
         continuing = int(getattr(req, "finished_chunk_token_count", 0) or 0) > 0
@@ -423,6 +474,10 @@ class StaticSlicesContextBase(DynamicInferenceContext):
                 f"request id {request_id} is already in the context; request ids must be unique "
                 "among the requests a context holds"
             )
+        if tokens is not req.remaining_prompt_tokens:
+            # Ids of another dtype (floats with integral values, as megatron-core's own tests
+            # pass them): megatron-core stores them as int64; the request then holds them so.
+            _as_int64_prompt(req, tokens)
         super().add_request(req, *args, **kwargs)
         self._sampling_registry.add(request_id, req.sampling_params, self._sampling_limits)
 
@@ -440,10 +495,13 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         return self.total_request_count - self.paused_request_count
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a {value.dim()}-D {value.dtype} tensor"
-    return type(value).__name__
+def _as_int64_prompt(req: Any, remaining: Tensor) -> None:
+    """Give ``req`` its checked int64 remaining prompt, and its whole prompt as int64 too (the
+    engine concatenates generated tokens to it)."""
+    prompt = req.prompt_tokens
+    if isinstance(prompt, Tensor) and prompt.dtype != torch.int64:
+        req.prompt_tokens = prompt.to(torch.int64)  # not megatron-core state: the caller's
+    req.remaining_prompt_tokens = remaining  # not megatron-core state: the caller's request
 
 
 def _request_id_list(request_ids: Any) -> List[int]:

@@ -4,17 +4,23 @@
 ``megatron.core.inference.engines.dynamic_engine``).
 
 megatron-core's engine queues a request when it is added and hands it to the context when it is
-scheduled; a request the extension's context refuses there (``check_request``: top-k with
-top-p, a temperature too small to sample with, an id the context cannot store, ...) would stay
-at the head of the queue, and every later step would raise on it. And a request whose logits row
-is not finite has no distribution to sample from, which the graph-safe sampling region can only
-report (it cannot raise). While the inference flag is applied
-(:data:`megatron_ext.patches.PATCHES`, ``inference_static_active_slices``), the engine wrapped
-here:
+scheduled; a request the extension's context refuses there (top-k with top-p, a temperature too
+small to sample with, an id the context cannot store, ...) would stay at the head of the queue,
+and every later step would raise on it. A token id outside the vocabulary gets as far as the
+embedding (an IndexError on the CPU; on a GPU a device-side assert, which ends the process's
+CUDA context), an empty prompt wedges the scheduler, and a few option combinations meet bare
+asserts in megatron-core's ``_add_request``. And a request whose logits row is not finite has no
+distribution to sample from, which the graph-safe sampling region can only report (it cannot
+raise). While the inference flag is applied (:data:`megatron_ext.patches.PATCHES`,
+``inference_static_active_slices``), the engine wrapped here:
 
-* ``_add_request``: fails a request the context refuses when it enters, as megatron-core fails a
-  request longer than the context (status ``FAILED``, a non-transient error event whose message
-  is the reason), so it never reaches the scheduler;
+* ``_add_request``: fails a request the context refuses when it enters
+  (``StaticSlicesContextBase.check_new_request``, with the vocabulary of the engine's controller
+  and the ids the engine holds), as megatron-core fails a request longer than the context
+  (status ``FAILED``, a non-transient error event whose message is the reason), so it never
+  reaches the scheduler and nothing is allocated for it. A request whose id another request in
+  the engine holds is answered with a future that is already done (the engine's table is keyed
+  by id, so it cannot take it); the request it collides with is not touched;
 * ``async_bookkeep``: takes the requests the controller reports under
   :data:`FAILED_REQUESTS_KEY` out of the step's outputs (their rows have already left the
   context) and fails them the same way; the others are post-processed as megatron-core does.
@@ -24,11 +30,12 @@ events serialise. Engines around megatron-core's own context are unchanged.
 """
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from megatron.core.inference.contexts.dynamic_context import ContextOverflowError
-from megatron.core.inference.inference_request import Status
+from megatron.core.inference.inference_request import DynamicInferenceRequestRecord, Status
+from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext.inference.contexts.static_slices_context_base import StaticSlicesContextBase
 
@@ -37,6 +44,7 @@ __all__ = [
     "checked_add_request",
     "engine_fails_requests",
     "failing_bookkeep",
+    "model_vocab_size",
 ]
 
 # Key of the controller's step result holding {request id: reason} of requests to fail.
@@ -95,17 +103,72 @@ def _without_requests(result: Dict[str, Any], failed: Dict[int, str]) -> Dict[st
     return result
 
 
-def _refusal(engine: Any, request: Any) -> Optional[str]:
-    """The reason the engine's context refuses ``request``, or None (also for megatron-core's
-    own context, which checks nothing here)."""
-    context = engine.context
-    if not isinstance(context, StaticSlicesContextBase):
-        return None
-    try:
-        context.check_request(request)
-    except (TypeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
+def model_vocab_size(controller: Any) -> Optional[int]:
+    """The vocabulary of the model behind ``controller`` (the rows of its embedding, the width of
+    its logits), or None where the controller does not say.
+
+    megatron_ext's controllers read it when they are built (``_vocab_size``); megatron-core 0.19's
+    own controller keeps it as ``vocab_size``, 0.16's reads it from the wrapped model's
+    ``inference_wrapper_config.padded_vocab_size``.
+    """
+    for value in (
+        getattr(controller, "_vocab_size", None),
+        getattr(controller, "vocab_size", None),
+        getattr(
+            getattr(
+                getattr(controller, "inference_wrapped_model", None),
+                "inference_wrapper_config",
+                None,
+            ),
+            "padded_vocab_size",
+            None,
+        ),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return None
+
+
+def _last_token_logits_only(engine: Any) -> bool:
+    """What megatron-core's ``_add_request`` asserts prompt log-probs against: 0.19's engine keeps
+    the setting itself, 0.16's reads its context's."""
+    value = getattr(engine, "materialize_only_last_token_logits", None)
+    if value is None:
+        return engine.context.materializes_only_last_token_logits
+    return bool(value)
+
+
+def _refusal(engine: Any, request: Any) -> Tuple[Optional[str], Any]:
+    """(The reason megatron_ext's context refuses ``request`` or None, the prompt as int64
+    ids)."""
+    try:
+        tokens = engine.context.check_new_request(
+            request,
+            vocab_size=model_vocab_size(engine.controller),
+            ids_in_use=engine.requests,
+            last_token_logits_only=_last_token_logits_only(engine),
+        )
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}", None
+    return None, tokens
+
+
+def _is_resumed(engine: Any, request: Any) -> bool:
+    """Whether ``request`` is the engine's own request, added again when the engine resumes
+    (checked when it first entered; its prompt now holds its generated tokens too)."""
+    try:
+        entry = engine.requests.get(getattr(request, "request_id", None))
+    except TypeError:  # an unhashable id: not one the engine holds
+        return False
+    return entry is not None and entry.record[-1] is request
+
+
+def _already_failed(engine: Any, request: Any) -> Any:
+    """A done future holding ``request``'s record, for a request the engine cannot register."""
+    request.add_event_fail()
+    future = engine._loop.create_future()
+    future.set_result(DynamicInferenceRequestRecord.from_request(request))
+    return future
 
 
 def checked_add_request(original: Callable) -> Callable:
@@ -120,13 +183,36 @@ def checked_add_request(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def _add_request(self, request: Any) -> Any:
-        reason = _refusal(self, request)
-        if reason is not None:
-            # megatron-core's own convention for a request that can never run: its
-            # _add_request routes a FAILED request to the failed ones, not the queue.
-            request.status = Status.FAILED  # not megatron-core state: the caller's request
-            _add_error(request, reason)
-        return original(self, request)
+        # megatron-core's own context checks nothing here; a resumed request was checked once.
+        if not isinstance(self.context, StaticSlicesContextBase) or _is_resumed(self, request):
+            return original(self, request)
+        reason, tokens = _refusal(self, request)
+        if reason is None:
+            if tokens is not None and tokens is not request.prompt_tokens:
+                # Integral ids of another dtype, checked: megatron-core computes with int64 ids.
+                prompt = tokens
+                request.prompt_tokens = prompt  # not megatron-core state: the caller's request
+                request.remaining_prompt_tokens = prompt  # not megatron-core state: likewise
+            return original(self, request)
+        request.status = Status.FAILED  # not megatron-core state: the caller's request
+        _add_error(request, reason)
+        try:
+            in_use = request.request_id in self.requests
+        except TypeError:  # an unhashable id: megatron-core could not key it either
+            in_use = True
+        if in_use:
+            return _already_failed(self, request)
+        # megatron-core's own convention for a request that can never run: its _add_request
+        # registers it and routes a FAILED request to the failed ones, not the queue. It asserts
+        # on some of the very options refused here before it reads the status, and computes with
+        # the counts, so it runs with neutral sampling parameters; the request keeps its own.
+        params = request.sampling_params
+        neutral = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
+        request.sampling_params = neutral  # not megatron-core state: the caller's request
+        try:
+            return original(self, request)
+        finally:
+            request.sampling_params = params  # not megatron-core state: put back
 
     return _add_request
 

@@ -986,15 +986,23 @@ def test_bad_requests_are_refused_before_anything_changes(case):
 @pytest.mark.parametrize(
     "tokens,error,match",
     [
-        (lambda: torch.tensor([3.7, 1.2]), TypeError, "1-D integer tensor .*float32"),
-        (lambda: torch.tensor([[3, 1]]), TypeError, "1-D integer tensor .*2-D"),
-        (lambda: [3, 1], TypeError, "1-D integer tensor .*got list"),
-        (lambda: torch.tensor([], dtype=torch.int64), ValueError, "has no prompt tokens"),
+        (lambda: torch.tensor([3.0, 3.7, 1.2]), ValueError, r"\[1\] is 3\.7.* integral"),
+        (lambda: torch.tensor([3.0, float("nan")]), ValueError, r"\[1\] is nan.* finite"),
+        (lambda: torch.tensor([float("inf")]), ValueError, r"\[0\] is inf.* finite"),
+        (lambda: torch.tensor([2, -1]), ValueError, r"\[1\] is -1: token ids must be in \[0, "),
+        (lambda: torch.tensor([-2.0]), ValueError, r"\[0\] is -2\.0: token ids must be in"),
+        (lambda: torch.tensor([True, False]), TypeError, "integer token ids, got a 1-D torch.bool"),
+        (lambda: torch.tensor([1 + 0j]), TypeError, "integer token ids, got a 1-D torch.complex"),
+        (lambda: torch.tensor([[3, 1]]), TypeError, "1-D tensor of token ids, got a 2-D"),
+        (lambda: [3, 1], TypeError, "1-D tensor of token ids, got list"),
+        (lambda: torch.tensor([], dtype=torch.int64), ValueError, "tokens is empty"),
     ],
-    ids=["float", "2-D", "list", "empty"],
+    ids=["fraction", "nan", "inf", "negative", "negative_float", "bool", "complex", "2-D"]
+    + ["list", "empty"],
 )
 def test_bad_prompt_tokens_are_refused_before_anything_changes(tokens, error, match):
-    """megatron-core casts floating ids to integers, or asserts on an empty chunk."""
+    """megatron-core truncates fractional ids, stores NaN and negative ids as garbage ids, or
+    asserts on an empty chunk."""
     ctx = make_context()
     before = _state(ctx)
     request = make_request(0, 3, random.Random(0))
@@ -1002,6 +1010,51 @@ def test_bad_prompt_tokens_are_refused_before_anything_changes(tokens, error, ma
     with pytest.raises(error, match=match):
         ctx.add_request(request)
     assert _state(ctx) == before
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.uint8]
+)
+def test_integral_ids_of_other_dtypes_are_stored_as_int64(dtype):
+    """What megatron-core's context accepts (it copies the ids into int64 buffers; its own tests
+    pass ``torch.zeros(10)``), the extension accepts and stores alike; the request then holds
+    int64 ids."""
+    ids = [5, 0, 63, 17]
+    stored = []
+    for extension in (False, True):
+        ctx = make_context(extension=extension)
+        request = make_request(0, 4, random.Random(0))
+        request.prompt_tokens = torch.tensor(ids, dtype=dtype)
+        request.remaining_prompt_tokens = request.prompt_tokens.clone()
+        ctx.add_request(request)
+        stored.append(_as_list(ctx.token_to_input_ids[:4]))
+        if extension:
+            assert request.prompt_tokens.dtype == torch.int64
+            assert request.remaining_prompt_tokens.dtype == torch.int64
+            assert request.prompt_tokens.tolist() == ids
+    assert stored == [ids, ids]
+
+
+@pytest.mark.parametrize("extension", [False, True], ids=["stock", "megatron_ext"])
+def test_megatron_cores_request_overflow_scenario(extension):
+    """megatron-core's own ``test_dynamic_context.py::TestDynamicContext::test_request_overflow``
+    (tags core_v0.16.1 and core_v0.19.0), on a small context: float32 prompts of zeros, one
+    request more than ``max_requests`` halved; the last one overflows, on both classes alike."""
+    from megatron.core.inference.contexts.dynamic_context import RequestOverflowError
+
+    # Room for every request's tokens, so that the request count is what overflows.
+    ctx = make_context(extension=extension, max_tokens=256)
+    ctx.max_requests //= 2
+    with pytest.raises(RequestOverflowError):
+        for i in range(ctx.max_requests + 1):
+            ctx.add_request(
+                DynamicInferenceRequest(
+                    request_id=i,
+                    prompt_tokens=torch.zeros(10),
+                    sampling_params=SamplingParams(num_tokens_to_generate=ctx.max_tokens - 10),
+                )
+            )
+    assert ctx.total_request_count == ctx.max_requests
 
 
 @pytest.mark.parametrize(

@@ -58,12 +58,19 @@ def test_requirements_follow_megatron_core_rules_and_counts():
     [
         (dict(top_k=5, top_p=0.9), "cannot both be greater than zero"),
         (dict(top_k=1, top_p=0.5), "cannot both be greater than zero"),
-        (dict(top_k=0, top_p=1.5), "top_p must be at most 1.0"),
+        (dict(top_k=0, top_p=1.5), r"top_p must be in \[0.0, 1.0\].*got 1.5"),
         # megatron-core asserts `top_p <= 1.0`, which a NaN fails, whatever top_k is.
-        (dict(top_k=0, top_p=float("nan")), "top_p must be at most 1.0"),
-        (dict(top_k=5, top_p=float("nan")), "top_p must be at most 1.0"),
-        (dict(top_k=5, temperature=0.0), "temperature must be > 0"),
-        (dict(top_k=0, temperature=-1.0), "temperature must be > 0"),
+        (dict(top_k=0, top_p=float("nan")), r"top_p must be in \[0.0, 1.0\].*got nan"),
+        (dict(top_k=5, top_p=float("nan")), r"top_p must be in \[0.0, 1.0\].*got nan"),
+        (dict(top_k=5, temperature=0.0), "temperature must be > 0 when sampling"),
+        # Out of range whatever the mode: megatron-core samples with them without a word.
+        (dict(top_k=-1), r"top_k must be >= 0 .*got -1"),
+        (dict(top_k=0, top_p=-0.1), r"top_p must be in \[0.0, 1.0\].*got -0.1"),
+        (dict(top_k=0, temperature=-1.0), "temperature must be finite and >= 0, got -1.0"),
+        (dict(top_k=1, temperature=-1.0), "temperature must be finite and >= 0, got -1.0"),
+        (dict(top_k=1, temperature=float("inf")), "temperature must be finite and >= 0, got inf"),
+        (dict(top_k=0, temperature=float("nan")), "temperature must be finite and >= 0, got nan"),
+        (dict(top_n_logprobs=-1, return_log_probs=True), "top_n_logprobs must be >= 0, got -1"),
     ],
 )
 def test_parameters_megatron_cores_sampler_refuses_are_refused_unrecorded(bad, match):

@@ -17,8 +17,11 @@ is shut down (frontends, engine, coordinator) and the case checks that nothing i
 
 Checks: every request finishes; the tokens the server returned equal, request by request, the
 tokens megatron-core's engine generates for the same prompts and sampling parameters run
-directly (``MegatronLLM`` without a coordinator, same model, same ``InferenceConfig``); the
-shutdown leaves no frontend or coordinator process and the port closed. Float32 by default:
+directly (``MegatronLLM`` without a coordinator, same model, same ``InferenceConfig``); after the
+load, bad completions requests (a token id equal to the model's vocabulary size, an empty
+token-id prompt, a temperature of -1) are each answered with an error response (4xx) naming what
+is wrong, and a good request sent after them is served with the engine's tokens; the shutdown
+leaves no frontend or coordinator process and the port closed. Float32 by default:
 the served run batches the requests differently from the direct one (they arrive over HTTP),
 and float32 keeps the greedy choices away from ties that a different batch could round the
 other way.
@@ -353,6 +356,18 @@ def wait_until_healthy(port: int, timeout: float) -> float:
         time.sleep(0.25)
 
 
+def openai_client(port: int, args: argparse.Namespace) -> Any:
+    """The ``openai`` package's ``AsyncOpenAI`` client of the server on ``HOST:port``."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(
+        base_url=f"http://{HOST}:{port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=args.request_timeout,
+    )
+
+
 async def drive(
     port: int, args: argparse.Namespace, requests: List[Dict[str, Any]]
 ) -> Tuple[Dict[int, Dict[str, Any]], float]:
@@ -363,14 +378,7 @@ async def drive(
         ``generated_log_probs``, ``latency`` (seconds) and ``endpoint``; and the wall time of
         the whole load.
     """
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(
-        base_url=f"http://{HOST}:{port}/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=args.request_timeout,
-    )
+    client = openai_client(port, args)
     gate = asyncio.Semaphore(args.concurrency)
     # megatron-core's extensions to the OpenAI request: no end-of-document stop.
     extra_body = {"ignore_eos": True}
@@ -419,6 +427,86 @@ async def drive(
     return dict(done), time.perf_counter() - start
 
 
+def bad_completions(vocab_size: int) -> Dict[str, Tuple[Any, float, str]]:
+    """Completions requests the engine must refuse where they enter: name -> (prompt,
+    temperature, what the error response must say). Before megatron_ext checked requests, the
+    first made the engine's steps raise (a device-side assert on a GPU: the whole server dies),
+    the second wedged the scheduler, the third was sampled from the least likely tokens."""
+    return {
+        "token id = vocabulary size": (
+            [1, 2, vocab_size],
+            0.0,
+            f"prompt_tokens[2] is {vocab_size}",
+        ),
+        "empty token-id prompt": ([[]], 0.0, "prompt_tokens is empty"),
+        "temperature -1": ([1, 2, 3], -1.0, "temperature must be finite and >= 0"),
+    }
+
+
+async def drive_bad_then_good(
+    port: int, args: argparse.Namespace, vocab_size: int, good: Dict[str, Any]
+) -> Tuple[Dict[str, Dict[str, Any]], List[int]]:
+    """Send each of :func:`bad_completions` in turn, then the good request ``good``.
+
+    Returns:
+        Tuple[Dict[str, Dict[str, Any]], List[int]]: per bad request the HTTP ``status`` and the
+        response's ``message`` (and what it must say, ``expect``); the good request's tokens.
+    """
+    from openai import APIStatusError
+
+    client = openai_client(port, args)
+    extra_body = {"ignore_eos": True}
+    refusals: Dict[str, Dict[str, Any]] = {}
+    try:
+        for name, (prompt, temperature, expect) in bad_completions(vocab_size).items():
+            try:
+                reply = await client.completions.create(
+                    model="megatron",
+                    prompt=prompt,
+                    max_tokens=4,
+                    temperature=temperature,
+                    extra_body=extra_body,
+                )
+            except APIStatusError as error:
+                # The endpoint answers in plain text, which the client keeps as the response.
+                message = error.response.text
+                refusals[name] = dict(status=error.status_code, message=message, expect=expect)
+            else:
+                served = reply.choices[0].generation_token_ids
+                refusals[name] = dict(status=200, message=f"served {served}", expect=expect)
+        reply = await client.completions.create(
+            model="megatron",
+            prompt=good["prompt"],
+            max_tokens=good["max_tokens"],
+            temperature=0.0,
+            logprobs=0,
+            extra_body=extra_body,
+        )
+    finally:
+        await client.close()
+    return refusals, [int(t) for t in reply.choices[0].generation_token_ids]
+
+
+def refusal_problems(
+    served: Dict[str, Any], requests: List[Dict[str, Any]], direct: Dict[int, Dict[str, Any]]
+) -> List[str]:
+    """What is wrong with the bad requests' answers and the good request served after them."""
+    problems = []
+    for name, answer in served["refusals"].items():
+        if not 400 <= answer["status"] < 500 or answer["expect"] not in answer["message"]:
+            problems.append(
+                f"bad request {name!r}: expected an error response saying {answer['expect']!r}, "
+                f"got {answer['status']}: {answer['message'][:300]}"
+            )
+    first = next((i for i, r in enumerate(requests) if r["endpoint"] == "completions"), None)
+    if first is not None and served["after_refusals"] != direct[first]["generated_tokens"]:
+        problems.append(
+            f"request {first} served after the refused ones: {served['after_refusals'][:8]}... "
+            f"vs the engine's {direct[first]['generated_tokens'][:8]}..."
+        )
+    return problems
+
+
 def port_is_closed(port: int) -> bool:
     """Whether nothing accepts connections on ``HOST:port`` any more."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -443,6 +531,7 @@ async def serve_and_drive(
     )
 
     from megatron_ext.inference.contexts.dynamic_context import StaticSlicesInferenceContext
+    from megatron_ext.inference.engines.dynamic_engine import model_vocab_size
     from megatron_ext.testing.network import free_port
 
     port = args.port or free_port()
@@ -468,6 +557,11 @@ async def serve_and_drive(
         startup = time.monotonic() - start
         startup += wait_until_healthy(port, args.startup_timeout)
         outputs, seconds = await drive(port, args, requests)
+        # Bad requests through the same server, then a good one: each bad one is answered with
+        # an error, and the server keeps serving.
+        good = next((r for r in requests if r["endpoint"] == "completions"), requests[0])
+        vocab_size = model_vocab_size(llm.engine.controller)
+        refusals, after_refusals = await drive_bad_then_good(port, args, vocab_size, good)
     finally:
         coordinator = getattr(llm.engine, "inference_coordinator_process", None)
         await llm.shutdown()
@@ -484,6 +578,8 @@ async def serve_and_drive(
     ttft, itl = records.latencies()
     return dict(
         outputs=outputs,
+        refusals=refusals,
+        after_refusals=after_refusals,
         seconds=seconds,
         ttft=ttft,
         itl=itl,
@@ -587,6 +683,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             undo_megatron_ext()
     found, worst_log_prob = compare(requests, served["outputs"], direct)
     problems += found
+    problems += refusal_problems(served, requests, direct)
     if not served["flag_context"]:
         problems.append(f"the server's engine ran {served['context_class']}, not the flag's")
     shutdown = served["shutdown"]
@@ -609,6 +706,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         concurrency=args.concurrency,
         frontend_replicas=args.frontend_replicas,
         tokens_equal_engine=not found,
+        refused_requests={name: a["status"] for name, a in served["refusals"].items()},
         max_abs_log_prob_difference=worst_log_prob,
         seconds=served["seconds"],
         direct_seconds=direct_seconds,
