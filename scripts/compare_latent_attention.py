@@ -3,15 +3,19 @@
 """A/B of the MLA paged latent attention on a GPU: this checkout's kernels against another
 revision's, in one process, bit for bit and by CUDA-graph replay time.
 
-    git show REV:megatron_ext/fusions/mla_paged_latent_attention.py > /tmp/old_attention.py
-    python scripts/compare_latent_attention.py --old /tmp/old_attention.py [--quick]
-        [--shapes B,CTX,HEADS ...] [--page-tiles-everywhere] [--out FILE.json]
+    git archive REV megatron_ext/fusions/mla_latent | tar -x -C /tmp/old
+    python scripts/compare_latent_attention.py --old /tmp/old/megatron_ext/fusions/mla_latent
+        [--quick] [--shapes B,CTX,HEADS ...] [--page-tiles-everywhere] [--out FILE.json]
 
-The other revision's module is imported beside this one (its own Triton kernels and launch
-plans; the rest of megatron_ext is this checkout's, so the two must share its imports). For each
-decode shape (bf16, page size 64, the benchmark's cache contents, ``python -m megatron_ext.bench
-mla-serving``) it times both by graph replay with inputs rotated over copies larger than the L2,
-times this checkout's stage 1 and split combine alone, and compares the outputs bitwise.
+A revision from before the package: ``--old`` a copy of its module
+(``git show REV:megatron_ext/fusions/mla_paged_latent_attention.py > /tmp/old_attention.py``).
+
+The other revision's package (or module) is imported beside this one (its own Triton kernels and
+launch plans; the rest of megatron_ext is this checkout's, so the two must share its imports).
+For each decode shape (bf16, page size 64, the benchmark's cache contents, ``python -m
+megatron_ext.bench mla-serving``) it times both by graph replay with inputs rotated over copies
+larger than the L2, times this checkout's stage 1 and split combine alone, and compares the
+outputs bitwise.
 ``--page-tiles-everywhere`` adds a third column: this checkout with the one-block-id key tiles
 forced on for every tile (``page_tiles``), to see what the launcher's rule leaves out. Prints a
 table and exits 1 if any output bit moved (the row names whose), 2 without a GPU.
@@ -21,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -30,9 +35,11 @@ import triton
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.bench.mla_serving import _attention_sets, graph_us
 from megatron_ext.bench.rope import _copy_ceiling
-from megatron_ext.fusions import mla_paged_latent_attention as new
+from megatron_ext.fusions import mla_latent as new
+from megatron_ext.fusions.mla_latent import attention_plan
 
 _LAUNCHER_PAGE_TILES = new.page_tiles
+PACKAGE = new.__name__
 
 FULL_SHAPES = [
     (batch, context, heads)
@@ -51,10 +58,45 @@ QUICK_SHAPES = [
 
 
 def load_module(path: str) -> ModuleType:
-    """Import ``path`` (a copy of ``mla_paged_latent_attention.py``) as a module of its own."""
-    spec = importlib.util.spec_from_file_location("other_mla_paged_latent_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """Import another revision's latent attention beside this checkout's.
+
+    Args:
+        path: a copy of the ``megatron_ext/fusions/mla_latent`` package directory or, from a
+            revision before the package, of ``mla_paged_latent_attention.py``.
+
+    Returns:
+        ModuleType: the other revision's package or module (its ``mla_paged_latent_attention``).
+    """
+    if Path(path).is_file():
+        spec = importlib.util.spec_from_file_location("other_mla_paged_latent_attention", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return _load_package_copy(Path(path))
+
+
+def _package_modules() -> Dict[str, ModuleType]:
+    return {n: m for n, m in sys.modules.items() if n == PACKAGE or n.startswith(PACKAGE + ".")}
+
+
+def _load_package_copy(directory: Path) -> ModuleType:
+    """The package copy in ``directory``, imported under the package's own name (its modules
+    import each other by absolute name) while this checkout's modules are set aside; they are
+    put back afterwards, and the copy keeps its own."""
+    own = _package_modules()
+    for name in own:
+        del sys.modules[name]
+    try:
+        spec = importlib.util.spec_from_file_location(
+            PACKAGE, directory / "__init__.py", submodule_search_locations=[str(directory)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PACKAGE] = module
+        spec.loader.exec_module(module)
+    finally:
+        for name in _package_modules():
+            del sys.modules[name]
+        sys.modules.update(own)
     return module
 
 
@@ -111,9 +153,9 @@ def compare_shape(
 
     row: Dict[str, Any] = dict(batch=batch, context=context, heads=heads, bytes=nbytes)
     row["old_us"], old_out = timed(old)
-    new._PLANS.clear()
+    new.ATTENTION_PLANS.clear()
     row["new_us"], new_out = timed(new)
-    (plan,) = [p for p in new._PLANS._plans.values()]
+    (plan,) = new.ATTENTION_PLANS.plans()
     outs = {"new": new_out}
     if plan.workspace is not None:
         partial_shape, lse_shape = plan.workspace
@@ -131,13 +173,14 @@ def compare_shape(
         row["stage1_us"] = graph_us(stage1, sets, quick)["gpu_us"]
         row["combine_us"] = graph_us(combine, sets, quick)["gpu_us"]
     if page_tiles:
-        new.page_tiles = _page_tiles_at_any_warps
-        new._PLANS.clear()
+        # The plan reads the rule from its module when it is built.
+        attention_plan.page_tiles = _page_tiles_at_any_warps
+        new.ATTENTION_PLANS.clear()
         try:
             row["page_tiles_us"], outs["page tiles everywhere"] = timed(new)
         finally:
-            new.page_tiles = _LAUNCHER_PAGE_TILES
-            new._PLANS.clear()
+            attention_plan.page_tiles = _LAUNCHER_PAGE_TILES
+            new.ATTENTION_PLANS.clear()
     moved = [
         name
         for name, out in outs.items()
@@ -170,7 +213,9 @@ def print_table(rows: List[Dict[str, Any]], ceiling_tb_s: float) -> None:
 
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True, help="the other revision's module file")
+    parser.add_argument(
+        "--old", required=True, help="the other revision's package directory (or module file)"
+    )
     parser.add_argument("--shapes", nargs="+", default=None, help="B,CTX,HEADS decode shapes")
     parser.add_argument("--quick", action="store_true", help="six shapes, fewer repetitions")
     parser.add_argument("--page-tiles-everywhere", action="store_true")

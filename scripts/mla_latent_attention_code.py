@@ -9,7 +9,7 @@ them for sm_90, without a GPU: registers, spills, shared memory and tensor-core 
         [--dump DIR]
 
 The launches mirror ``mla_paged_latent_attention``'s launcher
-(megatron_ext/fusions/mla_paged_latent_attention.py) on an H200 (132 SMs), bf16, 128 heads
+(megatron_ext/fusions/mla_latent/attention_plan.py) on an H200 (132 SMs), bf16, 128 heads
 (``--heads``: 16 is a tensor-parallel-8 shard), page size 64, 4096-row block tables:
 
 * ``decode``: one token per request (``max_query_len=1``), 64 requests: ``BLOCK_Q=1``,
@@ -49,8 +49,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_ext.fusions import fused_mla_rope_cache_append as append
-from megatron_ext.fusions import mla_paged_latent_attention as mla
+from megatron_ext.fusions import mla_latent as mla
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -71,9 +70,9 @@ RUNTIME_SIZES = {
     "num_positions",
 }
 KERNELS = {
-    "attention": mla._latent_attention_kernel,
-    "combine": mla._combine_splits_kernel,
-    "append": append._rope_cache_append_kernel,
+    "attention": mla.STAGE1_LAUNCHES.kernel,
+    "combine": mla.COMBINE_LAUNCHES.kernel,
+    "append": mla.APPEND_LAUNCHES.kernel,
 }
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -194,7 +193,7 @@ def append_launch(name: str, dtype: str) -> Launch:
         LATENT_DIM=LATENT_DIM,
         ROPE_DIM=ROPE_DIM,
         BLOCK_LATENT=next_power_of_2(LATENT_DIM),
-        BLOCK_T=append.TOKENS_PER_PROGRAM,
+        BLOCK_T=mla.TOKENS_PER_PROGRAM,
     )
     pointers = dict(
         latent_ptr=dtype,

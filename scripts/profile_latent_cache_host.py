@@ -26,9 +26,7 @@ import torch
 
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.bench.rope import interleaved_host_us
-from megatron_ext.fusions import direct_launch
-from megatron_ext.fusions import fused_mla_rope_cache_append as append_module
-from megatron_ext.fusions import mla_paged_latent_attention as attention_module
+from megatron_ext.fusions import direct_launch, mla_latent
 
 ROUNDS = 5
 
@@ -97,7 +95,7 @@ def main(argv=None) -> int:
                     return cases.paged_attention(step, step.kv_cache, step.query, out)
 
                 us = host_us(attend)
-                state = launch_state(attention_module._STAGE1, attention_module._COMBINE)
+                state = launch_state(mla_latent.STAGE1_LAUNCHES, mla_latent.COMBINE_LAUNCHES)
                 print(
                     f"\n== attention, batch {batch}, context {context}, {heads} heads: "
                     f"{us:.1f} us host per call ({state})"
@@ -112,7 +110,7 @@ def main(argv=None) -> int:
         us = host_us(append)
         print(
             f"\n== RoPE + append, {tokens} tokens: {us:.1f} us host per call "
-            f"({launch_state(append_module._APPEND)})"
+            f"({launch_state(mla_latent.APPEND_LAUNCHES)})"
         )
         print(profile(append, args.calls, args.top))
     return 0

@@ -7,7 +7,7 @@ split count, each timed by CUDA-graph replay against the copy ceiling of the sam
         [--block-h 16 64] [--warps 4 8 16] [--stages 2 3] [--splits default 1x 2x ...]
         [--page-tiles rule on off] [--jobs 12] [--out FILE.json]
 
-Every launch goes through the launcher's own plan (``_AttentionPlan``) with the tile given
+Every launch goes through the launcher's own plan (``LatentAttentionPlan``) with the tile given
 explicitly, so a setting found here is one the launcher can choose. Splits: ``default`` is the
 launcher's count, ``Nx`` N times the count that gives one program per SM, an integer that count.
 Each setting's output is checked against the launcher's (max abs difference, bf16); a setting whose
@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
 from megatron_ext.bench.mla_serving import _attention_sets, graph_us  # noqa: E402
 from megatron_ext.bench.rope import _copy_ceiling  # noqa: E402
-from megatron_ext.fusions import mla_paged_latent_attention as mla  # noqa: E402
+from megatron_ext.fusions import mla_latent as mla  # noqa: E402
 from megatron_ext.fusions.launch_math import cdiv  # noqa: E402
+from megatron_ext.fusions.mla_latent import attention_plan  # noqa: E402
 
 DEFAULT_SHAPES = ["16,4096,16", "64,4096,16", "128,4096,16", "64,32768,16", "64,4096,128"]
 # block_h, block_n, warps, stages, splits spec, page tiles (rule/on/off)
@@ -75,11 +76,11 @@ def _page_tiles_rule(spec: str):
 def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, out) -> None:
     block_h, block_n, warps, stages, _, page_spec = setting
     args = (query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
-    # The plan reads the rule from the module when it is built, so the setting's rule is put
+    # The plan reads the rule from its module when it is built, so the setting's rule is put
     # there for the plan's construction only.
-    mla.page_tiles = _page_tiles_rule(page_spec)
+    attention_plan.page_tiles = _page_tiles_rule(page_spec)
     try:
-        plan = mla._AttentionPlan(
+        plan = mla.LatentAttentionPlan(
             *args,
             cases.SOFTMAX_SCALE,
             out,
@@ -89,7 +90,7 @@ def _run(step: cases.PagedStep, setting: Setting, splits: int, kv_cache, query, 
             num_stages=stages,
         )
     finally:
-        mla.page_tiles = _RULE_PAGE_TILES
+        attention_plan.page_tiles = _RULE_PAGE_TILES
     plan(*args, out)
 
 

@@ -10,7 +10,7 @@ unfused path.
 On a GPU, in bf16, over megatron-core's paged latent cache ([blocks, 64, 512 + 64], one row per
 token shared by the heads; pages shuffled so that no request's are contiguous):
 
-* ``decode``: :func:`~megatron_ext.fusions.mla_paged_latent_attention.mla_paged_latent_attention`
+* ``decode``: :func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention`
   for batch {1, 16, 64, 128} x context {1k, 4k, 16k, 32k} x heads {16, 128} (``--quick``: batch
   {1, 64, 128} x context {4k, 32k}). Bytes: the minimum a call must move, each attended cache row
   once plus the query and the output (:func:`~megatron_ext.bench.mla_serving_cases.step_bytes`);
@@ -20,7 +20,7 @@ token shared by the heads; pages shuffled so that no request's are contiguous):
   decode tokens; a 4k prefill), TFLOP/s of the attended (causal) pairs against a bf16
   ``torch.matmul`` of 8192^3 measured in the same run.
 * ``rope_append``: megatron_ext's ``fused_mla_rope_cache_append``
-  (:mod:`megatron_ext.fusions.fused_mla_rope_cache_append`) against megatron-core's path as its
+  (:mod:`megatron_ext.fusions.mla_latent.rope_cache_append`) against megatron-core's path as its
   ``MLASelfAttention`` runs it: its own ``DynamicInferenceContext.apply_rotary_emb_key`` (yarn
   frequencies from its ``YarnRotaryEmbedding``, decode-only branch up to 256 tokens),
   ``torch.cat`` and ``append_key_value_cache`` (indexed assignment), called unbound on the
@@ -253,7 +253,7 @@ def decode_row(
     batch: int, context: int, heads: int, ceiling: Dict[str, float], quick: bool, flashinfer: bool
 ) -> Dict[str, Any]:
     """One decode row: ``batch`` requests of ``context`` rows each."""
-    from megatron_ext.fusions.mla_paged_latent_attention import default_num_kv_splits, tile_shape
+    from megatron_ext.fusions.mla_latent import default_num_kv_splits, tile_shape
 
     row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
     blocks = -(-context // cases.BLOCK_SIZE)

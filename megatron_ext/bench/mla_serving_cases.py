@@ -80,7 +80,7 @@ def step_bytes(
     ``minimum``: each attended cache row read once (``(cached + new) x width x elt`` per request),
     the query read and the output written once: what the call must move at least, and the
     figure its share of the copy ceiling is computed from. ``kernel``: megatron_ext's kernel reads
-    the rows once per head tile (:func:`megatron_ext.fusions.mla_paged_latent_attention.head_tile`;
+    the rows once per head tile (:func:`megatron_ext.fusions.mla_latent.tile_rules.head_tile`;
     the L2 may serve some of the repeats), so this is its traffic at most, not counting the split-KV
     partials.
 
@@ -100,7 +100,7 @@ def step_bytes(
     cache = rows * width * elt
     query = tokens * heads * width * elt
     output = tokens * heads * latent * elt
-    from megatron_ext.fusions.mla_paged_latent_attention import head_tile
+    from megatron_ext.fusions.mla_latent import head_tile
 
     decode = all(new == 1 for _, new in requests)
     tiles = math.ceil(heads / head_tile(heads, decode, fp32=elt == 4))
@@ -200,7 +200,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """megatron_ext's attention of ``step`` (its block table and lengths) on ``kv_cache`` and
     ``query`` (the step's own or copies of them), into ``out``."""
-    from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+    from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
 
     return mla_paged_latent_attention(
         query,
@@ -460,7 +460,7 @@ def fused_append(
     memory_buffer: Optional[torch.Tensor] = None,
 ) -> None:
     """megatron_ext's ``fused_mla_rope_cache_append`` on the same step."""
-    from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+    from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append
 
     buffer = step.memory_buffer if memory_buffer is None else memory_buffer
     fused_mla_rope_cache_append(

@@ -12,9 +12,9 @@ for every step kind (prefill, chunked prefill, mixed, decode-only), in the absor
    contiguous-load kernel (``fused_apply_mla_rope_for_q(..., position_ids=...)``);
 3. ``q_nope @ W_UK`` (absorption), so the query is ``[q_nope W_UK | rope(q_pe)]``;
 4. ``k_pe`` rotated and written with its latent row into the paged cache by one kernel
-   (:func:`~megatron_ext.fusions.fused_mla_rope_cache_append.fused_mla_rope_cache_append`);
+   (:func:`~megatron_ext.fusions.mla_latent.rope_cache_append.fused_mla_rope_cache_append`);
 5. attention over the paged latent cache, reading only the rows each token attends to
-   (:func:`~megatron_ext.fusions.mla_paged_latent_attention.mla_paged_latent_attention`);
+   (:func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention`);
 6. ``W_UV`` and the output projection.
 
 ``W_UK`` and ``W_UV`` are views of ``linear_kv_up_proj.weight``, taken at every call: the step
@@ -32,9 +32,8 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
-from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
-from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
 from megatron_ext.transformer.rotary_tables import cos_sin_table
 
 __all__ = [

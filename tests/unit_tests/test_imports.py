@@ -101,3 +101,44 @@ def test_the_fusions_ground_floor_imports_only_the_ground_floor():
     for module in FUSIONS_GROUND_FLOOR:
         fusions = {m for m in graph[module] if m.startswith("megatron_ext.fusions")}
         assert fusions <= set(FUSIONS_GROUND_FLOOR), (module, sorted(fusions))
+
+
+MLA_LATENT = "megatron_ext.fusions.mla_latent"
+# The package's modules in dependency order: each imports only the ones before it (and the ground
+# floor), so a reader follows it top to bottom.
+MLA_LATENT_ORDER = (
+    "tile_rules",
+    "checks",
+    "attention_kernels",
+    "attention_plan",
+    "attention",
+    "rope_cache_append",
+)
+# The former import paths: shims that re-export the package's names for outside code.
+FORMER_LATENT_PATHS = {
+    "megatron_ext.fusions.mla_paged_latent_attention",
+    "megatron_ext.fusions.fused_mla_rope_cache_append",
+    "megatron_ext.fusions.latent_cache_checks",
+}
+
+
+def test_the_latent_cache_package_imports_down_only():
+    """mla_latent builds on the ground floor; no module of it imports a later one, the package
+    or a former import path, and nothing else in fusions but the shims imports it."""
+    graph = import_graph()
+    modules = {m for m in graph if m.startswith(MLA_LATENT + ".")}
+    assert modules == {f"{MLA_LATENT}.{name}" for name in MLA_LATENT_ORDER}, sorted(modules)
+    for i, name in enumerate(MLA_LATENT_ORDER):
+        allowed = set(FUSIONS_GROUND_FLOOR) | {f"{MLA_LATENT}.{n}" for n in MLA_LATENT_ORDER[:i]}
+        fusions = {m for m in graph[f"{MLA_LATENT}.{name}"] if m.startswith("megatron_ext.fusions")}
+        assert fusions <= allowed, (name, sorted(fusions - allowed))
+    for module, edges in graph.items():
+        outside = module.startswith("megatron_ext.fusions") and not module.startswith(MLA_LATENT)
+        if outside and module not in FORMER_LATENT_PATHS:
+            assert not any(e.startswith(MLA_LATENT) for e in edges), module
+
+
+def test_nothing_in_the_project_imports_the_former_latent_cache_paths():
+    """The former modules are shims for outside code: megatron_ext imports the package."""
+    for module, edges in import_graph().items():
+        assert not edges & FORMER_LATENT_PATHS, (module, sorted(edges & FORMER_LATENT_PATHS))

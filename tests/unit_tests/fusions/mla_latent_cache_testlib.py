@@ -239,15 +239,22 @@ class _Recorder:
         return self.kernel(grid, *args, **kwargs)
 
 
+def fresh_plan_caches(monkeypatch) -> None:
+    """Empty plan caches for both latent-cache kernels, for the rest of the test."""
+    from megatron_ext.fusions.mla_latent import attention, rope_cache_append
+
+    monkeypatch.setattr(attention, "ATTENTION_PLANS", PlanCache())
+    monkeypatch.setattr(rope_cache_append, "APPEND_PLANS", PlanCache())
+
+
 def record_launches(monkeypatch, module, *kernels: str) -> list:
-    """Record the launches of ``module``'s kernels or kernel launchers (by attribute name);
-    returns the list of grids."""
+    """Record the launches of ``module``'s kernels or kernel launchers (by attribute name: where
+    the plans read them when they are built); returns the list of grids."""
     launches = []
     for name in kernels:
         monkeypatch.setattr(module, name, _Recorder(launches, getattr(module, name)))
-    if hasattr(module, "_PLANS"):
-        # Cached plans launch what they were built with: a fresh cache for the recorders.
-        monkeypatch.setattr(module, "_PLANS", PlanCache())
+    # Cached plans launch what they were built with: fresh caches for the recorders.
+    fresh_plan_caches(monkeypatch)
     return launches
 
 
@@ -262,7 +269,7 @@ def check_attention_step(
     Returns:
         torch.Tensor: the output.
     """
-    from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+    from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
 
     tokens, heads, _ = step.query.shape
     out, out_buffer = guarded_tensor(

@@ -11,10 +11,10 @@ The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of 
 the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 32, 40 and 128 heads; block
 sizes 16 and 64; decode with and without split-KV, a mixed prefill/chunked/decode step; padded
 requests and tokens; a -1 block id where the lengths say a row is used; lengths that are
-negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal). PyTorch's caching
-allocator is disabled so that every tensor is its own allocation and an out-of-bounds access is
-one memcheck can see. Exits non-zero if an appended row differs from megatron-core's or an
-attention output from float64 by more than the unit tests allow.
+negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal).
+PyTorch's caching allocator is disabled so that every tensor is its own allocation and an
+out-of-bounds access is one memcheck can see. Exits non-zero if an appended row differs from
+megatron-core's or an attention output from float64 by more than the unit tests allow.
 """
 
 import argparse
@@ -27,9 +27,7 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
 
-from megatron_ext.fusions.fused_mla_rope_cache_append import (  # noqa: E402
-    fused_mla_rope_cache_append,
-)
+from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append  # noqa: E402
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
     build_step,
@@ -39,7 +37,7 @@ from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
 )
 
 SCALE = 1 / math.sqrt(192)
-# As the unit tests (test_mla_paged_latent_attention.py), where the bounds are justified.
+# As the unit tests (mla_latent/test_attention.py), where the bounds are justified.
 TOLERANCE = {torch.float32: 6e-5, torch.float16: 1e-2, torch.bfloat16: 1.6e-2}
 POSITIONS = 300
 

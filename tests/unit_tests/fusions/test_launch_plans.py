@@ -9,9 +9,8 @@ import weakref
 import pytest
 import torch
 
-from megatron_ext.fusions import mla_paged_latent_attention as attention
 from megatron_ext.fusions.launch_plans import PlanCache, layout_key
-from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent import attention, mla_paged_latent_attention
 from tests.unit_tests.fusions.mla_latent_cache_testlib import build_step
 
 SCALE = 0.125
@@ -48,7 +47,7 @@ def test_plan_cache_is_bounded_and_ignores_none_keys():
 @pytest.fixture
 def plans(monkeypatch):
     fresh = PlanCache()
-    monkeypatch.setattr(attention, "_PLANS", fresh)
+    monkeypatch.setattr(attention, "ATTENTION_PLANS", fresh)
     return fresh
 
 

@@ -26,8 +26,8 @@ from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext import apply_megatron_ext, undo_megatron_ext
-from megatron_ext.fusions import fused_mla_rope_cache_append as append_module
-from megatron_ext.fusions import mla_paged_latent_attention as attention_module
+from megatron_ext.fusions.mla_latent import attention as attention_module
+from megatron_ext.fusions.mla_latent import rope_cache_append as append_module
 from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.testing import small_mla_gpt
 from megatron_ext.testing.mla_dynamic_engine import (

@@ -21,8 +21,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.fusions import fused_mla_yarn_rope_apply as mla_rope
-from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
-from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
 
 Outputs = Tuple[torch.Tensor, ...]
 
@@ -178,7 +177,9 @@ def _latent_append_case(device, dtype, config) -> Outputs:
     return (cache,)
 
 
-_LATENT_TESTS = "tests/unit_tests/fusions/test_{}.py::test_gpu_relaunch_gives_identical_bits"
+_LATENT_TESTS = (
+    "tests/unit_tests/fusions/mla_latent/test_{}.py::test_gpu_relaunch_gives_identical_bits"
+)
 
 KERNELS: Dict[str, KernelCase] = {
     "mla_rope_q_fwd_sbhd": _rope(_q_case(False, False, False, False), "q_fwd"),
@@ -193,11 +194,11 @@ KERNELS: Dict[str, KernelCase] = {
     "mla_paged_latent_attention_mixed": KernelCase(
         _latent_attention_case,
         configs=(3,),
-        race_test=_LATENT_TESTS.format("mla_paged_latent_attention"),
+        race_test=_LATENT_TESTS.format("attention"),
     ),
     "fused_mla_rope_cache_append": KernelCase(
         _latent_append_case,
         configs=(None,),
-        race_test=_LATENT_TESTS.format("fused_mla_rope_cache_append"),
+        race_test=_LATENT_TESTS.format("rope_cache_append"),
     ),
 }

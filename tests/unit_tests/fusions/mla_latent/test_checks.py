@@ -1,11 +1,11 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Tests of the paged latent cache's layout checks (megatron_ext.fusions.latent_cache_checks)."""
+"""Tests of the paged latent cache's layout checks (megatron_ext.fusions.mla_latent.checks)."""
 
 import pytest
 import torch
 
-from megatron_ext.fusions import latent_cache_checks as checks
+from megatron_ext.fusions.mla_latent import checks
 
 
 def test_token_rows_accept_unit_middle_dimensions():

@@ -1,7 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Tests of the fused key RoPE + paged latent-cache append
-(megatron_ext.fusions.fused_mla_rope_cache_append).
+(megatron_ext.fusions.mla_latent.rope_cache_append).
 
 The reference is megatron-core's own dynamic-inference path, run as ``MLASelfAttention`` runs it
 with ``cache_mla_latents``: ``DynamicInferenceContext.apply_rotary_emb_key`` (the unfused torch
@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from megatron_ext.fusions import direct_launch
-from megatron_ext.fusions import fused_mla_rope_cache_append as append
 from megatron_ext.fusions.direct_launch import KernelLaunches
-from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append
+from megatron_ext.fusions.mla_latent import rope_cache_append as append
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     assert_refused_after_a_call_of_its_layout,
+    fresh_plan_caches,
     guarded_tensor,
     guards_intact,
     megatron_core_append,
@@ -164,7 +165,7 @@ def test_no_tokens_is_no_launch(yarn, monkeypatch):
     kv_latent, k_pos_emb, cache, (positions, block_idx, block_offset) = make_tokens(
         "decode", torch.float32, seed=5
     )
-    launches = record_launches(monkeypatch, append, "_APPEND")
+    launches = record_launches(monkeypatch, append, "APPEND_LAUNCHES")
     tables = yarn.get_cached_cos_sin(POSITIONS, dtype=torch.float32)
     before = cache.clone()
     fused_mla_rope_cache_append(
@@ -224,7 +225,7 @@ def _bad_inputs():
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
 def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
     name, kwargs, error, match = case
-    launches = record_launches(monkeypatch, append, "_APPEND")
+    launches = record_launches(monkeypatch, append, "APPEND_LAUNCHES")
     before = kwargs["kv_cache"].clone()
     with pytest.raises(error, match=match):
         fused_mla_rope_cache_append(**kwargs)
@@ -235,7 +236,7 @@ def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
 def test_bad_input_is_refused_after_a_good_call_of_its_layout(case, monkeypatch):
     assert_refused_after_a_call_of_its_layout(
-        fused_mla_rope_cache_append, append, ("_APPEND",), case, monkeypatch
+        fused_mla_rope_cache_append, append, ("APPEND_LAUNCHES",), case, monkeypatch
     )
 
 
@@ -290,13 +291,14 @@ def test_gpu_bf16_rows_bitwise_equal_to_megatron_core_at_serving_sizes(
     config, yarn, tokens, monkeypatch
 ):
     """Through Triton's JIT (a specialisation's first call) and then the direct launch."""
-    monkeypatch.setattr(
-        append, "_APPEND", KernelLaunches(append._rope_cache_append_kernel, append._RUNTIME_SIZES)
-    )
+    launches = append.APPEND_LAUNCHES
+    fresh = KernelLaunches(launches.kernel, launches.unspecialized)
+    monkeypatch.setattr(append, "APPEND_LAUNCHES", fresh)
+    fresh_plan_caches(monkeypatch)  # plans launch what they were built with
     for launch in ("JIT launch", "direct launch"):
         _serving_size_rows_bitwise(config, yarn, tokens, launch)
     if direct_launch.verified(torch.device("cuda", torch.cuda.current_device())):
-        assert [callable(x) for x in append._APPEND.launches.values()] == [True]
+        assert [callable(x) for x in fresh.launches.values()] == [True]
 
 
 def _serving_size_rows_bitwise(config, yarn, tokens, launch):

@@ -1,6 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Tests of the paged latent-cache MLA attention (megatron_ext.fusions.mla_paged_latent_attention).
+"""Tests of the paged latent-cache MLA attention (megatron_ext.fusions.mla_latent.attention and
+the plan and kernels it launches; the tile rules alone: test_tile_rules.py).
 
 Without a GPU the kernels run in the Triton interpreter (tests/conftest.py) in fp32, mostly with
 small widths (a 32-wide latent and 16 RoPE columns; the kernels take any power-of-two widths) and
@@ -15,14 +16,16 @@ import pytest
 import torch
 
 from megatron_ext.fusions import direct_launch
-from megatron_ext.fusions import mla_paged_latent_attention as attention
 from megatron_ext.fusions.direct_launch import KernelLaunches
 from megatron_ext.fusions.launch_plans import PlanCache
-from megatron_ext.fusions.mla_paged_latent_attention import (
+from megatron_ext.fusions.mla_latent import (
     MAX_KV_SPLITS,
+    attention,
+    attention_kernels,
+    attention_plan,
     default_num_kv_splits,
     mla_paged_latent_attention,
-    pipeline_stages,
+    tile_rules,
 )
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     GUARD,
@@ -274,10 +277,10 @@ def test_64_bit_row_offsets_give_the_same_bits(monkeypatch):
     step = build_step(MIXED, heads=3, block_size=16, seed=13, device=DEVICE)
     args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
     narrow = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=2)
-    monkeypatch.setattr(attention, "_PLANS", PlanCache())
-    monkeypatch.setattr(attention, "ROW_OFFSET_LIMIT", 0)
+    monkeypatch.setattr(attention, "ATTENTION_PLANS", PlanCache())
+    monkeypatch.setattr(attention_plan, "ROW_OFFSET_LIMIT", 0)
     wide = mla_paged_latent_attention(*args, SCALE, rope_dim=16, num_kv_splits=2)
-    (plan,) = attention._PLANS._plans.values()
+    (plan,) = attention.ATTENTION_PLANS.plans()
     assert plan.stage1.args["WIDE_ROWS"] is True
     assert torch.equal(wide, narrow), "the 64-bit row offsets moved bits against the 32-bit ones"
 
@@ -307,51 +310,6 @@ def test_default_split_count_comes_from_static_sizes():
     run_and_check(step, max_query_len=1)  # the default split count, whatever it is
 
 
-def test_combine_tile_from_heads_and_splits_only():
-    tile = attention.combine_tile
-    assert tuple(tile(16, 512, 16)) == (8, 64)  # 16 splits: half the heads keep 64 values
-    assert tuple(tile(16, 512, 4)) == (16, 64)
-    assert tuple(tile(128, 512, 2)) == (16, 64)
-    assert tuple(tile(16, 512, MAX_KV_SPLITS)) == (2, 64)
-    assert tuple(tile(3, 32, 3)) == (4, 32)  # a narrow latent is one column tile
-    assert tuple(tile(1, 512, 64)) == (1, 64)
-    for heads in (1, 3, 16, 40, 128):
-        for splits in range(2, MAX_KV_SPLITS + 1):
-            block_h, block_d = tile(heads, 512, splits)
-            assert block_h & (block_h - 1) == 0 and 512 % block_d == 0
-            assert block_h * block_d * splits <= attention.COMBINE_IN_FLIGHT or block_h == 1
-
-
-def test_one_block_id_per_key_tile_where_tiles_fill_pages_and_it_was_faster(monkeypatch):
-    decode_16 = attention.tile_shape(64, 16, 512, 1, fp32=False)  # (1, 16, 32, 4)
-    decode_32 = attention.tile_shape(64, 32, 512, 1, fp32=False)  # (1, 32, 64, 8)
-    decode_128 = attention.tile_shape(64, 128, 512, 1, fp32=False)  # (1, 64, 32, 8)
-    prefill = attention.tile_shape(2048, 128, 512, 2048, fp32=False)  # (4, 16, 32, 8)
-    fp32_decode = attention.tile_shape(64, 16, 512, 1, fp32=True)  # 16-key tiles
-    assert attention.page_tiles(64, decode_16) and attention.page_tiles(256, decode_16)
-    assert not attention.page_tiles(16, decode_16)  # a 32-key tile spans two 16-row pages
-    assert not attention.page_tiles(48, decode_16)
-    assert attention.page_tiles(16, fp32_decode)
-    assert attention.page_tiles(64, decode_32) and attention.page_tiles(256, decode_32)
-    assert not attention.page_tiles(32, decode_32)  # a 64-key tile spans two 32-row pages
-    assert not attention.page_tiles(64, prefill)  # 8 warps off decode: not measured
-    # The 64-head decode tile of 8 warps: per-row ids before Triton 3.9, one id per tile from it.
-    monkeypatch.setattr(attention, "TRITON_RELEASE", (3, 7))
-    assert not attention.page_tiles(64, decode_128)
-    monkeypatch.setattr(attention, "TRITON_RELEASE", (3, 9))
-    assert attention.page_tiles(64, decode_128) and not attention.page_tiles(16, decode_128)
-
-
-def test_the_triton_release_is_the_installed_one(monkeypatch):
-    import triton
-
-    assert attention.TRITON_RELEASE == tuple(int(x) for x in triton.__version__.split(".")[:2])
-    monkeypatch.setattr(triton, "__version__", "3.10.0+git1234abcd")
-    assert attention._triton_release() == (3, 10)
-    monkeypatch.setattr(triton, "__version__", "not a version")
-    assert attention._triton_release() == (0, 0)  # the older releases' choices
-
-
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_32_head_decode_steps_64_keys_and_matches_float64(block_size, splits, monkeypatch):
@@ -366,10 +324,10 @@ def test_32_head_decode_steps_64_keys_and_matches_float64(block_size, splits, mo
         device=DEVICE,
     )
     step.block_table[3, 150 // block_size] = -1
-    monkeypatch.setattr(attention, "_PLANS", PlanCache())
+    monkeypatch.setattr(attention, "ATTENTION_PLANS", PlanCache())
     run_and_check(step, tolerance=FP16_TOLERANCE, max_query_len=1, num_kv_splits=splits)
-    (plan,) = attention._PLANS._plans.values()
-    assert plan.stage1.args["BLOCK_N"] == attention.WIDE_KEY_TILE == 64
+    (plan,) = attention.ATTENTION_PLANS.plans()
+    assert plan.stage1.args["BLOCK_N"] == tile_rules.WIDE_KEY_TILE == 64
     assert plan.stage1.args["PAGE_TILES"] is (block_size == 64)
 
 
@@ -382,15 +340,15 @@ def _combine_with_tiles(step, tiles, splits, rope_dim):
     for combine in tiles:
         out = torch.full((tokens, heads, latent_dim), float("nan"), dtype=step.query.dtype)
         out = out.to(step.query.device)
-        plan = attention._AttentionPlan(
+        plan = attention_plan.LatentAttentionPlan(
             *args,
             SCALE,
             out,
             latent_dim=latent_dim,
-            tile=attention.tile_shape(tokens, heads, latent_dim, None, False),
+            tile=tile_rules.tile_shape(tokens, heads, latent_dim, None, False),
             num_kv_splits=splits,
             num_stages=3,
-            combine=attention.CombineTile(*combine),
+            combine=tile_rules.CombineTile(*combine),
         )
         plan(*args, out)
         outs.append(out)
@@ -409,33 +367,6 @@ def test_combine_tiles_give_the_same_bits():
         assert torch.equal(out, outs[0]), f"combine tile {tile} moved bits against {tiles[0]}"
 
 
-def test_three_pipeline_stages_only_where_the_shared_memory_holds_them():
-    assert pipeline_stages(227 * 1024) == 3  # H100, H200
-    assert pipeline_stages(163 * 1024) == 2  # A100: the widest tile's 3 stages would not fit
-    assert pipeline_stages(99 * 1024) == 2
-    assert pipeline_stages(None) == 2  # a torch without the property: the smaller choice
-
-
-def test_head_tiles_are_wide_only_for_16_bit_decode():
-    assert attention.head_tile(128, decode=True, fp32=False) == 64
-    assert attention.head_tile(40, decode=True, fp32=False) == 64
-    assert attention.head_tile(32, decode=True, fp32=False) == 32
-    assert attention.head_tile(3, decode=True, fp32=False) == 16  # a tensor-core tile at least
-    assert attention.head_tile(128, decode=True, fp32=True) == 16
-    assert attention.head_tile(128, decode=False, fp32=False) == 16
-    assert attention.head_tile(3, decode=False, fp32=False) == 4  # tokens fill the tile
-    # The whole stage-1 tile: (BLOCK_Q, BLOCK_H, BLOCK_N, warps).
-    assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=False)) == (1, 64, 32, 8)
-    assert tuple(attention.tile_shape(64, 128, 512, 1, fp32=True)) == (1, 16, 16, 4)
-    # 32 heads: 64-key steps where 3 stages of them fit, 32 otherwise.
-    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=False)) == (1, 32, 64, 8)
-    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=False, num_stages=2)) == (1, 32, 32, 8)
-    assert tuple(attention.tile_shape(64, 32, 512, 1, fp32=True)) == (1, 16, 16, 4)
-    assert tuple(attention.tile_shape(64, 32, 512, 4, fp32=False)) == (4, 16, 32, 8)
-    assert tuple(attention.tile_shape(2048, 128, 512, 2048, fp32=False)) == (4, 16, 32, 8)
-    assert tuple(attention.tile_shape(5, 3, 32, None, fp32=True)) == (8, 4, 16, 4)
-
-
 # fp16 (the interpreter has no bf16 dot): the keys, the probabilities cast for the value product
 # and the output are each rounded to 2**-11 relative, so outputs of magnitude <= ~3 stay within
 # ~3e-3 of float64.
@@ -447,7 +378,7 @@ def test_wide_decode_tile_matches_float64(heads, monkeypatch):
     step = build_step(
         DECODE, heads=heads, block_size=16, dtype=torch.float16, seed=heads, device=DEVICE
     )
-    launches = record_launches(monkeypatch, attention, "_STAGE1")
+    launches = record_launches(monkeypatch, attention_plan, "STAGE1_LAUNCHES")
     run_and_check(step, tolerance=FP16_TOLERANCE, max_query_len=1, num_kv_splits=2)
     # Stage 1's grid is (query tiles, head tiles, splits): one head tile per 64 heads.
     assert [grid[1:] for grid in launches] == [(-(-heads // 64), 2)]
@@ -469,7 +400,7 @@ def test_no_tokens_is_no_launch(monkeypatch):
 
 
 def _record_launches(monkeypatch):
-    return record_launches(monkeypatch, attention, "_STAGE1", "_COMBINE")
+    return record_launches(monkeypatch, attention_plan, "STAGE1_LAUNCHES", "COMBINE_LAUNCHES")
 
 
 def _bad_inputs():
@@ -550,7 +481,11 @@ def test_bad_input_is_refused_before_any_launch(case, monkeypatch):
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
 def test_bad_input_is_refused_after_a_good_call_of_its_layout(case, monkeypatch):
     assert_refused_after_a_call_of_its_layout(
-        mla_paged_latent_attention, attention, ("_STAGE1", "_COMBINE"), case, monkeypatch
+        mla_paged_latent_attention,
+        attention_plan,
+        ("STAGE1_LAUNCHES", "COMBINE_LAUNCHES"),
+        case,
+        monkeypatch,
     )
 
 
@@ -757,23 +692,13 @@ def test_gpu_combine_tiles_give_the_same_bits(heads):
     """The launcher's stage-2 tile against the one-program-per-16-heads tile it replaced and the
     narrowest, on the GPU's compiled code (bf16, DeepSeek-V3 widths, 16 splits)."""
     step = _v3_step([(4000, 1), (63, 1), (1500, 1), (0, 1)], heads, seed=heads)
-    default = tuple(attention.combine_tile(heads, 512, 16))
+    default = tuple(tile_rules.combine_tile(heads, 512, 16))
     tiles = [default, (16, 512), (1, 64), (16, 64)]
     outs = _combine_with_tiles(step, tiles, splits=16, rope_dim=64)
     for tile, out in zip(tiles[1:], outs[1:]):
         assert torch.equal(
             out.view(torch.int16), outs[0].view(torch.int16)
         ), f"combine tile {tile} moved bits against the launcher's {default}"
-
-
-@pytest.mark.gpu
-def test_gpu_hopper_gets_three_pipeline_stages():
-    """torch reports the shared memory a block may opt into, so a Hopper GPU runs 3 stages (a
-    torch without the property would fall back to 2 without a word)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("checked on Hopper, whose blocks may use 227 KiB of shared memory")
-    device = torch.device("cuda", torch.cuda.current_device())
-    assert attention._launch_limits(device).stages == 3
 
 
 @pytest.mark.gpu
@@ -796,17 +721,20 @@ def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
         )
 
     def fresh_launches():
-        stage1 = KernelLaunches(attention._latent_attention_kernel, attention._RUNTIME_SIZES)
-        combine = KernelLaunches(attention._combine_splits_kernel, attention._COMBINE_RUNTIME_SIZES)
-        monkeypatch.setattr(attention, "_STAGE1", stage1)
-        monkeypatch.setattr(attention, "_COMBINE", combine)
-        monkeypatch.setattr(attention, "_PLANS", PlanCache())  # plans launch what they hold
+        for name in ("STAGE1_LAUNCHES", "COMBINE_LAUNCHES"):
+            launches = getattr(attention_kernels, name)
+            fresh = KernelLaunches(launches.kernel, launches.unspecialized)
+            monkeypatch.setattr(attention_plan, name, fresh)
+        monkeypatch.setattr(
+            attention, "ATTENTION_PLANS", PlanCache()
+        )  # plans launch what they hold
 
     fresh_launches()
     run(steps[0])  # binds
     direct = [run(step) for step in steps]
     # One specialisation per stage for the three steps: the later calls were direct.
-    bound = list(attention._STAGE1.launches.values()) + list(attention._COMBINE.launches.values())
+    stage1, combine = attention_plan.STAGE1_LAUNCHES, attention_plan.COMBINE_LAUNCHES
+    bound = list(stage1.launches.values()) + list(combine.launches.values())
     assert len(bound) == (1 if splits == 1 else 2), bound
     assert all(callable(launch) for launch in bound), bound
     for i, step in enumerate(steps):

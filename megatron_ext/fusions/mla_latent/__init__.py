@@ -1,0 +1,68 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The paged MLA latent cache's Triton kernels: the RoPE + cache append and the absorbed attention.
+
+One concern per module, each importing only the ones before it and the ground floor of
+:mod:`megatron_ext.fusions` (``tensor_checks``, ``launch_plans``, ``direct_launch``,
+``launch_math``):
+
+* :mod:`.tile_rules`: the launch choices from static sizes (tiles, split count, stages).
+* :mod:`.checks`: the host-side checks of the cache layout and of both kernels' calls.
+* :mod:`.attention_kernels`: the attention's ``@triton.jit`` kernels (stage 1, split combine) and
+  the kernel design.
+* :mod:`.attention_plan`: :class:`LatentAttentionPlan`, a checked call's prepared launches.
+* :mod:`.attention`: :func:`mla_paged_latent_attention` and its plan cache.
+* :mod:`.rope_cache_append`: the RoPE + append kernel, its plan and
+  :func:`fused_mla_rope_cache_append`.
+
+``megatron_ext.fusions.mla_paged_latent_attention`` and
+``megatron_ext.fusions.fused_mla_rope_cache_append`` re-export the entries for older imports.
+"""
+
+from megatron_ext.fusions.mla_latent.attention import ATTENTION_PLANS, mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
+from megatron_ext.fusions.mla_latent.attention_plan import LatentAttentionPlan, plan_for_call
+from megatron_ext.fusions.mla_latent.checks import check_paged_cache, rows_of
+from megatron_ext.fusions.mla_latent.rope_cache_append import (
+    APPEND_LAUNCHES,
+    APPEND_PLANS,
+    TOKENS_PER_PROGRAM,
+    fused_mla_rope_cache_append,
+)
+from megatron_ext.fusions.mla_latent.tile_rules import (
+    MAX_KV_SPLITS,
+    SEQ_BLOCK,
+    CombineTile,
+    TileShape,
+    combine_tile,
+    default_num_kv_splits,
+    head_tile,
+    page_tiles,
+    pipeline_stages,
+    tile_shape,
+)
+
+__all__ = [
+    "APPEND_LAUNCHES",
+    "APPEND_PLANS",
+    "ATTENTION_PLANS",
+    "COMBINE_LAUNCHES",
+    "MAX_KV_SPLITS",
+    "SEQ_BLOCK",
+    "STAGE1_LAUNCHES",
+    "TOKENS_PER_PROGRAM",
+    "CombineTile",
+    "LatentAttentionPlan",
+    "TileShape",
+    "check_paged_cache",
+    "combine_tile",
+    "default_num_kv_splits",
+    "fused_mla_rope_cache_append",
+    "head_tile",
+    "mla_paged_latent_attention",
+    "page_tiles",
+    "pipeline_stages",
+    "plan_for_call",
+    "rows_of",
+    "tile_shape",
+]

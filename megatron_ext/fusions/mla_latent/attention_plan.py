@@ -1,0 +1,362 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The launch plan of a checked latent attention call: both stages' launch arguments, prepared.
+
+A call layout's first call is checked (:mod:`.checks`) and planned here: its tile, split count
+and stage count (:mod:`.tile_rules`) turned into the arguments of stage 1 and of the split
+combine (:mod:`.attention_kernels`), each kept as a
+:class:`~megatron_ext.fusions.direct_launch.PreparedLaunch`. A specialisation's first launch goes
+through Triton's JIT, later ones through the compiled kernel's C launcher, which skips Triton's
+Python dispatch. The plan holds no tensor; a call passes its own.
+"""
+
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from megatron_ext.fusions.direct_launch import PreparedLaunch
+from megatron_ext.fusions.launch_math import cdiv
+from megatron_ext.fusions.launch_plans import LaunchPlan
+from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
+from megatron_ext.fusions.mla_latent.tile_rules import (
+    LARGE_SCALE_LOG2,
+    LOG2E,
+    ROW_OFFSET_LIMIT,
+    SEQ_BLOCK,
+    CombineTile,
+    TileShape,
+    combine_tile,
+    default_num_kv_splits,
+    launch_limits,
+    page_tiles,
+    tile_shape,
+)
+
+__all__ = ["LatentAttentionPlan", "SplitOutputs", "plan_for_call"]
+
+
+class SplitOutputs(NamedTuple):
+    """Where stage 1 writes: the output itself (one split) or the split-KV workspace.
+
+    ``partial`` and ``lse`` stand in for the layout (each call passes its own tensors);
+    ``workspace`` is the (partial, lse) shapes a call allocates, None with one split.
+    """
+
+    partial: Tensor
+    lse: Tensor
+    partial_strides: Tuple[int, int, int]  # split, token, head
+    lse_strides: Tuple[int, int]  # split, token
+    workspace: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]
+
+
+def split_outputs(query: Tensor, out: Tensor, latent_dim: int, num_kv_splits: int) -> SplitOutputs:
+    """What stage 1 writes for ``num_kv_splits`` splits.
+
+    Args:
+        query: the call's query (its shape, device).
+        out: the call's output.
+        latent_dim: the latent width.
+        num_kv_splits: the split count.
+
+    Returns:
+        SplitOutputs: the output (one split) or the fp32 workspace's layout.
+    """
+    tokens, heads = query.shape[:2]
+    if num_kv_splits == 1:
+        # Stage 1 writes the output; lse is not used.
+        return SplitOutputs(out, out, (0, out.stride(0), out.stride(1)), (0, 0), None)
+    # Token-major, so that no stride varies with the step's token count: the strides are
+    # specialised arguments, and a varying one would give each decode batch size its own launch
+    # key (a JIT launch, not the direct one, on each new size).
+    workspace = ((tokens, num_kv_splits, heads, latent_dim), (tokens, num_kv_splits, heads))
+    # Stand-ins for the dtype; each call passes its own workspace.
+    partial = query.new_empty(0, dtype=torch.float32)
+    partial_strides = (heads * latent_dim, num_kv_splits * heads * latent_dim, latent_dim)
+    lse_strides = (heads, num_kv_splits * heads)
+    return SplitOutputs(partial, partial, partial_strides, lse_strides, workspace)
+
+
+def stage1_args(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    outputs: SplitOutputs,
+    scale_log2: float,
+    *,
+    latent_dim: int,
+    tile: TileShape,
+    num_kv_splits: int,
+) -> Dict[str, Any]:
+    """Stage 1's kernel arguments by name, its tensors first (the prepared launch's order).
+
+    Args:
+        query, kv_cache, block_table, cu_query_lengths, kv_lengths: the call's inputs.
+        outputs: where stage 1 writes (:func:`split_outputs`).
+        scale_log2: the softmax scale times log2(e).
+        latent_dim: the latent width.
+        tile: stage 1's tile.
+        num_kv_splits: the split count.
+
+    Returns:
+        Dict[str, Any]: every parameter of ``_latent_attention_kernel``.
+    """
+    fp32 = query.dtype == torch.float32
+    return dict(
+        q_ptr=query,
+        cache_ptr=kv_cache,
+        block_table_ptr=block_table,
+        cu_q_ptr=cu_query_lengths,
+        kv_len_ptr=kv_lengths,
+        out_ptr=outputs.partial,
+        lse_ptr=outputs.lse,
+        scale_log2=scale_log2,
+        num_tokens=query.shape[0],
+        num_heads=query.shape[1],
+        num_requests=block_table.shape[0],
+        num_blocks=kv_cache.shape[0],
+        BLOCK_SIZE=kv_cache.shape[1],
+        max_blocks=block_table.shape[1],
+        q_stride_t=query.stride(0),
+        q_stride_h=query.stride(1),
+        cache_stride_b=kv_cache.stride(0),
+        cache_stride_o=kv_cache.stride(1),
+        table_stride=block_table.stride(0),
+        out_stride_s=outputs.partial_strides[0],
+        out_stride_t=outputs.partial_strides[1],
+        out_stride_h=outputs.partial_strides[2],
+        lse_stride_s=outputs.lse_strides[0],
+        lse_stride_t=outputs.lse_strides[1],
+        LATENT_DIM=latent_dim,
+        ROPE_DIM=query.shape[2] - latent_dim,
+        BLOCK_Q=tile.block_q,
+        BLOCK_H=tile.block_h,
+        BLOCK_N=tile.block_n,
+        NUM_SPLITS=num_kv_splits,
+        SEQ_BLOCK=SEQ_BLOCK,
+        # fp32 products in full precision, not TF32 (16-bit inputs: tensor cores either way).
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        PAGE_TILES=page_tiles(kv_cache.shape[1], tile),
+        WIDE_ROWS=tile.block_n * kv_cache.stride(1) + kv_cache.shape[2] >= ROW_OFFSET_LIMIT,
+        LARGE_SCALE=scale_log2 > LARGE_SCALE_LOG2,
+    )
+
+
+def combine_args(
+    cu_query_lengths: Tensor,
+    out: Tensor,
+    outputs: SplitOutputs,
+    scale_log2: float,
+    *,
+    requests: int,
+    tile: CombineTile,
+    num_kv_splits: int,
+) -> Dict[str, Any]:
+    """Stage 2's kernel arguments by name, its tensors first (the prepared launch's order).
+
+    Args:
+        cu_query_lengths: the call's cumulative new-token counts.
+        out: the call's output, [tokens, heads, latent_dim].
+        outputs: the split-KV workspace stage 1 writes (:func:`split_outputs`).
+        scale_log2: the softmax scale times log2(e) (the log-sum-exps' units).
+        requests: the block table's rows.
+        tile: stage 2's tile.
+        num_kv_splits: the split count (> 1).
+
+    Returns:
+        Dict[str, Any]: every parameter of ``_combine_splits_kernel``.
+    """
+    return dict(
+        partial_ptr=outputs.partial,
+        lse_ptr=outputs.lse,
+        cu_q_ptr=cu_query_lengths,
+        out_ptr=out,
+        num_tokens=out.shape[0],
+        num_heads=out.shape[1],
+        num_requests=requests,
+        partial_stride_s=outputs.partial_strides[0],
+        partial_stride_t=outputs.partial_strides[1],
+        partial_stride_h=outputs.partial_strides[2],
+        lse_stride_s=outputs.lse_strides[0],
+        lse_stride_t=outputs.lse_strides[1],
+        out_stride_t=out.stride(0),
+        out_stride_h=out.stride(1),
+        lse_scale=scale_log2,
+        BLOCK_H=tile.block_h,
+        BLOCK_D=tile.block_d,
+        NUM_SPLITS=num_kv_splits,
+        LARGE_SCALE=scale_log2 > LARGE_SCALE_LOG2,
+    )
+
+
+class LatentAttentionPlan(LaunchPlan):
+    """Both stages of one checked call layout, prepared (:class:`PreparedLaunch`): a call
+    allocates the split-KV workspace and launches them with its tensors. Holds no tensor.
+
+    The tile, split count and stage count are explicit (the launcher's choices,
+    :func:`plan_for_call`, or a tuning script's: any tile whose sizes are powers of two with
+    ``block_q * block_h >= 16`` computes the same attention), and so may stage 2's tile be (by
+    default :func:`~.tile_rules.combine_tile`'s; any gives the same bits). The tensors given here
+    only set the layout.
+
+    Args:
+        query, kv_cache, block_table, cu_query_lengths, kv_lengths: a checked call's inputs.
+        softmax_scale: its scale.
+        out: its output.
+        latent_dim: the latent width.
+        tile: stage 1's tile.
+        num_kv_splits: the split count.
+        num_stages: stage 1's pipelining stages.
+        combine: stage 2's tile (None: the launcher's).
+
+    Attributes:
+        out_shape: the output's shape (a call without ``out`` allocates it).
+        stage1, combine: the prepared launches (None where nothing, or no combine, is launched).
+        workspace: the split-KV workspace's (partial, lse) shapes, None with one split.
+        device: the device the workspace is allocated on.
+    """
+
+    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device")
+
+    def __init__(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_table: Tensor,
+        cu_query_lengths: Tensor,
+        kv_lengths: Tensor,
+        softmax_scale: float,
+        out: Tensor,
+        *,
+        latent_dim: int,
+        tile: TileShape,
+        num_kv_splits: int,
+        num_stages: int,
+        combine: Optional[CombineTile] = None,
+    ):
+        tokens, heads = query.shape[:2]
+        self.out_shape = (tokens, heads, latent_dim)
+        self.device = query.device
+        self.stage1: Optional[PreparedLaunch] = None
+        self.combine: Optional[PreparedLaunch] = None
+        self.workspace: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
+        if tokens == 0 or heads == 0:
+            return
+        requests = block_table.shape[0]
+        scale_log2 = float(softmax_scale) * LOG2E
+        outputs = split_outputs(query, out, latent_dim, num_kv_splits)
+        self.workspace = outputs.workspace
+        # Decode: tile t is token t. Otherwise each request's tiles start at
+        # cu_query_lengths[r] // block_q + r + 1 (_first_tile), the tiles before request 0's
+        # holding the tokens before it, and the padding tokens' tiles follow the last request's.
+        query_tiles = tokens if tile.block_q == 1 else tokens // tile.block_q + requests + 2
+        self.stage1 = PreparedLaunch(
+            STAGE1_LAUNCHES,
+            (query_tiles, cdiv(heads, tile.block_h), num_kv_splits),
+            stage1_args(
+                query,
+                kv_cache,
+                block_table,
+                cu_query_lengths,
+                kv_lengths,
+                outputs,
+                scale_log2,
+                latent_dim=latent_dim,
+                tile=tile,
+                num_kv_splits=num_kv_splits,
+            ),
+            dict(num_warps=tile.num_warps, num_stages=num_stages),
+        )
+        if num_kv_splits > 1:
+            combine = CombineTile(*(combine or combine_tile(heads, latent_dim, num_kv_splits)))
+            self.combine = PreparedLaunch(
+                COMBINE_LAUNCHES,
+                (tokens, cdiv(heads, combine.block_h), latent_dim // combine.block_d),
+                combine_args(
+                    cu_query_lengths,
+                    out,
+                    outputs,
+                    scale_log2,
+                    requests=requests,
+                    tile=combine,
+                    num_kv_splits=num_kv_splits,
+                ),
+                dict(num_warps=4),
+            )
+
+    def __call__(
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        block_table: Tensor,
+        cu_query_lengths: Tensor,
+        kv_lengths: Tensor,
+        out: Tensor,
+    ) -> None:
+        """Launch with this call's tensors (of the plan's layout)."""
+        if self.stage1 is None:
+            return
+        if self.workspace is None:
+            self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, out)
+            return
+        partial_shape, lse_shape = self.workspace
+        partial = torch.empty(partial_shape, dtype=torch.float32, device=self.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, partial, lse)
+        self.combine(partial, lse, cu_query_lengths, out)
+
+
+def plan_for_call(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    softmax_scale: float,
+    out: Tensor,
+    *,
+    latent_dim: int,
+    max_query_len: Optional[int],
+    num_kv_splits: Optional[int],
+) -> LatentAttentionPlan:
+    """The launcher's tile, split count and stage count for a checked call, as a plan.
+
+    Args:
+        query, kv_cache, block_table, cu_query_lengths, kv_lengths: the checked call's inputs.
+        softmax_scale: its scale.
+        out: its output.
+        latent_dim: the latent width.
+        max_query_len: its static bound on new tokens per request (None: the token count).
+        num_kv_splits: its split count (None: :func:`~.tile_rules.default_num_kv_splits`).
+
+    Returns:
+        LatentAttentionPlan: the plan.
+    """
+    tokens, heads = query.shape[:2]
+    stages = launch_limits(query.device).stages
+    fp32 = query.dtype == torch.float32
+    tile = tile_shape(tokens, heads, latent_dim, max_query_len, fp32, num_stages=stages)
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(
+            cdiv(tokens, tile.block_q),
+            cdiv(heads, tile.block_h),
+            block_table.shape[1] * kv_cache.shape[1],
+            query.device,
+            num_warps=tile.num_warps,
+        )
+    return LatentAttentionPlan(
+        query,
+        kv_cache,
+        block_table,
+        cu_query_lengths,
+        kv_lengths,
+        softmax_scale,
+        out,
+        latent_dim=latent_dim,
+        tile=tile,
+        num_kv_splits=num_kv_splits,
+        num_stages=stages,
+        combine=None,
+    )
