@@ -788,7 +788,7 @@ _EPILOG = """\
 table columns: decode tok/s is an engine's decode tokens over its decode time, both summed over
 the timed rounds (min-max: the rounds' own figures); step ms is the decode time over the decode
 steps and tok/step the tokens over the steps, so tok/s = tok/step / step; vs static and vs eager
-are the ratio of two rows' decode tok/s, with a 95%% bootstrap interval over the rounds (the
+are the ratio of two rows' decode tok/s, with a 95% bootstrap interval over the rounds (the
 verdicts quote the same ratio). kernels ms: the profiled GPU time per step; host share:
 1 - kernels / step. bound ms: the step's roofline, max(bytes / copy bandwidth, FLOPs / matmul
 rate) with both rates measured in this run (a large device copy, a large bf16 torch.mm) and the

@@ -367,3 +367,4 @@ def test_new_options_and_the_help_text():
         mla_engine.parse_args(["--profile-steps", "-1"])
     text = " ".join(mla_engine.parse_args.__globals__["_EPILOG"].split())
     assert "summed over the timed rounds" in text and "max(bytes / copy bandwidth" in text
+    assert "95% bootstrap" in text
