@@ -4,7 +4,8 @@
 with its CUDA graphs, against the same model through megatron-core's static batching.
 
     python -m megatron_ext.bench mla-engine [--quick] [--models dsv3_shard small]
-        [--requests 256 1024] [--rounds N] [--prompt P] [--generate G] [--no-eager] [--out DIR]
+        [--requests 256 1024] [--rounds N] [--prompt P] [--generate G] [--no-eager]
+        [--profile-steps N] [--server-loop] [--out DIR]
 
 Engines, per model and request count (bf16, random weights from one seed, random prompt tokens,
 greedy):
@@ -34,17 +35,38 @@ Method: every round gives each engine the same ``requests`` prompts of ``--promp
 tokens) is timed per engine and reported apart; then the engines' decode steps
 run in alternating turns (step ``i`` of each, back to back, synchronised before and after; the
 order rotates between rounds), after one discarded warm-up round (Triton compiles, megatron_ext's
-sampling graphs). A round's ratio of two engines is the median over its step pairs of their
-per-token time ratio (:func:`~megatron_ext.bench.mla_engine_report.paired_round_ratio`); the
-comparison is the geometric mean of the rounds' ratios with a 95% bootstrap interval
-(:mod:`megatron_ext.bench.stats`). Decode tokens/s of a round: its decode tokens over its decode
-time; a row's: the median over rounds. Host share: after the timed rounds, one more round per
-engine runs its decode steps under ``torch.profiler`` (CUDA activity only); the sum of the
-kernels' and copies' durations per step against the timed rounds' median step wall time is how
-far the step is from its kernels (``1 - kernels / wall``).
+sampling graphs). Decode figures count the decode-only steps (a step after the prefill that is
+not one is timed apart, for the end-to-end figure). An engine's decode tokens/s is its decode
+tokens over its decode time, both summed over the timed rounds; its step time the decode time
+over the steps and its tokens per step the tokens over the steps, so that tokens/s = tokens per
+step / step time in every row. A comparison of two engines is the ratio of their decode tokens/s
+(the table's figures divided), with a 95% bootstrap interval over the rounds
+(:func:`~megatron_ext.bench.stats.totals_ratio`); the verdicts quote the same ratio. The median
+over a round's step pairs of their per-token time ratio, once the comparison, is kept as a
+diagnostic only: it leaves out the slow steps and the steps with fewer tokens (the dynamic
+engine's requests whose prefill chunk came first finish first) that a throughput includes.
+Host share: after the timed rounds, one more round per engine runs its decode steps under
+``torch.profiler`` (CUDA activity only); the sum of the kernels' and copies' durations per step
+against the timed rounds' step time is how far the step is from its kernels
+(``1 - kernels / wall``).
+
+Roofline (dynamic rows): the bytes and FLOPs of the rows' mean decode step
+(:mod:`megatron_ext.bench.mla_roofline`: weights once, latent cache rows once per attention
+head-tile pass, GEMM inputs and outputs; GEMM and attention FLOPs) against the copy bandwidth and
+bf16 matmul rate measured at the start of the run; ``bound ms`` is the larger of bytes / bandwidth
+and FLOPs / rate, ``of bound`` the bound over the step time.
+
+``--profile-steps N``: N decode steps of the graphed engine under ``torch.profiler``, its top
+kernels by time per step and share of the GPU time, and GPU time against wall time
+(:mod:`megatron_ext.bench.mla_engine_profile`). ``--server-loop``: each dynamic engine also
+serves the batch through megatron-core's own loop (``run_engine``, else ``generate()``) to
+completion, ``--rounds`` times; generated tokens/s end to end and the host share of one more loop
+under the profiler (:mod:`megatron_ext.bench.mla_engine_server`), beside the stepped rounds'
+end-to-end figure.
 
 Printed last: the verdicts (``>= 2x static at 256 requests: met/missed by X`` per model, the
-graphed rows' host share) and the table; ``mla_engine.json`` goes to ``--out``. A configuration
+graphed rows' host share, the device rates and rooflines, the server loops), the table and the
+kernel breakdowns; ``mla_engine.json`` goes to ``--out``. A configuration
 that raises is reported with its traceback and the others still run (exit status 1).
 
 Without a GPU it says so and times nothing: on a tiny MLA model (fp32, Triton interpreter) the
@@ -63,7 +85,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.bench import mla_engine_report as report_lib
-from megatron_ext.bench.stats import spread
+from megatron_ext.bench.mla_engine_profile import breakdown_lines
+from megatron_ext.bench.mla_roofline import decode_step_cost, device_ceilings, roofline
 from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
 
 __all__ = [
@@ -74,9 +97,11 @@ __all__ = [
     "StaticUnit",
     "build_models",
     "check_cpu",
+    "engine_row",
     "main",
     "measure_config",
     "parse_args",
+    "server_loop_row",
     "static_batch",
     "static_cache_bytes",
     "timed_round",
@@ -238,15 +263,21 @@ class DynamicUnit:
 
     def start(self, prompts: Sequence[List[int]]) -> None:
         """Add one request per prompt."""
-        from megatron.core.inference.sampling_params import SamplingParams
-
         self.outputs, self._first_id = {}, self._next_id
         for prompt in prompts:
-            params = SamplingParams(
-                num_tokens_to_generate=self.generate, termination_id=-1, top_k=1
-            )
-            self.engine.add_request(self._next_id, list(prompt), params)
+            self.engine.add_request(self._next_id, list(prompt), self.sampling_params())
             self._next_id += 1
+
+    def sampling_params(self) -> Any:
+        """Greedy, ``generate`` tokens, no termination id."""
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        return SamplingParams(num_tokens_to_generate=self.generate, termination_id=-1, top_k=1)
+
+    def take_ids(self, count: int) -> int:
+        """Reserve ``count`` request ids (for a loop the engine runs itself); the first."""
+        first, self._next_id = self._next_id, self._next_id + count
+        return first
 
     def _decode_active(self) -> int:
         """Active requests of the next step if it is a decode-only step, else 0."""
@@ -377,8 +408,9 @@ def timed_round(
         order: the engines' order within a turn.
 
     Returns:
-        Dict[str, Dict[str, Any]]: per engine, ``prefill_s`` and ``steps``
-        (``(seconds, tokens)`` per decode step).
+        Dict[str, Dict[str, Any]]: per engine, ``prefill_s``, ``steps`` (``(seconds, tokens)``
+        per decode-only step) and ``other_s`` (the steps after the prefill that were not
+        decode-only, which the decode figures leave out and the end-to-end figure keeps).
     """
     for name in order:
         units[name].start(prompts)
@@ -388,7 +420,7 @@ def timed_round(
         began = time.perf_counter()
         units[name].prefill()
         _sync()
-        result[name] = {"prefill_s": time.perf_counter() - began, "steps": []}
+        result[name] = {"prefill_s": time.perf_counter() - began, "steps": [], "other_s": 0.0}
     while any(not units[name].done for name in order):
         for name in order:
             if units[name].done:
@@ -397,8 +429,11 @@ def timed_round(
             began = time.perf_counter()
             tokens = units[name].decode_step()
             _sync()
+            seconds = time.perf_counter() - began
             if tokens:
-                result[name]["steps"].append((time.perf_counter() - began, tokens))
+                result[name]["steps"].append((seconds, tokens))
+            else:
+                result[name]["other_s"] += seconds
     return result
 
 
@@ -536,45 +571,16 @@ def measure_config(
     kernels = {}
     if torch.cuda.is_available():
         kernels = {name: kernel_time_per_step(unit, prompts) for name, unit in units.items()}
-    rows = []
-    for name, unit in units.items():
-        seconds = [sum(s for s, _ in t[name]["steps"]) for t in turns]
-        tokens = [sum(n for _, n in t[name]["steps"]) for t in turns]
-        steps = [len(t[name]["steps"]) for t in turns]
-        rates = [n / s for n, s in zip(tokens, seconds)]
-        step_s = statistics.median(s / k for s, k in zip(seconds, steps))
-        kernel = kernels.get(name, {}).get("kernel_ms_per_step")
-        rows.append(
-            {
-                "model": model_name,
-                "requests": requests,
-                "engine": name,
-                "batch": unit.batch,
-                "prompt": prompt,
-                "generate": generate,
-                "rounds": args.rounds,
-                "decode_steps_per_round": statistics.median(steps),
-                "median_decode_step_ms": step_s * 1e3,
-                "decode_tokens_per_s": statistics.median(rates),
-                "decode_tokens_per_s_spread": spread(rates),
-                "decode_tokens_per_s_rounds": rates,
-                "prefill_ms": statistics.median(t[name]["prefill_s"] for t in turns) * 1e3,
-                "kernel_ms_per_step": kernel,
-                "kernels_per_step": kernels.get(name, {}).get("kernels_per_step"),
-                "host_share": report_lib.host_share(
-                    step_s, None if kernel is None else kernel / 1e3
-                ),
-                "static_cache_gib": (
-                    static_cache_bytes(sizes, unit.batch, prompt + generate) / 2**30
-                    if name == "static"
-                    else None
-                ),
-                "context_class": type(getattr(unit, "context", None)).__name__,
-                "controller_class": (
-                    type(unit.engine.controller).__name__ if name != "static" else None
-                ),
-                **setup.get(name, {}),
-            }
+    rows = [
+        engine_row(model_name, requests, name, unit.batch, turns, args, kernels.get(name, {}))
+        for name, unit in units.items()
+    ]
+    for row in rows:
+        row.update(setup.get(row["engine"], {}))
+        unit = units[row["engine"]]
+        row["context_class"] = type(getattr(unit, "context", None)).__name__
+        row["controller_class"] = (
+            type(unit.engine.controller).__name__ if row["engine"] != "static" else None
         )
     pairs = [(name, "static") for name in units if name != "static"]
     if {"dynamic-graphed", "dynamic-eager"} <= set(units):
@@ -583,16 +589,164 @@ def measure_config(
         {
             "model": model_name,
             "requests": requests,
-            "candidate": candidate,
-            "baseline": baseline,
-            "rounds": [
-                report_lib.paired_round_ratio(t[baseline]["steps"], t[candidate]["steps"])
-                for t in turns
-            ],
+            **report_lib.engine_comparison(turns, candidate, baseline),
         }
         for candidate, baseline in pairs
     ]
-    return {"rows": rows, "comparisons": comparisons, "dropped": dropped}
+    profiles, server = [], []
+    profiled = "dynamic-graphed" if "dynamic-graphed" in units else None
+    if getattr(args, "profile_steps", 0) and profiled and torch.cuda.is_available():
+        from megatron_ext.bench.mla_engine_profile import profile_decode_steps
+
+        breakdown = profile_decode_steps(units[profiled], prompts, args.profile_steps)
+        profiles.append({"model": model_name, "requests": requests, "engine": profiled})
+        profiles[-1]["breakdown"] = breakdown
+    if getattr(args, "server_loop", False):
+        server = [
+            server_loop_row(model_name, name, units[name], prompts, args, turns)
+            for name in units
+            if name != "static"
+        ]
+    return {
+        "rows": rows,
+        "comparisons": comparisons,
+        "dropped": dropped,
+        "profiles": profiles,
+        "server_loop": server,
+    }
+
+
+def engine_row(
+    model_name: str,
+    requests: int,
+    name: str,
+    batch: int,
+    turns: Sequence[Dict[str, Dict[str, Any]]],
+    args: argparse.Namespace,
+    kernels: Dict[str, Optional[float]],
+) -> Dict[str, Any]:
+    """One engine's row: its decode figures (:func:`~megatron_ext.bench.mla_engine_report.
+    engine_summary`), host share and, where ``args.ceilings`` holds the device's measured rates
+    and the engine serves from the latent cache, its roofline.
+
+    Args:
+        model_name: a key of :data:`ENGINE_MODELS`.
+        requests: concurrent requests.
+        name: the engine.
+        batch: rows it serves at once.
+        turns: the timed rounds.
+        args: ``prompt``, ``generate``, ``rounds`` and optionally ``ceilings``.
+        kernels: :func:`kernel_time_per_step`'s result, or empty.
+
+    Returns:
+        Dict[str, Any]: the row.
+    """
+    sizes = ENGINE_MODELS[model_name]
+    prompt, generate = args.prompt, args.generate
+    summary = report_lib.engine_summary(turns, name)
+    step_s = summary["decode_step_ms"] / 1e3
+    kernel = kernels.get("kernel_ms_per_step")
+    row = {
+        "model": model_name,
+        "requests": requests,
+        "engine": name,
+        "batch": batch,
+        "prompt": prompt,
+        "generate": generate,
+        "rounds": args.rounds,
+        **summary,
+        "prefill_ms": statistics.median(t[name]["prefill_s"] for t in turns) * 1e3,
+        # Generated tokens over everything the round took: prefill, decode-only steps and the
+        # steps between that were neither (the server-loop rows' stepped counterpart).
+        "end_to_end_tokens_per_s": len(turns)
+        * batch
+        * generate
+        / sum(
+            t[name]["prefill_s"] + t[name].get("other_s", 0.0) + sum(s for s, _ in t[name]["steps"])
+            for t in turns
+        ),
+        "kernel_ms_per_step": kernel,
+        "kernels_per_step": kernels.get("kernels_per_step"),
+        "host_share": report_lib.host_share(step_s, None if kernel is None else kernel / 1e3),
+        "static_cache_gib": (
+            static_cache_bytes(sizes, batch, prompt + generate) / 2**30
+            if name == "static"
+            else None
+        ),
+        "roofline": None,
+    }
+    ceilings = getattr(args, "ceilings", None)
+    if ceilings and name != "static":
+        # The mean decode step: its mean tokens, each attending to the mean context of the
+        # round's decode steps (step i attends to prompt + i rows; cost is linear in them).
+        tokens = max(1, round(summary["tokens_per_step"]))
+        cost = decode_step_cost(sizes, [prompt + generate // 2] * tokens)
+        row["roofline"] = roofline(
+            cost,
+            step_s,
+            ceilings["copy"]["tb_per_s"] * 1e12,
+            ceilings["matmul"]["tflops"] * 1e12,
+        )
+    return row
+
+
+def server_loop_row(
+    model_name: str,
+    name: str,
+    unit: Any,
+    prompts: Sequence[List[int]],
+    args: argparse.Namespace,
+    turns: Sequence[Dict[str, Dict[str, Any]]],
+) -> Dict[str, Any]:
+    """One dynamic engine in the server-loop mode (:mod:`megatron_ext.bench.mla_engine_server`):
+    ``args.rounds`` loops to completion, pooled, and one more under the profiler on a GPU.
+
+    Args:
+        model_name: a key of :data:`ENGINE_MODELS`.
+        name: the engine.
+        unit: its :class:`DynamicUnit` (idle).
+        prompts: the batch's prompts.
+        args: ``rounds``.
+        turns: the timed rounds (for the stepped end-to-end figure beside it).
+
+    Returns:
+        Dict[str, Any]: ``model``, ``requests``, ``engine``, ``entry``, ``tokens_per_s``
+        (generated tokens over wall time, summed over the loops), ``loops_tokens_per_s``,
+        ``host_share``, ``gpu_ms`` and ``stepped_tokens_per_s`` (the timed rounds' end to end).
+    """
+    from megatron_ext.bench.mla_engine_server import time_server_loop
+
+    params = unit.sampling_params()
+    loops = []
+    for index in range(args.rounds):
+        profile = _gpu_seconds if index == args.rounds - 1 and torch.cuda.is_available() else None
+        first = unit.take_ids(2 * len(prompts))
+        loops.append(time_server_loop(unit.engine, prompts, params, first, _sync, profile))
+    tokens, seconds = sum(r["tokens"] for r in loops), sum(r["seconds"] for r in loops)
+    stepped = engine_row(model_name, len(prompts), name, unit.batch, turns, args, {})
+    return {
+        "model": model_name,
+        "requests": len(prompts),
+        "engine": name,
+        "entry": loops[0]["entry"],
+        "tokens_per_s": tokens / seconds,
+        "loops_tokens_per_s": [r["tokens_per_s"] for r in loops],
+        "host_share": loops[-1]["host_share"],
+        "gpu_ms": None if loops[-1]["gpu_s"] is None else loops[-1]["gpu_s"] * 1e3,
+        "stepped_tokens_per_s": stepped["end_to_end_tokens_per_s"],
+    }
+
+
+def _gpu_seconds(run: Any) -> float:
+    """GPU time (every kernel's and copy's duration summed) of ``run()`` under the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in events) / 1e6
 
 
 def check_cpu() -> Dict[str, Any]:
@@ -630,8 +784,26 @@ def check_cpu() -> Dict[str, Any]:
     }
 
 
+_EPILOG = """\
+table columns: decode tok/s is an engine's decode tokens over its decode time, both summed over
+the timed rounds (min-max: the rounds' own figures); step ms is the decode time over the decode
+steps and tok/step the tokens over the steps, so tok/s = tok/step / step; vs static and vs eager
+are the ratio of two rows' decode tok/s, with a 95% bootstrap interval over the rounds (the
+verdicts quote the same ratio). kernels ms: the profiled GPU time per step; host share:
+1 - kernels / step. bound ms: the step's roofline, max(bytes / copy bandwidth, FLOPs / matmul
+rate) with both rates measured in this run (a large device copy, a large bf16 torch.mm) and the
+bytes and FLOPs of megatron_ext.bench.mla_roofline's model (weights read once, each request's
+latent cache rows once per attention head-tile pass, GEMM inputs and outputs); of bound: bound /
+step ms. Dynamic (latent-cache) rows only.
+"""
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.bench mla-engine")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.bench mla-engine",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=None, help="directory for mla_engine.json")
     parser.add_argument(
         "--quick",
@@ -661,6 +833,24 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--no-eager", action="store_true", help="leave out the dynamic engine without CUDA graphs"
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed rounds, run N decode steps of the graphed engine (at most one "
+        "batch's) under torch.profiler and print the top kernels: time per step, calls per step, "
+        "share of the GPU time, and the step's GPU time against its wall time (host share)",
+    )
+    parser.add_argument(
+        "--server-loop",
+        action="store_true",
+        help="also run each dynamic engine as a server does: every request added, then "
+        "megatron-core's own loop (DynamicInferenceEngine.run_engine, else generate()) to "
+        "completion, not stepped; generated tokens/s end to end (prefill included) per --rounds "
+        "loops, the host share from one loop under torch.profiler, beside the stepped rounds' "
+        "end-to-end figure",
+    )
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
@@ -672,6 +862,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error("--prompt must be >= 1 and --generate >= 2 (one decode step at least)")
     if any(r < 1 for r in args.requests):
         parser.error("--requests values must be >= 1")
+    if args.profile_steps < 0:
+        parser.error("--profile-steps must be >= 0")
     args.engines = [e for e in report_lib.ENGINES if not (args.no_eager and e == "dynamic-eager")]
     return args
 
@@ -700,7 +892,11 @@ def bench_gpu(args: argparse.Namespace) -> int:
         "comparisons": [],
         "failed": [],
         "dropped": [],
+        "profiles": [],
+        "server_loop": [],
     }
+    # The roofline's rates, measured once in this run, before the models take the memory.
+    report["ceilings"] = args.ceilings = device_ceilings(args.quick)
     # megatron-core's CUDA graphs accept only its inference RNG tracker; this process keeps it (as
     # an inference script does).
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -726,8 +922,8 @@ def bench_gpu(args: argparse.Namespace) -> int:
                 print(f"FAILED {model_name} at {requests} requests:\n{error}", flush=True)
                 _release_graphs()
                 continue
-            report["rows"] += result["rows"]
-            report["comparisons"] += result["comparisons"]
+            for key in ("rows", "comparisons", "profiles", "server_loop"):
+                report[key] += result[key]
             report["dropped"] += [
                 {"model": model_name, "requests": requests, "engine": name, "error": error}
                 for name, error in result["dropped"].items()
@@ -755,6 +951,12 @@ def bench_gpu(args: argparse.Namespace) -> int:
     for line in report_lib.verdicts(report):
         print(line)
     print(report_lib.table(report))
+    for entry in report["profiles"]:
+        title = f"{entry['model']}, {entry['requests']} requests, {entry['engine']}"
+        if entry["breakdown"].get("steps"):
+            print("\n".join(breakdown_lines(title, entry["breakdown"])))
+        else:
+            print(f"kernels per decode step ({title}): the profiler saw no GPU work")
     return 1 if report["failed"] else 0
 
 

@@ -8,7 +8,9 @@ cancels in it. :func:`step_paired_ratio` forms a round's ratio from two variants
 alternating turns (engines, or the bookkeeping rows' stacks); :func:`ratio_interval` summarises
 the rounds' ratios by their geometric mean and a bootstrap percentile interval of it (resampling
 whole rounds), and says how wide the interval is, so a report can state whether a measured ratio
-is settled or needs more rounds.
+is settled or needs more rounds. :func:`totals_ratio` is the ratio of two variants' pooled
+throughputs (work over time summed over the rounds), the figure a throughput table shows, with a
+bootstrap interval over the same rounds of both.
 """
 
 import math
@@ -16,7 +18,7 @@ import random
 import statistics
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["ratio_interval", "rounds_speedup", "spread", "step_paired_ratio"]
+__all__ = ["ratio_interval", "rounds_speedup", "spread", "step_paired_ratio", "totals_ratio"]
 
 
 def ratio_interval(
@@ -139,3 +141,65 @@ def rounds_speedup(per_round: List[float]) -> Dict[str, float]:
         return {"speedup": per_round[0], "round_min": per_round[0], "round_max": per_round[0]}
     interval = ratio_interval(per_round)
     return {"speedup": interval.pop("ratio"), **interval}
+
+
+def totals_ratio(
+    baseline: Sequence[Tuple[float, float]],
+    candidate: Sequence[Tuple[float, float]],
+    confidence: float = 0.95,
+    resamples: int = 4000,
+    seed: int = 0,
+) -> Dict[str, float]:
+    """The candidate's pooled throughput over the baseline's: ``(sum work / sum seconds)`` of
+    each over the rounds, so the point estimate is exactly the ratio of the two rows' work/s
+    when those are pooled the same way. The interval resamples whole rounds, the same ones for
+    both (they ran interleaved on the same machine state).
+
+    Args:
+        baseline: ``(work, seconds)`` per round (e.g. decode tokens and decode time).
+        candidate: the same for the candidate, in the same round order.
+        confidence: coverage of the interval, in (0, 1).
+        resamples: bootstrap resamples of the rounds.
+        seed: seed of the resampling.
+
+    Returns:
+        Dict[str, float]: ``speedup`` (the pooled ratio), ``round_min``/``round_max`` (the
+        extreme per-round ratios) and, from two rounds on, ``low``, ``high`` and ``half_width``.
+
+    Raises:
+        ValueError: if the rounds differ in number or are empty, or a round's work or time is
+            not positive.
+    """
+    if len(baseline) != len(candidate) or not baseline:
+        raise ValueError(f"rounds differ or are empty: {len(baseline)} vs {len(candidate)}")
+    if min(v for pair in (*baseline, *candidate) for v in pair) <= 0:
+        raise ValueError("work and seconds must be positive")
+
+    def pooled(rounds: Sequence[int]) -> float:
+        base = sum(baseline[i][0] for i in rounds) / sum(baseline[i][1] for i in rounds)
+        cand = sum(candidate[i][0] for i in rounds) / sum(candidate[i][1] for i in rounds)
+        return cand / base
+
+    count = len(baseline)
+    per_round = [pooled([i]) for i in range(count)]
+    result = {
+        "speedup": pooled(range(count)),
+        "round_min": min(per_round),
+        "round_max": max(per_round),
+    }
+    if count < 2:
+        return result
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    rng = random.Random(seed)
+    draws = sorted(pooled(rng.choices(range(count), k=count)) for _ in range(max(1, resamples)))
+    tail = (1.0 - confidence) / 2.0
+    low = draws[int(tail * (len(draws) - 1))]
+    high = draws[int(math.ceil((1.0 - tail) * (len(draws) - 1)))]
+    # The pooled ratio of a resample can lie outside the rounds' range only by rounding.
+    result.update(
+        low=min(low, result["speedup"]),
+        high=max(high, result["speedup"]),
+        half_width=(high - low) / 2.0 / result["speedup"],
+    )
+    return result

@@ -12,6 +12,7 @@ import torch
 
 from megatron_ext.bench import mla_engine
 from megatron_ext.bench import mla_engine_report as report_lib
+from megatron_ext.bench import mla_roofline
 from tests.unit_tests.mcore_rng import inference_rng_tracker
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU smoke test runs instead")
@@ -61,6 +62,8 @@ def _row(model, requests, engine, rate, step_ms, kernel_ms=None):
         "batch": min(requests, 256),
         "decode_tokens_per_s": rate,
         "decode_tokens_per_s_spread": {"min": rate * 0.9, "max": rate * 1.1},
+        "decode_step_ms": step_ms,
+        "tokens_per_step": rate * step_ms / 1e3,
         "median_decode_step_ms": step_ms,
         "kernel_ms_per_step": kernel_ms,
         "host_share": report_lib.host_share(step_ms, None if kernel_ms is None else kernel_ms),
@@ -69,8 +72,15 @@ def _row(model, requests, engine, rate, step_ms, kernel_ms=None):
 
 
 def _comparison(model, requests, candidate, baseline, rounds):
+    # Per-round totals whose ratios are ``rounds``: the baseline 1000 tokens in 1 s per round.
+    totals = {baseline: [[1000, 1.0]] * len(rounds), candidate: [[1000, 1.0 / r] for r in rounds]}
     return dict(
-        model=model, requests=requests, candidate=candidate, baseline=baseline, rounds=rounds
+        model=model,
+        requests=requests,
+        candidate=candidate,
+        baseline=baseline,
+        rounds=rounds,
+        totals=totals,
     )
 
 
@@ -94,12 +104,19 @@ def _report():
     }
 
 
-def test_comparison_is_the_geometric_mean_of_the_rounds_with_an_interval():
+def test_comparison_is_the_ratio_of_the_pooled_rates_with_an_interval():
     result = report_lib.comparison(_report(), "dsv3_shard", 256, "dynamic-graphed", "static")
-    assert result["speedup"] == pytest.approx((5.0 * 5.1 * 4.9 * 5.0) ** 0.25)
+    # 4000 tokens over 4 s against 4000 tokens over the sum of 1 / ratio.
+    assert result["speedup"] == pytest.approx(4 / sum(1 / r for r in (5.0, 5.1, 4.9, 5.0)))
     assert result["low"] <= result["speedup"] <= result["high"]
     assert 4.9 <= result["low"] and result["high"] <= 5.1
+    assert (result["round_min"], result["round_max"]) == (pytest.approx(4.9), pytest.approx(5.1))
     assert report_lib.comparison(_report(), "small", 1024, "dynamic-graphed", "static") is None
+    # A report from before the totals: the geometric mean of its per-round ratios.
+    old = _report()
+    del old["comparisons"][0]["totals"]
+    result = report_lib.comparison(old, "dsv3_shard", 256, "dynamic-graphed", "static")
+    assert result["speedup"] == pytest.approx((5.0 * 5.1 * 4.9 * 5.0) ** 0.25)
 
 
 def test_verdicts_say_met_or_missed_by_how_much_and_the_host_share():
@@ -128,10 +145,11 @@ def test_table_has_a_row_per_engine_with_its_ratios():
     assert len(lines) == 2 + len(_report()["rows"])
     graphed = lines[2].split(" | ")
     assert graphed[:5] == ["| dsv3_shard", "256", "dynamic-graphed", "256", "60000 (54000-66000)"]
-    assert graphed[6:8] == ["3.00", "25%"]
-    assert graphed[9].startswith("5.00x [") and graphed[10].startswith("2.00x [")
+    # step ms, tok/step, kernels ms, host share, bound ms, of bound, prefill ms.
+    assert graphed[5:12] == ["4.00", "240", "3.00", "25%", "-", "-", "50.0"]
+    assert graphed[12].startswith("5.00x [") and graphed[13].startswith("2.00x [")
     static = lines[4].split(" | ")
-    assert static[6:8] == ["-", "-"] and static[9:] == ["-", "- |"]
+    assert static[7:9] == ["-", "-"] and static[12:] == ["-", "- |"]
 
 
 # ------------------------------------------------------------------------- command line
@@ -163,7 +181,8 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
     monkeypatch.setitem(
         mla_engine.ENGINE_MODELS, "tiny", dict(mla_engine.ENGINE_MODELS["tiny"], q_lora_rank=48)
     )
-    args = argparse.Namespace(prompt=5, generate=3, rounds=2, engines=["dynamic-eager", "static"])
+    engines = ["dynamic-eager", "static"]
+    args = argparse.Namespace(prompt=5, generate=3, rounds=2, engines=engines, server_loop=True)
     with cpu_torch_compat():
         ensure_model_parallel()
         try:
@@ -187,6 +206,11 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
     [comparison] = result["comparisons"]
     assert (comparison["candidate"], comparison["baseline"]) == ("dynamic-eager", "static")
     assert len(comparison["rounds"]) == 2 and min(comparison["rounds"]) > 0
+    # The server loop: megatron-core's own run_engine served every request of each loop.
+    [loop] = result["server_loop"]
+    assert (loop["engine"], loop["entry"], loop["requests"]) == ("dynamic-eager", "run_engine", 3)
+    assert len(loop["loops_tokens_per_s"]) == 2 and loop["tokens_per_s"] > 0
+    assert loop["stepped_tokens_per_s"] > 0 and loop["host_share"] is None
     report = {"rows": result["rows"], "comparisons": result["comparisons"]}
     assert report_lib.verdicts(report) == [
         ">= 2x static at 256 requests (tiny): not measured (no 256-request graphed row)"
@@ -233,3 +257,114 @@ def test_gpu_smoke_run_of_the_tiny_model(tmp_path, capsys):
     # engine), so the count is bounded, not fixed.
     assert 1 <= graphed["decode_steps_per_round"] <= 5
     assert len(saved["comparisons"]) == 3
+
+
+# ------------------------------------------------- one statistic for the table and the verdict
+
+
+def _turns(rounds=3):
+    """Made-up rounds shaped as the small model's at 1024 requests: the static engine steps
+    1024 tokens in 5.5 ms; the graphed engine's median step is quicker (5.2 ms) but a few of its
+    steps are slow (40 ms) and its last three decode fewer tokens (the requests whose prefill
+    chunk came first finish first)."""
+    turns = []
+    for index in range(rounds):
+        jitter = 1.0 + 0.01 * index
+        static = [(0.0055 * jitter, 1024)] * 31
+        graphed = [(0.0052 * jitter, 1024)] * 24 + [(0.040 * jitter, 1024)] * 4
+        graphed += [(0.0052 * jitter, n) for n in (768, 512, 256)]
+        turns.append(
+            {
+                "static": {"prefill_s": 0.02, "steps": static, "other_s": 0.0},
+                "dynamic-graphed": {"prefill_s": 0.3, "steps": graphed, "other_s": 0.01},
+            }
+        )
+    return turns
+
+
+def _summary_report(turns, args):
+    rows = [
+        mla_engine.engine_row("small", 1024, name, 1024, turns, args, {})
+        for name in ("dynamic-graphed", "static")
+    ]
+    comparison = report_lib.engine_comparison(turns, "dynamic-graphed", "static")
+    return {"rows": rows, "comparisons": [dict(model="small", requests=1024, **comparison)]}
+
+
+def test_the_verdict_quotes_the_ratio_of_the_tables_tokens_per_s(monkeypatch):
+    """The old verdict, the median over step pairs, favoured the graphed engine while the table's
+    tokens/s favoured static; now the verdict is the table's tokens/s divided."""
+    monkeypatch.setattr(report_lib, "TARGET_REQUESTS", 1024)
+    turns = _turns()
+    old = report_lib.paired_round_ratio
+    assert all(old(t["static"]["steps"], t["dynamic-graphed"]["steps"]) > 1.05 for t in turns)
+    args = argparse.Namespace(prompt=128, generate=32, rounds=3)
+    report = _summary_report(turns, args)
+    rows = {row["engine"]: row for row in report["rows"]}
+    graphed, static = rows["dynamic-graphed"], rows["static"]
+    table_ratio = graphed["decode_tokens_per_s"] / static["decode_tokens_per_s"]
+    assert table_ratio < 0.8  # static is faster in the table
+    result = report_lib.comparison(report, "small", 1024, "dynamic-graphed", "static")
+    assert result["speedup"] == pytest.approx(table_ratio, rel=1e-12)
+    assert result["low"] <= result["speedup"] <= result["high"] < 1.0
+    # The table's own columns agree: tok/s = tok/step / step.
+    for row in rows.values():
+        per_step = row["tokens_per_step"] / (row["decode_step_ms"] / 1e3)
+        assert per_step == pytest.approx(row["decode_tokens_per_s"])
+    assert static["tokens_per_step"] == 1024 and graphed["tokens_per_step"] < 1024
+    assert graphed["median_decode_step_ms"] == pytest.approx(5.2, rel=0.02)
+    [verdict] = [line for line in report_lib.verdicts(report) if line.startswith(">=")]
+    assert f"missed by {2 - table_ratio:.2f}x ({table_ratio:.2f}x [" in verdict
+    assert "the median step pair alone says 1.0" in verdict and "not a throughput" in verdict
+    line = [x for x in report_lib.table(report).splitlines() if "dynamic-graphed" in x][0]
+    assert f" | {table_ratio:.2f}x [" in line
+    assert f"| {graphed['decode_tokens_per_s']:.0f} (" in line
+
+
+def test_engine_rows_keep_the_rounds_totals_and_the_end_to_end_figure():
+    turns = _turns(2)
+    args = argparse.Namespace(prompt=128, generate=32, rounds=2)
+    row = mla_engine.engine_row("small", 1024, "dynamic-graphed", 1024, turns, args, {})
+    tokens = 24 * 1024 + 4 * 1024 + 768 + 512 + 256
+    assert [n for n, _ in row["decode_totals_rounds"]] == [tokens, tokens]
+    assert row["decode_steps_per_round"] == 31 and row["roofline"] is None
+    seconds = sum(0.3 + 0.01 + sum(s for s, _ in t["dynamic-graphed"]["steps"]) for t in turns)
+    assert row["end_to_end_tokens_per_s"] == pytest.approx(2 * 1024 * 32 / seconds)
+    with pytest.raises(ValueError):
+        report_lib.engine_summary([{"x": {"steps": []}}], "x")
+
+
+def test_rows_get_a_roofline_from_the_runs_measured_rates():
+    turns = _turns(2)
+    ceilings = {"copy": {"tb_per_s": 4.0}, "matmul": {"tflops": 800.0}}
+    args = argparse.Namespace(prompt=128, generate=32, rounds=2, ceilings=ceilings)
+    report = _summary_report(turns, args)
+    rows = {row["engine"]: row for row in report["rows"]}
+    assert rows["static"]["roofline"] is None  # the model is the latent cache's
+    bound = rows["dynamic-graphed"]["roofline"]
+    sizes = mla_engine.ENGINE_MODELS["small"]
+    tokens = round(rows["dynamic-graphed"]["tokens_per_step"])
+    cost = mla_roofline.decode_step_cost(sizes, [128 + 16] * tokens)
+    assert bound["bytes"] == cost["bytes"] and bound["flops"] == cost["flops"]
+    step_s = rows["dynamic-graphed"]["decode_step_ms"] / 1e3
+    assert bound["achieved"] == pytest.approx(bound["bound_ms"] / 1e3 / step_s)
+    report["ceilings"] = ceilings
+    lines = report_lib.verdicts(report)
+    assert "device rates (this run): copy 4.00 TB/s (read + write), bf16 matmul 800 TFLOP/s" in (
+        lines
+    )
+    assert any(x.startswith("roofline (small, 1024 requests, dynamic-graphed): ") for x in lines)
+    graphed = report_lib.table(report).splitlines()[2].split(" | ")
+    assert graphed[9] == f"{bound['bound_ms']:.3f}" and graphed[10].endswith("%")
+
+
+def test_new_options_and_the_help_text():
+    args = mla_engine.parse_args(["--profile-steps", "5", "--server-loop"])
+    assert args.profile_steps == 5 and args.server_loop
+    defaults = mla_engine.parse_args([])
+    assert defaults.profile_steps == 0 and not defaults.server_loop
+    with pytest.raises(SystemExit):
+        mla_engine.parse_args(["--profile-steps", "-1"])
+    text = " ".join(mla_engine.parse_args.__globals__["_EPILOG"].split())
+    assert "summed over the timed rounds" in text and "max(bytes / copy bandwidth" in text
+    assert "95% bootstrap" in text

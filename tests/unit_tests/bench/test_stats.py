@@ -98,3 +98,22 @@ def test_steps_with_different_active_counts_are_not_paired():
         step_paired_ratio([(1.0, 3)], [(1.0, 4)])
     with pytest.raises(ValueError, match="must be positive"):
         step_paired_ratio([(0.0, 3)], [(1.0, 3)])
+
+
+def test_totals_ratio_is_the_ratio_of_the_pooled_rates():
+    from megatron_ext.bench.stats import totals_ratio
+
+    # Round 2 of the candidate is slow: the pooled ratio weighs it by its time, as a table's
+    # tokens over time does; the geometric mean of the rounds' ratios would not.
+    baseline = [(1000, 1.0), (1000, 1.0), (1000, 1.0)]
+    candidate = [(1000, 0.5), (1000, 2.0), (1000, 0.5)]
+    result = totals_ratio(baseline, candidate)
+    assert result["speedup"] == pytest.approx(3000 / 3.0 / (3000 / 3.0))
+    assert (result["round_min"], result["round_max"]) == (0.5, 2.0)
+    assert result["low"] <= 1.0 <= result["high"]
+    constant = totals_ratio(baseline, [(1000, 0.25)] * 3)
+    assert constant["low"] == constant["high"] == pytest.approx(4.0)
+    assert "low" not in totals_ratio(baseline[:1], candidate[:1])
+    for bad in ((baseline, candidate[:2]), ([], []), (baseline, [(0, 1.0)] * 3)):
+        with pytest.raises(ValueError):
+            totals_ratio(*bad)

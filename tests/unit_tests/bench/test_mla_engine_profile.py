@@ -1,0 +1,55 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The decode step's kernel breakdown (megatron_ext.bench.mla_engine_profile) over made-up
+profiler events."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ext.bench import mla_engine_profile as profile_lib
+
+
+def _event(name, us):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def _events(steps):
+    per_step = [("_latent_attention_kernel", 300.0)] * 2 + [("CatArrayBatchedCopy", 200.0)]
+    per_step += [("gemm", 100.0)] * 3 + [("copy", 10.0), ("memset", 5.0)]
+    return [_event(name, us) for _ in range(steps) for name, us in per_step]
+
+
+def test_kernels_are_ranked_by_time_per_step_with_their_share():
+    breakdown = profile_lib.kernel_breakdown(_events(4), steps=4, wall_seconds=4 * 0.002, top=3)
+    assert breakdown["gpu_ms_per_step"] == pytest.approx(1.115)
+    assert breakdown["wall_ms_per_step"] == pytest.approx(2.0)
+    assert breakdown["host_share"] == pytest.approx(1 - 1.115 / 2.0)
+    assert breakdown["events_per_step"] == 8
+    names = [k["name"] for k in breakdown["kernels"]]
+    assert names == ["_latent_attention_kernel", "gemm", "CatArrayBatchedCopy"]
+    attention = breakdown["kernels"][0]
+    assert attention["ms_per_step"] == pytest.approx(0.6) and attention["calls_per_step"] == 2
+    assert attention["share"] == pytest.approx(600 / 1115)
+    assert breakdown["other_ms_per_step"] == pytest.approx(0.015)
+    assert sum(k["share"] for k in breakdown["kernels"]) == pytest.approx(1100 / 1115)
+
+
+def test_overlapping_streams_floor_the_host_share_and_bad_inputs_are_refused():
+    breakdown = profile_lib.kernel_breakdown(_events(1), steps=1, wall_seconds=0.001)
+    assert breakdown["host_share"] == 0.0  # 1.115 ms of GPU work in a 1 ms step
+    for steps, wall in ((0, 1.0), (1, 0.0)):
+        with pytest.raises(ValueError):
+            profile_lib.kernel_breakdown([], steps, wall)
+
+
+def test_the_printed_breakdown():
+    breakdown = profile_lib.kernel_breakdown(_events(2), steps=2, wall_seconds=0.004, top=2)
+    lines = profile_lib.breakdown_lines("small, 1024 requests, dynamic-graphed", breakdown, 20)
+    assert lines[0] == (
+        "kernels per decode step (small, 1024 requests, dynamic-graphed, 2 steps profiled): GPU "
+        "1.115 ms of a 2.000 ms step, host share 44%, 8 GPU events per step"
+    )
+    assert lines[1].split() == ["53.8%", "0.600", "ms", "x2", "_latent_attention..."]
+    assert lines[2].split()[:2] == ["26.9%", "0.300"] and lines[2].endswith("gemm")
+    assert lines[3].split() == ["0.215", "ms", "(the", "others)"]
