@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Host time per call of the public kernel entry points in two source trees, alternated in one
+run on a GPU: the check that a change of the launch path costs no host time.
+
+    git archive REV megatron_ext | tar -x -C /tmp/old
+    python scripts/compare_host_time.py --old /tmp/old [--new .] [--rounds 3]
+
+Each round runs one measuring process per tree, old then new, each with its tree first on
+``PYTHONPATH``; a process times the RoPE drop-ins (``scripts/compare_rope_host_time.py``'s calls)
+and the paged latent attention and the RoPE + append at decode sizes, through import paths every
+revision has (``megatron_ext.fusions.fused_mla_yarn_rope_apply``,
+``megatron_ext.fusions.mla_paged_latent_attention``,
+``megatron_ext.fusions.fused_mla_rope_cache_append``). Prints a table of the per-call medians over
+the rounds, new / old, and the worst row; exits 2 without a GPU.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+SCRIPTS = Path(__file__).resolve().parent
+# (batch, context, heads) of the latent-cache calls: decode, as an engine makes them per layer.
+DECODE_SHAPES = ((1, 4096, 16), (64, 4096, 16), (64, 4096, 128))
+
+
+def _latent_calls() -> Dict[str, float]:
+    """Host us per call of the latent attention and the RoPE + append (bf16, page size 64)."""
+    import importlib.util
+
+    import torch
+
+    from megatron_ext.fusions.fused_mla_rope_cache_append import fused_mla_rope_cache_append
+    from megatron_ext.fusions.mla_paged_latent_attention import mla_paged_latent_attention
+
+    spec = importlib.util.spec_from_file_location(
+        "rope_host", SCRIPTS / "compare_rope_host_time.py"
+    )
+    rope_host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rope_host)
+    results = {}
+    for batch, context, heads in DECODE_SHAPES:
+        pages = context // 64
+        cache = torch.randn(batch * pages, 64, 576, device="cuda").bfloat16()
+        table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+        cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+        lengths = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+        query = torch.randn(batch, heads, 576, device="cuda").bfloat16()
+        out = torch.empty(batch, heads, 512, device="cuda").bfloat16()
+
+        def attend():
+            mla_paged_latent_attention(
+                query, cache, table, cu, lengths, 0.1, max_query_len=1, out=out
+            )
+
+        results[f"attention {batch}x{context}x{heads}"] = rope_host.host_us(attend)
+    cos, sin = rope_host.tables(4096)
+    for tokens in (1, 64):
+        latent = torch.randn(tokens, 1, 512, device="cuda").bfloat16()
+        k_pe = torch.randn(tokens, 1, 64, device="cuda").bfloat16()
+        cache = torch.randn(tokens // 64 + 2, 64, 576, device="cuda").bfloat16()
+        rows = torch.arange(tokens, device="cuda")
+        positions = rows % 4096
+
+        def append():
+            fused_mla_rope_cache_append(
+                latent, k_pe, cos, sin, positions, cache, rows // 64, rows % 64
+            )
+
+        results[f"rope+append {tokens}"] = rope_host.host_us(append)
+    results.update(rope_host.main("tree"))
+    results.pop("tree")
+    return results
+
+
+def summarise(runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, object]]:
+    """Per call: the median host us of each tree over its runs and new / old.
+
+    Args:
+        runs: ``{"old": [measurements per round], "new": [...]}``, each a {call: us} dict.
+
+    Returns:
+        List[Dict[str, object]]: rows of ``call``, ``old``, ``new``, ``ratio``, in the order the
+        calls were measured.
+    """
+    rows = []
+    for call in runs["new"][0]:
+        old = statistics.median(run[call] for run in runs["old"] if call in run)
+        new = statistics.median(run[call] for run in runs["new"])
+        rows.append({"call": call, "old": old, "new": new, "ratio": new / old})
+    return rows
+
+
+def print_table(rows: Sequence[Dict[str, object]]) -> None:
+    """The table, then the worst row (the largest new / old)."""
+    width = max(len(str(row["call"])) for row in rows)
+    print(f"{'call':<{width}} | old us | new us | new/old")
+    for row in rows:
+        print(
+            f"{row['call']:<{width}} | {row['old']:6.1f} | {row['new']:6.1f} | {row['ratio']:.2f}"
+        )
+    worst = max(rows, key=lambda row: row["ratio"])
+    print(f"worst row: {worst['call']}: new / old = {worst['ratio']:.2f}")
+
+
+def _measure(tree: Path) -> Dict[str, float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--measure"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    """Alternate the two trees' measuring processes; print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", type=Path, help="the other revision's tree (holds megatron_ext)")
+    parser.add_argument("--new", type=Path, default=SCRIPTS.parent, help="default: this checkout")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: host time per call of GPU launches needs one", file=sys.stderr)
+        return 2
+    if args.measure:
+        print(json.dumps(_latent_calls()))
+        return 0
+    if args.old is None:
+        parser.error("--old is required")
+    runs: Dict[str, List[Dict[str, float]]] = {"old": [], "new": []}
+    for _ in range(args.rounds):
+        for name in ("old", "new"):
+            runs[name].append(_measure(getattr(args, name).resolve()))
+    print_table(summarise(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
