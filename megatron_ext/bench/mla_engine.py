@@ -896,7 +896,8 @@ def bench_gpu(args: argparse.Namespace) -> int:
         "server_loop": [],
     }
     # The roofline's rates, measured once in this run, before the models take the memory.
-    report["ceilings"] = args.ceilings = device_ceilings(args.quick)
+    args = argparse.Namespace(**vars(args), ceilings=device_ceilings(args.quick))
+    report["ceilings"] = args.ceilings
     # megatron-core's CUDA graphs accept only its inference RNG tracker; this process keeps it (as
     # an inference script does).
     from megatron.core.tensor_parallel.random import initialize_rng_tracker

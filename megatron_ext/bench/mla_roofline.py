@@ -17,7 +17,7 @@ computes), for ``B`` requests attending to ``L_b`` cache rows each (the new toke
   ``kv_up``'s ``c x H(d + v)`` read once, the norms' ``h``, ``q`` and ``c``), the final norm, the
   output layer, and ``B`` embedding rows.
 * Cache: each request's ``L_b`` latent rows of ``c + r`` elements read once per head-tile pass,
-  ``ceil(H / tile)`` passes (:func:`megatron_ext.fusions.mla_paged_latent_attention.head_tile`:
+  ``ceil(H / tile)`` passes (:func:`megatron_ext.fusions.mla_latent.tile_rules.head_tile`:
   each program of the attention kernel reads the rows for its tile of heads), and the new row
   written.
 * Activations: each GEMM's input read and output written once per token, the attention's
@@ -39,7 +39,7 @@ __all__ = ["decode_step_cost", "device_ceilings", "matmul_peak", "roofline"]
 
 
 def _head_tile(heads: int, itemsize: int) -> int:
-    from megatron_ext.fusions.mla_paged_latent_attention import head_tile
+    from megatron_ext.fusions.mla_latent.tile_rules import head_tile
 
     return head_tile(heads, decode=True, fp32=itemsize == 4)
 
