@@ -17,6 +17,7 @@ the rounds, new / old, and the worst row; exits 2 without a GPU.
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,11 +55,17 @@ def _latent_calls() -> Dict[str, float]:
         query = torch.randn(batch, heads, 576, device="cuda").bfloat16()
         out = torch.empty(batch, heads, 512, device="cuda").bfloat16()
 
-        def attend():
-            mla_paged_latent_attention(
-                query, cache, table, cu, lengths, 0.1, max_query_len=1, out=out
-            )
-
+        attend = functools.partial(
+            mla_paged_latent_attention,
+            query,
+            cache,
+            table,
+            cu,
+            lengths,
+            0.1,
+            max_query_len=1,
+            out=out,
+        )
         results[f"attention {batch}x{context}x{heads}"] = rope_host.host_us(attend)
     cos, sin = rope_host.tables(4096)
     for tokens in (1, 64):
@@ -68,11 +75,17 @@ def _latent_calls() -> Dict[str, float]:
         rows = torch.arange(tokens, device="cuda")
         positions = rows % 4096
 
-        def append():
-            fused_mla_rope_cache_append(
-                latent, k_pe, cos, sin, positions, cache, rows // 64, rows % 64
-            )
-
+        append = functools.partial(
+            fused_mla_rope_cache_append,
+            latent,
+            k_pe,
+            cos,
+            sin,
+            positions,
+            cache,
+            rows // 64,
+            rows % 64,
+        )
         results[f"rope+append {tokens}"] = rope_host.host_us(append)
     results.update(rope_host.main("tree"))
     results.pop("tree")
