@@ -99,7 +99,9 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def prompt_token_ids(name: str, tokens: Any, vocab_size: Optional[int] = None) -> Tensor:
+def prompt_token_ids(
+    name: str, tokens: Any, vocab_size: Optional[int] = None, check_values: bool = True
+) -> Tensor:
     """``tokens`` as the int64 token ids megatron-core stores, after checking that they are ids.
 
     Accepted as megatron-core's context accepts them (it copies them into int64 buffers): any
@@ -116,6 +118,8 @@ def prompt_token_ids(name: str, tokens: Any, vocab_size: Optional[int] = None) -
         name: what the tensor is, for messages.
         tokens: the prompt's token ids.
         vocab_size: the model's vocabulary (the embedding's rows); None: only ``>= 0`` is checked.
+        check_values: False skips the range check of integer ids (no host read); floating ids
+            are always checked, since converting them needs integral values.
 
     Returns:
         Tensor: ``tokens`` itself when it is int64, else an int64 copy on the same device.
@@ -131,6 +135,8 @@ def prompt_token_ids(name: str, tokens: Any, vocab_size: Optional[int] = None) -
         raise TypeError(f"{name} must hold integer token ids, got {describe(tokens)}")
     if tokens.numel() == 0:
         raise ValueError(f"{name} is empty: a request needs at least one prompt token")
+    if not (check_values or tokens.is_floating_point()):
+        return tokens if tokens.dtype == torch.int64 else tokens.to(torch.int64)
     end = _INT64_END if vocab_size is None else vocab_size
     if tokens.is_floating_point():
         values = tokens.double()

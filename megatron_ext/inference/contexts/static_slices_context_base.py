@@ -349,8 +349,15 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> Tensor:
         """The prompt tokens, and the chunk and output lengths megatron-core's ``add_request``
         stores (int32), checked before it allocates anything; returns the tokens as int64."""
+        tokens = req.remaining_prompt_tokens
+        # Integer ids on a GPU were range-checked where the request entered the engine
+        # (check_new_request); reading them back again here would synchronise once per added
+        # chunk, inside the engine's scheduling.
+        on_device = isinstance(tokens, Tensor) and tokens.device.type != "cpu"
         tokens = prompt_token_ids(
-            f"request {req.request_id}'s remaining prompt tokens", req.remaining_prompt_tokens
+            f"request {req.request_id}'s remaining prompt tokens",
+            tokens,
+            check_values=not on_device,
         )
         remaining = tokens.numel()
         chunk = args[0] if args else kwargs.get("chunk_length", kwargs.get("prefill_chunk_length"))
@@ -458,7 +465,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         Raises:
             TypeError, ValueError: for what :meth:`check_request` refuses, prompt tokens that
                 are not a non-empty 1-D tensor of integral ids >= 0 (floating ids with integral
-                values are stored as int64, as megatron-core stores them), a chunk length or
+                values are stored as int64, as megatron-core stores them; integer ids on a GPU
+                are range-checked where the request enters the engine, not here, where the read
+                would synchronise in the engine's scheduling), a chunk length or
                 ``num_tokens_to_generate`` megatron-core could not store, and a request whose id
                 is already in the context (megatron-core would hold two rows with one id;
                 finishing either would then be ambiguous), except for a later chunk of a
