@@ -10,11 +10,15 @@ The checkout must be at the tag of the installed megatron-core (``core_v0.16.1``
 ``megatron/core`` is not (the installed megatron-core is). Without ``--files`` every test file
 under ``tests/unit_tests`` that names one of the replaced functions or classes is run. Each file
 runs twice in a fresh pytest process: stock, and with ``-p megatron_ext_swap``
-(``tests/conformance/megatron_ext_swap.py``). Exit status 1 if a test that passes stock does not
-pass with megatron_ext.
+(``tests/conformance/megatron_ext_swap.py``). ``--jobs N`` runs N files at a time and
+``--workers K`` splits each file over K pytest-xdist workers; every process gets its own
+``MASTER_PORT`` (the tests' single-rank process group binds one;
+``tests/conformance/worker_ports.py``). Exit status 1 if a test that passes stock does not pass
+with megatron_ext.
 """
 
 import argparse
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -104,11 +108,14 @@ def run(
     out: Path,
     timeout: int,
     noconftest: bool,
+    port: int = 29500,
+    workers: int = 1,
 ) -> Dict[str, str]:
     tag = "megatron_ext" if swapped else "stock"
     xml = out / f"{tag}-{test_file.replace('/', '_')}.xml"
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath(work, tail)
+    env["MASTER_PORT"] = str(port)
     # The checkout's addopts stop at the first failure (-x); every test must run here.
     cmd = [
         sys.executable,
@@ -126,6 +133,8 @@ def run(
         cmd += ["--noconftest"]
     if swapped:
         cmd += ["-p", "megatron_ext_swap"]
+    if workers > 1:
+        cmd += ["-n", str(workers), "-p", "worker_ports"]
     log = out / f"{tag}-{test_file.replace('/', '_')}.log"
     with open(log, "w") as f:
         try:
@@ -149,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--files", nargs="*", help="test files relative to the checkout")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "megatron_core_tests")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest process")
+    parser.add_argument("--jobs", type=int, default=1, help="test files at a time")
+    parser.add_argument("--workers", type=int, default=1, help="pytest-xdist workers per file")
     args = parser.parse_args(argv)
     checkout = args.megatron_lm.resolve()
     if not (checkout / "tests" / "unit_tests").is_dir():
@@ -169,11 +180,24 @@ def main(argv=None) -> int:
             f"the checkout's tests/unit_tests/conftest.py cannot be imported here ({why}): "
             "running with --noconftest"
         )
-    rows, regressions = [], []
-    for test_file in files:
+    if args.jobs < 1 or args.workers < 1:
+        parser.error(f"--jobs and --workers must be >= 1; got {args.jobs}, {args.workers}")
+
+    def both(index: int, test_file: str):
         start = time.time()
-        stock = run(work, tail, test_file, False, args.out, args.timeout, bool(why))
-        ext = run(work, tail, test_file, True, args.out, args.timeout, bool(why))
+        # A block of ports per run (its workers take the ports after the first): a file's stock
+        # and swapped runs, and files running side by side, never share one.
+        stride = args.workers + 1
+        ports = (29500 + 2 * index * stride, 29500 + (2 * index + 1) * stride)
+        common = (args.out, args.timeout, bool(why))
+        stock = run(work, tail, test_file, False, *common, ports[0], args.workers)
+        ext = run(work, tail, test_file, True, *common, ports[1], args.workers)
+        return test_file, stock, ext, time.time() - start
+
+    rows, regressions = [], []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(both, range(len(files)), files))
+    for test_file, stock, ext, seconds in results:
         passed_stock = {t for t, s in stock.items() if s == "passed"}
         lost = sorted(t for t in passed_stock if ext.get(t) != "passed")
         regressions += [(t, ext.get(t, "not run")) for t in lost]
@@ -186,7 +210,7 @@ def main(argv=None) -> int:
                 count(ext, "passed"),
                 len(ext),
                 len(lost),
-                time.time() - start,
+                seconds,
             )
         )
     print(

@@ -9,7 +9,7 @@ synchronisation). Kernel-specific checks stay with their kernels.
 """
 
 import os
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,8 @@ __all__ = [
     "check_unit_last_stride",
     "memory_range",
     "overlaps",
+    "span_bytes",
+    "spans_meet",
 ]
 
 # Triton decides at decoration time whether kernels run in its CPU interpreter.
@@ -121,6 +123,22 @@ def check_index_vector(name: str, x, length: int, device: torch.device) -> None:
         raise ValueError(f"{name} must be contiguous; got stride {x.stride(0)}")
 
 
+def span_bytes(x: Optional[torch.Tensor]) -> int:
+    """Bytes from a tensor's data pointer to the end of its last element; 0 for None or an
+    empty tensor. Its layout (shape, strides, dtype) alone decides it.
+
+    Args:
+        x: a tensor, or None.
+
+    Returns:
+        int: the span.
+    """
+    if x is None or x.numel() == 0:
+        return 0
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
+    return (extent + 1) * x.element_size()
+
+
 def memory_range(x: torch.Tensor) -> Tuple[int, int]:
     """The byte addresses [start, end) that a non-empty tensor's elements lie in.
 
@@ -129,8 +147,33 @@ def memory_range(x: torch.Tensor) -> Tuple[int, int]:
     DLPack or ``__cuda_array_interface__`` imports), and only the addresses tell.
     """
     start = x.data_ptr()
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
-    return start, start + (extent + 1) * x.element_size()
+    return start, start + span_bytes(x)
+
+
+def spans_meet(tensors: Sequence[Optional[torch.Tensor]], spans: Sequence[int], out: int) -> bool:
+    """Whether ``tensors[out]``'s bytes meet another tensor's, given the spans of a checked
+    layout (:func:`span_bytes`, measured once per layout): per call only the data pointers are
+    read, which keeps the test that runs on every call of a cached launch cheap.
+
+    Args:
+        tensors: a call's tensors (None for an absent one).
+        spans: their spans, in the same order.
+        out: the index of the tensor the kernel writes.
+
+    Returns:
+        bool: True if they meet (:func:`check_disjoint` then says which).
+    """
+    out_span = spans[out]
+    if not out_span:
+        return False
+    low = tensors[out].data_ptr()
+    high = low + out_span
+    for index, (x, span) in enumerate(zip(tensors, spans)):
+        if span and index != out:
+            start = x.data_ptr()
+            if start < high and low < start + span:
+                return True
+    return False
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -29,6 +29,8 @@ The ``@triton.jit`` functions here are those of the former
 ``megatron_ext/fusions/fused_mla_rope_cache_append.py``, unchanged.
 """
 
+from typing import Tuple
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -37,10 +39,12 @@ from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 from megatron_ext.fusions.launch_plans import NO_LAUNCH, LaunchPlan, PlanCache, layout_key
 from megatron_ext.fusions.mla_latent.checks import check_append_cache_disjoint, check_append_call
+from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
 
 __all__ = [
     "APPEND_LAUNCHES",
     "APPEND_PLANS",
+    "AppendPlan",
     "SIZE_NAMES",
     "TOKENS_PER_PROGRAM",
     "fused_mla_rope_cache_append",
@@ -150,8 +154,37 @@ def _rope_cache_append_kernel(
 # Triton's JIT on a specialisation's first call, then the direct launch (host profiles read its
 # bound C launchers, ``.launches``).
 APPEND_LAUNCHES = KernelLaunches(_rope_cache_append_kernel, _RUNTIME_SIZES)
-# Checked call layouts -> their prepared launches (megatron_ext.fusions.launch_plans).
-APPEND_PLANS: PlanCache[LaunchPlan] = PlanCache()
+# The cache's place among the call's tensors (fused_mla_rope_cache_append's order).
+_CACHE = 5
+
+
+class AppendPlan(LaunchPlan):
+    """A checked append layout: its launch and the byte spans of its tensors, so that the test
+    every call needs (the cache sharing memory with an input; the layout cannot tell) reads only
+    data pointers.
+
+    Args:
+        launch: the prepared launch (:data:`~megatron_ext.fusions.launch_plans.NO_LAUNCH` without
+            tokens), called with the tensors in the kernel's order (the cache last).
+        tensors: the checked call's tensors, in :func:`fused_mla_rope_cache_append`'s order.
+    """
+
+    __slots__ = ("launch", "spans")
+
+    def __init__(self, launch: LaunchPlan, tensors: Tuple[Tensor, ...]) -> None:
+        self.launch = launch
+        self.spans = tuple(span_bytes(x) for x in tensors)
+
+    def __call__(self, *tensors: Tensor) -> None:
+        """Check the cache against the inputs, then launch (tensors in the call's order)."""
+        if spans_meet(tensors, self.spans, _CACHE):
+            check_append_cache_disjoint(*tensors)
+        kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset = tensors
+        self.launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
+
+
+# Checked call layouts -> their plans (megatron_ext.fusions.launch_plans).
+APPEND_PLANS: PlanCache[AppendPlan] = PlanCache()
 
 
 def fused_mla_rope_cache_append(
@@ -202,15 +235,11 @@ def fused_mla_rope_cache_append(
     """
     tensors = (kv_latent, k_pos_emb, cos, sin, positions, kv_cache, block_idx, block_offset)
     key = layout_key(tensors, ())
-    launch = APPEND_PLANS.get(key)
-    if launch is None:
-        # First call of this layout: every check, then the launch (cached once they passed).
-        launch = APPEND_PLANS.put(key, plan_append_call(*tensors))
-    else:
-        # What the layout cannot tell: whether the cache shares memory with an input.
-        check_append_cache_disjoint(*tensors)
-    # In the kernel's argument order (the cache last).
-    launch(kv_latent, k_pos_emb, cos, sin, positions, block_idx, block_offset, kv_cache)
+    plan = APPEND_PLANS.get(key)
+    if plan is None:
+        # First call of this layout: every check, then the plan (cached once they passed).
+        plan = APPEND_PLANS.put(key, AppendPlan(plan_append_call(*tensors), tensors))
+    plan(*tensors)
     return kv_cache
 
 

@@ -2,7 +2,7 @@
 
 """Replaying a fixed-shape piece of bookkeeping from a CUDA graph captured on first use."""
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,30 +24,58 @@ class DeviceCounts:
                 self._written[index] = value
 
 
-def capture_graph(body: Callable[[], None], device: torch.device) -> "torch.cuda.CUDAGraph":
+def capture_graph(
+    body: Callable[[], None],
+    device: torch.device,
+    *,
+    pool: Optional[Tuple[int, int]] = None,
+    generator: Optional[torch.Generator] = None,
+) -> "torch.cuda.CUDAGraph":
     """Capture ``body`` (fixed shapes, no host synchronisation) in a CUDA graph.
 
     One eager run on a side stream first keeps lazy initialisation out of the capture; it writes
-    what the first replay will write.
+    what the first replay will write. The capture runs on that side stream too, and the current
+    stream waits for it before anything else: torch resets the seed and offset tensors of every
+    generator a graph reads on the capture stream just before capturing, and the first replay
+    sets them on the current stream; unordered, a late reset made that replay draw from offset 0
+    (only under load, as when other processes share the GPU).
 
     Args:
         body (Callable[[], None]): the kernels to capture.
         device (torch.device): the CUDA device they run on.
+        pool (Optional[Tuple[int, int]]): a memory pool shared with other graphs
+            (``torch.cuda.graph_pool_handle()``), or None for the graph's own.
+        generator (Optional[torch.Generator]): a CUDA generator ``body`` draws from: the warm-up
+            leaves its state as it was, and replays advance it as eager calls would.
 
     Returns:
         torch.cuda.CUDAGraph: the captured graph.
+
+    Raises:
+        RuntimeError: if a generator is given and torch cannot register it with a graph.
     """
     current = torch.cuda.current_stream(device)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(current)
+    state = generator.get_state() if generator is not None else None
     with torch.cuda.stream(side):
         body()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        generator.set_state(state)  # the warm-up draws nothing
+        register = getattr(graph, "register_generator_state", None)
+        if register is None:
+            raise RuntimeError(
+                "capturing random draws needs torch.cuda.CUDAGraph.register_generator_state "
+                "(torch >= 2.5)"
+            )
+        register(generator)
     # As megatron-core's own graphs: a CUDA call from another thread of the process (a serving
     # loop, a data thread) must not invalidate this capture, which only this thread's calls feed.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         body()
+    current.wait_stream(side)
     return graph
 
 

@@ -46,6 +46,7 @@ from megatron_ext.fusions.fused_top_k_sampling import (
     MAX_FUSED_CAP,
     sample_top_k_candidates,
 )
+from megatron_ext.inference.contexts.graph_replay import capture_graph
 from megatron_ext.inference.contexts.sampling_registry import SamplingRequirements
 from megatron_ext.inference.contexts.static_slices_buffers import PackedBuffer
 from megatron_ext.inference.contexts.static_slices_context_base import (
@@ -647,34 +648,22 @@ class StaticSlicesControllerBase(TextGenerationController):
         self._checked_plans.add((plan, width))
 
     def _capture(self, rows: int, plan: SamplingPlan) -> "torch.cuda.CUDAGraph":
-        # One eager run on a side stream first (lazy library initialisation must not happen
-        # during capture); the generator state is restored so the warm-up draws nothing.
-        rng_state = self.sampling_rng.get_state()
-        side = torch.cuda.Stream(device=self._device)
-        side.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(side):
-            self.graph_safe_step(rows, plan)
-        torch.cuda.current_stream(self._device).wait_stream(side)
-        self.sampling_rng.set_state(rng_state)
-
-        graph = torch.cuda.CUDAGraph()
-        if plan.sample:
-            register = getattr(graph, "register_generator_state", None)
-            if register is None:
-                raise RuntimeError(
-                    "capturing sampling needs torch.cuda.CUDAGraph.register_generator_state "
-                    "(torch >= 2.5); use cuda_graph_sampling=False"
-                )
-            # Replays then advance this generator exactly as eager calls would.
-            register(self.sampling_rng)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         # Graphs share one pool: every output lives in buffers allocated outside it, so no
-        # graph's temporaries are alive when another replays.
-        # thread_local: see megatron_ext.inference.contexts.graph_replay.capture_graph.
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self.graph_safe_step(rows, plan)
-        return graph
+        # graph's temporaries are alive when another replays. Replays then advance the sampling
+        # generator exactly as eager calls would.
+        if plan.sample and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            raise RuntimeError(
+                "capturing sampling needs torch.cuda.CUDAGraph.register_generator_state "
+                "(torch >= 2.5); use cuda_graph_sampling=False"
+            )
+        return capture_graph(
+            lambda: self.graph_safe_step(rows, plan),
+            self._device,
+            pool=self._graph_pool,
+            generator=self.sampling_rng if plan.sample else None,
+        )
 
     def fetch_step_outputs(self) -> Dict[str, Tensor]:
         """Copy the region's outputs to the host: one copy and one stream synchronisation.

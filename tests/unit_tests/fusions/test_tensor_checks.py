@@ -86,3 +86,17 @@ def test_cpu_tensors_are_refused_outside_the_interpreter(monkeypatch):
     assert ".cuda()" in str(err.value)
     with pytest.raises(ValueError, match="f: x is on meta.*CUDA devices"):
         tensor_checks.check_runnable("f", "x", torch.zeros(1, device="meta"))
+
+
+def test_spans_meet_reads_the_layouts_spans():
+    """The per-call test of a cached layout: the spans measured once, the pointers each call."""
+    first, second = _aliases()
+    tensors = (first[:8], second[4:12], None, first[:0])
+    spans = tuple(tensor_checks.span_bytes(x) for x in tensors)
+    assert spans == (32, 32, 0, 0)
+    assert tensor_checks.spans_meet(tensors, spans, 0)
+    apart = (first[:8], second[8:16], None, first[:0])
+    assert not tensor_checks.spans_meet(apart, spans, 0)
+    assert not tensor_checks.spans_meet(tensors, spans, 3)  # an empty output meets nothing
+    strided = torch.zeros(4, 8)[:, :2]
+    assert tensor_checks.span_bytes(strided) == (3 * 8 + 2) * 4

@@ -174,12 +174,12 @@ def test_no_tokens_is_no_launch(yarn, monkeypatch):
     assert launches == [] and torch.equal(cache, before)
 
 
-def _bad_inputs():
+def _bad_inputs_good():
     kv_latent, k_pos_emb, cache, (positions, block_idx, block_offset) = make_tokens(
         "decode", torch.float32, seed=6, padding=0
     )
     cos, sin = torch.randn(2, POSITIONS, 1, 1, ROPE, device=DEVICE)
-    good = dict(
+    return dict(
         kv_latent=kv_latent,
         k_pos_emb=k_pos_emb,
         cos=cos,
@@ -189,6 +189,13 @@ def _bad_inputs():
         block_idx=block_idx,
         block_offset=block_offset,
     )
+
+
+def _bad_inputs():
+    good = _bad_inputs_good()
+    kv_latent, k_pos_emb, cache = good["kv_latent"], good["k_pos_emb"], good["kv_cache"]
+    cos, sin, positions = good["cos"], good["sin"], good["positions"]
+    block_idx = good["block_idx"]
     n = kv_latent.shape[0]
     yield "latent list", dict(good, kv_latent=[1.0]), TypeError, "kv_latent must be a torch"
     yield "int latent", dict(good, kv_latent=kv_latent.long()), TypeError, "kv_latent must have"
@@ -339,3 +346,22 @@ def test_gpu_relaunch_gives_identical_bits(yarn, kind):
     first = launch()
     differing = [i for i in range(25) if not torch.equal(launch(), first)]
     assert not differing, f"{kind}: launches {differing} wrote other bits"
+
+
+def test_a_cached_layout_still_refuses_a_cache_that_holds_an_input(monkeypatch):
+    """The second call of a layout skips the layout's checks but not the overlap test: an input
+    laid out as before whose memory now lies inside the cache is refused before any launch."""
+    good = dict(_bad_inputs_good())
+    fused_mla_rope_cache_append(**good)
+    launches = record_launches(monkeypatch, append, "APPEND_LAUNCHES")
+    cache = good["kv_cache"]
+    latent = good["kv_latent"]
+    inside = cache.view(-1)[: latent.numel()].view(latent.shape)
+    assert inside.stride() == latent.stride() and inside.data_ptr() % 16 == latent.data_ptr() % 16
+    before = cache.clone()
+    with pytest.raises(ValueError, match="kv_cache overlaps kv_latent"):
+        fused_mla_rope_cache_append(**dict(good, kv_latent=inside))
+    assert launches == []
+    assert torch.equal(cache, before)
+    fused_mla_rope_cache_append(**good)  # the layout's plan still serves disjoint calls
+    assert len(launches) == 1
