@@ -24,7 +24,6 @@ import re
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -46,18 +45,33 @@ def discover(checkout: Path) -> List[str]:
     return found
 
 
-def outcomes(xml_path: Path) -> Dict[str, str]:
-    """test id -> passed / failed / error / skipped, from a JUnit XML report."""
-    if not xml_path.exists():
+# A test's outcome line under -v: "PATH::NAME PASSED [ 3%]", or "[gw0] [ 3%] PASSED PATH::NAME"
+# with pytest-xdist. Printed as each test ends, so a run cut off by its timeout keeps what ran.
+_OUTCOME = re.compile(
+    r"^(?:\[gw\d+\] \[\s*\d+%\] (?P<state1>[A-Z]+) (?P<id1>\S+::\S+)"
+    r"|(?P<id2>\S+::\S+) (?P<state2>[A-Z]+)(?: |$))"
+)
+_STATES = {
+    "PASSED": "passed",
+    "FAILED": "failed",
+    "ERROR": "error",
+    "SKIPPED": "skipped",
+    "XFAIL": "xfailed",
+    "XPASS": "xpassed",
+}
+
+
+def outcomes(log_path: Path) -> Dict[str, str]:
+    """test id -> passed / failed / error / skipped / xfailed / xpassed, from a -v log."""
+    if not log_path.exists():
         return {}
     result = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
-        state = "passed"
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                state = {"failure": "failed"}.get(child.tag, child.tag)
-        result[test_id] = state
+    for line in log_path.read_text(errors="replace").splitlines():
+        match = _OUTCOME.match(line)
+        if match:
+            state = _STATES.get(match.group("state1") or match.group("state2"))
+            if state is not None:
+                result[match.group("id1") or match.group("id2")] = state
     return result
 
 
@@ -110,9 +124,8 @@ def run(
     noconftest: bool,
     port: int = 29500,
     workers: int = 1,
-) -> Dict[str, str]:
+) -> Tuple[Dict[str, str], bool]:
     tag = "megatron_ext" if swapped else "stock"
-    xml = out / f"{tag}-{test_file.replace('/', '_')}.xml"
     env = dict(os.environ)
     env["PYTHONPATH"] = pythonpath(work, tail)
     env["MASTER_PORT"] = str(port)
@@ -122,13 +135,12 @@ def run(
         "-m",
         "pytest",
         test_file,
-        "-q",
+        "-v",
         "-p",
         "no:cacheprovider",
         "-o",
         "addopts=",
     ]
-    cmd += [f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     if noconftest:
         cmd += ["--noconftest"]
     if swapped:
@@ -136,6 +148,7 @@ def run(
     if workers > 1:
         cmd += ["-n", str(workers), "-p", "worker_ports"]
     log = out / f"{tag}-{test_file.replace('/', '_')}.log"
+    timed_out = False
     with open(log, "w") as f:
         try:
             subprocess.run(
@@ -149,7 +162,8 @@ def run(
             )
         except subprocess.TimeoutExpired:
             f.write(f"\nTIMEOUT after {timeout} s\n")
-    return outcomes(xml)
+            timed_out = True
+    return outcomes(log), timed_out
 
 
 def main(argv=None) -> int:
@@ -190,14 +204,19 @@ def main(argv=None) -> int:
         stride = args.workers + 1
         ports = (29500 + 2 * index * stride, 29500 + (2 * index + 1) * stride)
         common = (args.out, args.timeout, bool(why))
-        stock = run(work, tail, test_file, False, *common, ports[0], args.workers)
-        ext = run(work, tail, test_file, True, *common, ports[1], args.workers)
-        return test_file, stock, ext, time.time() - start
+        stock, stock_cut = run(work, tail, test_file, False, *common, ports[0], args.workers)
+        ext, ext_cut = run(work, tail, test_file, True, *common, ports[1], args.workers)
+        if stock_cut or ext_cut:
+            # A run its timeout cut off: compare only the tests both runs finished.
+            both_ran = set(stock) & set(ext)
+            stock = {t: s for t, s in stock.items() if t in both_ran}
+            ext = {t: s for t, s in ext.items() if t in both_ran}
+        return test_file, stock, ext, time.time() - start, stock_cut or ext_cut
 
     rows, regressions = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(both, range(len(files)), files))
-    for test_file, stock, ext, seconds in results:
+    for test_file, stock, ext, seconds, cut in results:
         passed_stock = {t for t, s in stock.items() if s == "passed"}
         lost = sorted(t for t in passed_stock if ext.get(t) != "passed")
         regressions += [(t, ext.get(t, "not run")) for t in lost]
@@ -211,14 +230,16 @@ def main(argv=None) -> int:
                 len(ext),
                 len(lost),
                 seconds,
+                "cut at the timeout" if cut else "",
             )
         )
     print(
-        "\n| test file | stock passed/run | megatron_ext passed/run | passed stock, not ours | s |"
+        "\n| test file | stock passed/run | megatron_ext passed/run | passed stock, not ours | s "
+        "| note |"
     )
-    print("| --- | --- | --- | --- | --- |")
-    for name, sp, sn, ep, en, lost, secs in rows:
-        print(f"| {name} | {sp}/{sn} | {ep}/{en} | {lost} | {secs:.0f} |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, sp, sn, ep, en, lost, secs, note in rows:
+        print(f"| {name} | {sp}/{sn} | {ep}/{en} | {lost} | {secs:.0f} | {note} |")
     for test_id, state in regressions:
         print(f"REGRESSION {test_id}: passes stock, {state} with megatron_ext")
     total = sum(r[1] for r in rows)
