@@ -62,6 +62,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def skip_built_helpers() -> None:
+    """megatron.training runs `make` on megatron-core's dataset helpers at start-up; the wheel
+    ships them compiled but without their Makefile, so the build step would fail where nothing
+    needs building: skip it where the compiled helpers import."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        dataset_utils.compile_helpers = lambda: None
+
+
 def _child(mode: str, output: Path, train_iters: int) -> None:
     """One pretraining run, recording what ``train_step`` returns."""
     sys.path.insert(0, str(HERE))
@@ -88,17 +102,7 @@ def _child(mode: str, output: Path, train_iters: int) -> None:
 
     training.train_step = recording_train_step
     training.setup_model_and_optimizer = recording_setup
-    # megatron.training runs `make` on megatron-core's dataset helpers at start-up; the wheel ships
-    # them compiled but without their Makefile, so the build step would fail where nothing needs
-    # building.
-    from megatron.core.datasets import utils as dataset_utils
-
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        dataset_utils.compile_helpers = lambda: None
+    skip_built_helpers()
     sys.argv = [
         str(HERE / "pretrain_mla_gpt.py"),
         *MEGATRON_ARGS,
