@@ -10,12 +10,15 @@ for every step kind (prefill, chunked prefill, mixed, decode-only), in the absor
 1. the query and latent projections and norms, as megatron-core computes them;
 2. the query's RoPE part rotated in place at each token's position (``token_to_pos_ids``) by the
    contiguous-load kernel (``fused_apply_mla_rope_for_q(..., position_ids=...)``);
-3. ``q_nope @ W_UK`` (absorption), so the query is ``[q_nope W_UK | rope(q_pe)]``;
+3. ``q_nope @ W_UK`` (absorption), so the query is ``[q_nope W_UK | rope(q_pe)]``, passed as
+   two operands (the head-major matmul output and the RoPE slice of the projected query: no
+   copy joins them);
 4. ``k_pe`` rotated and written with its latent row into the paged cache by one kernel
    (:func:`~megatron_ext.fusions.mla_latent.rope_cache_append.fused_mla_rope_cache_append`);
 5. attention over the paged latent cache, reading only the rows each token attends to
    (:func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention`);
-6. ``W_UV`` and the output projection.
+6. ``W_UV`` (reading the head-major attention output, writing the ``[tokens, heads * v]`` rows
+   ``linear_proj`` reads) and the output projection.
 
 ``W_UK`` and ``W_UV`` are views of ``linear_kv_up_proj.weight``, taken at every call: the step
 writes no state of the module (megatron-core's ``prepare_for_absorption`` replaces submodules
@@ -38,10 +41,12 @@ from megatron_ext.transformer.rotary_tables import cos_sin_table
 
 __all__ = [
     "CACHE_DTYPES",
+    "absorb_query",
     "check_mla_dynamic_config",
     "context_token_tensors",
     "mla_dynamic_attention",
     "mla_dynamic_config_problems",
+    "project_values",
 ]
 
 # Cache dtypes the latent-cache kernels take; an FP8 KV cache is not one of them.
@@ -216,6 +221,56 @@ def _full_width(x: Tensor, width: int) -> Tensor:
     return x
 
 
+def absorb_query(q: Tensor, up_k: Tensor) -> Tuple[Tensor, Tensor]:
+    """``W_UK`` absorbed into the query, as the latent attention's two query operands, with no
+    copy: ``q_nope`` is read in place and the RoPE part is not moved.
+
+    Args:
+        q: the projected query after RoPE, [tokens, heads, qk_head_dim + rope_dim], unit last
+            stride.
+        up_k: ``W_UK``, [heads, qk_head_dim, kv_lora_rank], unit last stride (a view of
+            ``linear_kv_up_proj.weight``).
+
+    Returns:
+        Tuple[Tensor, Tensor]: ``q_nope @ W_UK`` as a [tokens, heads, kv_lora_rank] view of a
+        head-major [heads, tokens, kv_lora_rank] tensor, and ``rope(q_pe)``, the
+        [tokens, heads, rope_dim] slice of ``q``.
+    """
+    qk_dim = up_k.shape[1]
+    # A batch per head: q_nope's [heads, tokens, qk] view has a unit last stride and a row stride
+    # of heads * (qk + rope), and W_UK's slices a unit last stride, so the batched GEMM reads both
+    # where they lie. Its output is head-major; the attention takes it through its strides, and
+    # the RoPE part where the projection left it (no cat).
+    absorbed = torch.bmm(q[..., :qk_dim].transpose(0, 1), up_k)
+    return absorbed.transpose(0, 1), q[..., qk_dim:]
+
+
+def project_values(attended: Tensor, up_v: Tensor) -> Tensor:
+    """``W_UV`` applied to the latent attention's head-major output, written straight into the
+    token-major rows the output projection reads.
+
+    Args:
+        attended: the attention output, [heads, tokens, kv_lora_rank], unit last stride.
+        up_v: ``W_UV``, [heads, v_head_dim, kv_lora_rank], unit last stride.
+
+    Returns:
+        Tensor: [tokens, heads * v_head_dim], contiguous.
+    """
+    heads, tokens, _ = attended.shape
+    v_dim = up_v.shape[1]
+    if torch.is_grad_enabled() and (attended.requires_grad or up_v.requires_grad):
+        # A matmul with out= records no autograd graph; a step with gradients on (never the
+        # engine's) gets the product and one reshaping copy instead.
+        product = torch.bmm(attended, up_v.transpose(1, 2))
+        return product.transpose(0, 1).reshape(tokens, heads * v_dim)
+    core = attended.new_empty(tokens, heads * v_dim)
+    # Each head's [tokens, v] block of the output is a strided matrix with a unit last stride,
+    # as is W_UV transposed: the batched GEMM writes and reads them in place, with no permute
+    # of the attention output and no copy of the product.
+    torch.bmm(attended, up_v.transpose(1, 2), out=core.view(tokens, heads, v_dim).transpose(0, 1))
+    return core
+
+
 def mla_dynamic_attention(
     module: Any, hidden_states: Tensor, context: Any
 ) -> Tuple[Tensor, Optional[Tensor]]:
@@ -286,9 +341,7 @@ def mla_dynamic_attention(
     )
     kv_up = module.linear_kv_up_proj.weight.view(heads, qk_dim + v_dim, latent_dim)
     up_k, up_v = kv_up[:, :qk_dim], kv_up[:, qk_dim:]
-    q = q.view(n, heads, qk_dim + rope_dim)
-    q_absorbed = torch.einsum("thd,hdc->thc", q[..., :qk_dim], up_k)
-    query = torch.cat([q_absorbed, q[..., qk_dim:]], dim=-1)
+    query, query_rope = absorb_query(q.view(n, heads, qk_dim + rope_dim), up_k)
 
     # Key: RoPE and the append in one kernel, then attention over the paged cache.
     kv_cache, _, block_table = context.key_value_cache(module.layer_number)
@@ -304,7 +357,11 @@ def mla_dynamic_attention(
     )
     cu_query_lengths, max_query_len = context.cu_query_lengths()
     _, kv_lengths, _ = context.cu_kv_lengths()
-    attended = mla_paged_latent_attention(
+    # Head-major, so that W_UV's batched GEMM reads it in place; the attention writes it through
+    # its transposed view. (Its head stride, and the absorbed query's, vary with the token count:
+    # a new count's first call launches through Triton's JIT, without compiling.)
+    attended = torch.empty((heads, n, latent_dim), dtype=query.dtype, device=query.device)
+    mla_paged_latent_attention(
         query,
         kv_cache,
         block_table,
@@ -313,7 +370,9 @@ def mla_dynamic_attention(
         module.softmax_scale,
         rope_dim=rope_dim,
         max_query_len=max(1, int(max_query_len)),
+        out=attended.transpose(0, 1),
+        query_rope=query_rope,
     )
     # W_UV, then the output projection.
-    core = torch.einsum("thc,hvc->thv", attended, up_v).reshape(n, 1, heads * v_dim)
-    return module.linear_proj(core)
+    core = project_values(attended, up_v)
+    return module.linear_proj(core.view(n, 1, heads * v_dim))

@@ -48,6 +48,7 @@ def mla_paged_latent_attention(
     max_query_len: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
     out: Optional[Tensor] = None,
+    query_rope: Optional[Tensor] = None,
 ) -> Tensor:
     """Absorbed MLA attention of one dynamic-batching step over the paged latent cache.
     GRAPH-SAFE (no host synchronisation; grids and the split count from static sizes; idle
@@ -79,8 +80,10 @@ def mla_paged_latent_attention(
 
     Args:
         query (Tensor): [tokens, heads, latent_dim + rope_dim], ``[q_nope @ W_UK | rope(q_pe)]``
-            per head; fp32, fp16 or bf16, unit last stride. ``heads`` may be a tensor-parallel
-            shard (any count >= 1).
+            per head; or, with ``query_rope``, [tokens, heads, latent_dim], ``q_nope @ W_UK``
+            alone. fp32, fp16 or bf16, unit last stride, any token and head strides (a
+            ``[heads, tokens, latent_dim]`` matmul output viewed with ``.transpose(0, 1)``).
+            ``heads`` may be a tensor-parallel shard (any count >= 1).
         kv_cache (Tensor): [num_blocks, block_size, latent_dim + rope_dim] in query's dtype, unit
             last stride; any block size.
         block_table (Tensor): [requests, max_blocks] int32/int64, unit last stride.
@@ -96,10 +99,17 @@ def mla_paged_latent_attention(
         num_kv_splits (Optional[int]): split-KV count, 1 to ``MAX_KV_SPLITS``; None picks one
             from static sizes (:func:`~.tile_rules.default_num_kv_splits`).
         out (Optional[Tensor]): [tokens, heads, latent_dim] in query's dtype, unit last stride,
-            to write to (a new tensor if None).
+            any token and head strides whose elements do not share memory (e.g. a ``[heads,
+            tokens, latent_dim]`` buffer viewed with ``.transpose(0, 1)``), to write to (a new
+            tensor if None).
+        query_rope (Optional[Tensor]): the query's RoPE part ``rope(q_pe)`` as a second
+            operand, [tokens, heads, rope_dim] in query's dtype, unit last stride, any token and
+            head strides (e.g. the slice ``q[..., qk_head_dim:]`` of the projected query), so
+            that no copy joins it to ``q_nope @ W_UK``. None: it is the end of ``query``'s rows.
+            The kernels load the two parts as they load one query's: the same bits.
 
     Returns:
-        Tensor: ``out``, [tokens, heads, latent_dim].
+        Tensor: ``out``, [tokens, heads, latent_dim] (new tensors are token-major).
 
     Raises:
         TypeError, ValueError: for arguments of other types, dtypes, shapes, devices or layouts,
@@ -107,20 +117,22 @@ def mla_paged_latent_attention(
             launch.
     """
     key = layout_key(
-        (query, kv_cache, block_table, cu_query_lengths, kv_lengths, out),
+        (query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope),
         (softmax_scale, rope_dim, max_query_len, num_kv_splits),
     )
     plan = ATTENTION_PLANS.get(key)
     if plan is None:
         # First call of this layout: every check, then the plan (cached once they passed).
         if out is None and isinstance(query, Tensor) and query.dim() == 3:
-            width = query.shape[2] - rope_dim if isinstance(rope_dim, int) else 0
+            width = query.shape[2]
+            if query_rope is None:
+                width = width - rope_dim if isinstance(rope_dim, int) else 0
             out = torch.empty(
                 (*query.shape[:2], max(width, 0)), dtype=query.dtype, device=query.device
             )
         inputs = (query, kv_cache, block_table, cu_query_lengths, kv_lengths)
         _, _, latent_dim = check_attention_call(
-            *inputs, softmax_scale, rope_dim, max_query_len, num_kv_splits, out
+            *inputs, softmax_scale, rope_dim, max_query_len, num_kv_splits, out, query_rope
         )
         plan = plan_for_call(
             *inputs,
@@ -129,6 +141,7 @@ def mla_paged_latent_attention(
             latent_dim=latent_dim,
             max_query_len=max_query_len,
             num_kv_splits=num_kv_splits,
+            query_rope=query_rope,
         )
         ATTENTION_PLANS.put(key, plan)
     elif out is None:
@@ -136,7 +149,7 @@ def mla_paged_latent_attention(
     else:
         # What the layout cannot tell: whether this call's output shares memory with an input.
         check_attention_out_disjoint(
-            query, kv_cache, block_table, cu_query_lengths, kv_lengths, out
+            query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope
         )
-    plan(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out)
+    plan(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope)
     return out

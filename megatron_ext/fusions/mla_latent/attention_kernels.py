@@ -6,7 +6,10 @@ With ``cache_mla_latents`` each cached token is one row ``[latent (kv_lora_rank)
 (576 wide for DeepSeek-V3) shared by every head. Absorbing the key up-projection into the query
 (``q_nope @ W_UK``) makes the row the key of every head, and its first ``kv_lora_rank`` columns the
 value (projected by ``W_UV`` afterwards), so attention reads the cache as it is: multi-query
-attention with one 576-wide key head and a 512-wide value.
+attention with one 576-wide key head and a 512-wide value. Stage 1 reads the query's latent and
+RoPE parts through two pointers with their own token and head strides, so the query can be one
+``[tokens, heads, 576]`` tensor or two (``q_nope @ W_UK`` as a head-major matmul output and the
+RoPE slice of the projected query), with no copy to join them.
 :func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention` computes it for one
 step of megatron-core's dynamic batching: prefill, chunked prefill (new tokens behind earlier
 cached ones), decode and any mix of them in one batch, with causal masking among a request's new
@@ -50,7 +53,8 @@ replay equals an eager call. The first call of a shape compiles: make it outside
 
 The tile, split count and stage count are the host's choices (:mod:`.tile_rules`), launched as
 :mod:`.attention_plan` lays out. The ``@triton.jit`` functions here are those of the former
-``megatron_ext/fusions/mla_paged_latent_attention.py``, unchanged.
+``megatron_ext/fusions/mla_paged_latent_attention.py``, stage 1 with the query's RoPE part read
+through its own pointer (the same loads and arithmetic).
 """
 
 import triton
@@ -254,6 +258,7 @@ _RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_
 @triton.jit(do_not_specialize=_RUNTIME_SIZES)
 def _latent_attention_kernel(
     q_ptr,
+    q_rope_ptr,
     cache_ptr,
     block_table_ptr,
     cu_q_ptr,
@@ -269,6 +274,8 @@ def _latent_attention_kernel(
     max_blocks,
     q_stride_t,
     q_stride_h,
+    q_rope_stride_t,
+    q_rope_stride_h,
     cache_stride_b,
     cache_stride_o,
     table_stride,
@@ -279,6 +286,7 @@ def _latent_attention_kernel(
     lse_stride_t,
     LATENT_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
+    Q_ROPE_COL: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -366,9 +374,15 @@ def _latent_attention_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, tile_end)
 
+    # The query's two parts through two row pointers: one operand (q_rope_ptr is q_ptr, the
+    # RoPE columns at Q_ROPE_COL = LATENT_DIM) or two (Q_ROPE_COL = 0). The loads and the
+    # arithmetic after them are the same either way.
     q_rows = q_ptr + tokens * q_stride_t + heads * q_stride_h
+    q_rope_rows = q_rope_ptr + tokens * q_rope_stride_t + heads * q_rope_stride_h
     q_lat = tl.load(q_rows[:, None] + lat[None, :], mask=row_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows[:, None] + LATENT_DIM + rope[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(
+        q_rope_rows[:, None] + Q_ROPE_COL + rope[None, :], mask=row_ok[:, None], other=0.0
+    )
 
     table_row = block_table_ptr + request.to(tl.int64) * table_stride
     # Every row of a decode tile (the heads of one token) attends to the same keys. In a

@@ -89,6 +89,7 @@ def stage1_args(
     latent_dim: int,
     tile: TileShape,
     num_kv_splits: int,
+    query_rope: Optional[Tensor] = None,
 ) -> Dict[str, Any]:
     """Stage 1's kernel arguments by name, its tensors first (the prepared launch's order).
 
@@ -99,13 +100,19 @@ def stage1_args(
         latent_dim: the latent width.
         tile: stage 1's tile.
         num_kv_splits: the split count.
+        query_rope: the query's RoPE part as its own operand, or None (the RoPE columns follow
+            the latent ones in ``query``).
 
     Returns:
         Dict[str, Any]: every parameter of ``_latent_attention_kernel``.
     """
     fp32 = query.dtype == torch.float32
+    # One operand: the RoPE part is read through query's pointer and strides, at column
+    # latent_dim. Two: through its own, from column 0.
+    rope_rows, rope_col = (query, latent_dim) if query_rope is None else (query_rope, 0)
     return dict(
         q_ptr=query,
+        q_rope_ptr=rope_rows,
         cache_ptr=kv_cache,
         block_table_ptr=block_table,
         cu_q_ptr=cu_query_lengths,
@@ -121,6 +128,8 @@ def stage1_args(
         max_blocks=block_table.shape[1],
         q_stride_t=query.stride(0),
         q_stride_h=query.stride(1),
+        q_rope_stride_t=rope_rows.stride(0),
+        q_rope_stride_h=rope_rows.stride(1),
         cache_stride_b=kv_cache.stride(0),
         cache_stride_o=kv_cache.stride(1),
         table_stride=block_table.stride(0),
@@ -130,7 +139,8 @@ def stage1_args(
         lse_stride_s=outputs.lse_strides[0],
         lse_stride_t=outputs.lse_strides[1],
         LATENT_DIM=latent_dim,
-        ROPE_DIM=query.shape[2] - latent_dim,
+        ROPE_DIM=kv_cache.shape[2] - latent_dim,
+        Q_ROPE_COL=rope_col,
         BLOCK_Q=tile.block_q,
         BLOCK_H=tile.block_h,
         BLOCK_N=tile.block_n,
@@ -210,6 +220,8 @@ class LatentAttentionPlan(LaunchPlan):
         num_kv_splits: the split count.
         num_stages: stage 1's pipelining stages.
         combine: stage 2's tile (None: the launcher's).
+        query_rope: the query's RoPE part as its own operand (its calls pass theirs), or None
+            (one operand: the RoPE columns follow the latent ones in ``query``).
 
     Attributes:
         out_shape: the output's shape (a call without ``out`` allocates it).
@@ -235,6 +247,7 @@ class LatentAttentionPlan(LaunchPlan):
         num_kv_splits: int,
         num_stages: int,
         combine: Optional[CombineTile] = None,
+        query_rope: Optional[Tensor] = None,
     ):
         tokens, heads = query.shape[:2]
         self.out_shape = (tokens, heads, latent_dim)
@@ -266,6 +279,7 @@ class LatentAttentionPlan(LaunchPlan):
                 latent_dim=latent_dim,
                 tile=tile,
                 num_kv_splits=num_kv_splits,
+                query_rope=query_rope,
             ),
             dict(num_warps=tile.num_warps, num_stages=num_stages),
         )
@@ -294,17 +308,22 @@ class LatentAttentionPlan(LaunchPlan):
         cu_query_lengths: Tensor,
         kv_lengths: Tensor,
         out: Tensor,
+        query_rope: Optional[Tensor] = None,
     ) -> None:
-        """Launch with this call's tensors (of the plan's layout)."""
+        """Launch with this call's tensors (of the plan's layout; ``query_rope`` given if and
+        only if the plan was made with one)."""
         if self.stage1 is None:
             return
+        # One operand: its RoPE part is read through query's own pointer.
+        rope = query if query_rope is None else query_rope
+        inputs = (query, rope, kv_cache, block_table, cu_query_lengths, kv_lengths)
         if self.workspace is None:
-            self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, out)
+            self.stage1(*inputs, out, out)
             return
         partial_shape, lse_shape = self.workspace
         partial = torch.empty(partial_shape, dtype=torch.float32, device=self.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
-        self.stage1(query, kv_cache, block_table, cu_query_lengths, kv_lengths, partial, lse)
+        self.stage1(*inputs, partial, lse)
         self.combine(partial, lse, cu_query_lengths, out)
 
 
@@ -320,6 +339,7 @@ def plan_for_call(
     latent_dim: int,
     max_query_len: Optional[int],
     num_kv_splits: Optional[int],
+    query_rope: Optional[Tensor] = None,
 ) -> LatentAttentionPlan:
     """The launcher's tile, split count and stage count for a checked call, as a plan.
 
@@ -330,6 +350,7 @@ def plan_for_call(
         latent_dim: the latent width.
         max_query_len: its static bound on new tokens per request (None: the token count).
         num_kv_splits: its split count (None: :func:`~.tile_rules.default_num_kv_splits`).
+        query_rope: its query's RoPE part, when given as a second operand.
 
     Returns:
         LatentAttentionPlan: the plan.
@@ -359,4 +380,5 @@ def plan_for_call(
         num_kv_splits=num_kv_splits,
         num_stages=stages,
         combine=None,
+        query_rope=query_rope,
     )

@@ -40,6 +40,7 @@ __all__ = [
     "check_attention_out_disjoint",
     "check_paged_cache",
     "check_pow2",
+    "check_query_rope",
     "rows_of",
 ]
 
@@ -106,8 +107,13 @@ def check_attention_call(
     max_query_len: Optional[int],
     num_kv_splits: Optional[int],
     out: torch.Tensor,
+    query_rope: Optional[torch.Tensor] = None,
 ) -> Tuple[int, int, int]:
     """Check every argument of a latent attention call (its ``out`` allocated already).
+
+    ``query_rope`` None: ``query`` is [tokens, heads, latent_dim + rope_dim]. Given: ``query`` is
+    [tokens, heads, latent_dim] and ``query_rope`` [tokens, heads, rope_dim], each checked as the
+    one-operand query is.
 
     Returns:
         Tuple[int, int, int]: (tokens, heads, latent_dim).
@@ -116,19 +122,28 @@ def check_attention_call(
     check_tensor("query", query, FLOAT_DTYPES)
     check_runnable(function, "query", query)
     device = query.device
+    two = query_rope is not None
     if query.dim() != 3:
+        layout = "latent_dim] (query_rope given)" if two else "latent_dim + rope_dim]"
         raise ValueError(
-            f"query must be [tokens, heads, latent_dim + rope_dim] (squeeze megatron-core's batch "
-            f"dimension of 1); got shape {tuple(query.shape)}"
+            f"query must be [tokens, heads, {layout} (squeeze megatron-core's batch dimension of "
+            f"1); got shape {tuple(query.shape)}"
         )
     check_unit_last_stride("query", query)
     tokens, heads, width = query.shape
     check_int("rope_dim", rope_dim, 1)
     check_pow2("rope_dim", rope_dim)
-    latent_dim = width - rope_dim
-    if latent_dim < 1:
-        raise ValueError(f"query's width {width} leaves no latent part beside rope_dim={rope_dim}")
-    check_pow2(f"the latent width (query width {width} - rope_dim {rope_dim})", latent_dim)
+    if two:
+        check_query_rope(query, query_rope, rope_dim)
+        latent_dim, width = width, width + rope_dim
+        check_pow2(f"the latent width (query width {latent_dim}, query_rope given)", latent_dim)
+    else:
+        latent_dim = width - rope_dim
+        if latent_dim < 1:
+            raise ValueError(
+                f"query's width {width} leaves no latent part beside rope_dim={rope_dim}"
+            )
+        check_pow2(f"the latent width (query width {width} - rope_dim {rope_dim})", latent_dim)
     _, block_size, cache_width = check_paged_cache("kv_cache", kv_cache, device)
     if block_size > MAX_BLOCK_SIZE:
         raise ValueError(
@@ -138,7 +153,10 @@ def check_attention_call(
     if kv_cache.dtype != query.dtype:
         raise TypeError(f"kv_cache is {kv_cache.dtype}, query {query.dtype}: they must match")
     if cache_width != width:
-        raise ValueError(f"kv_cache rows are {cache_width} wide, query rows {width}")
+        rows = f"query rows {width}"
+        if two:
+            rows = f"query + query_rope rows {latent_dim} + {rope_dim}"
+        raise ValueError(f"kv_cache rows are {cache_width} wide, {rows}")
     check_tensor("block_table", block_table, INDEX_DTYPES)
     check_device("block_table", block_table, device)
     if block_table.dim() != 2:
@@ -181,8 +199,32 @@ def check_attention_call(
         )
     check_unit_last_stride("out", out)
     check_no_self_overlap("out", out)
-    check_attention_out_disjoint(query, kv_cache, block_table, cu_query_lengths, kv_lengths, out)
+    check_attention_out_disjoint(
+        query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope
+    )
     return tokens, heads, latent_dim
+
+
+def check_query_rope(query: torch.Tensor, query_rope, rope_dim: int) -> None:
+    """Check the attention's second query operand against the first (a 3-d ``query``).
+
+    Args:
+        query: the query's latent part, [tokens, heads, latent_dim].
+        query_rope: its RoPE part, [tokens, heads, rope_dim] in query's dtype and device, unit
+            last stride (any token and head strides).
+        rope_dim: the call's RoPE width.
+    """
+    check_tensor("query_rope", query_rope, FLOAT_DTYPES)
+    check_device("query_rope", query_rope, query.device)
+    if query_rope.dtype != query.dtype:
+        raise TypeError(f"query_rope is {query_rope.dtype}, query {query.dtype}: they must match")
+    expected = (*query.shape[:2], rope_dim)
+    if tuple(query_rope.shape) != expected:
+        raise ValueError(
+            f"query_rope must be [tokens, heads, rope_dim] = {expected} (query's tokens and heads, "
+            f"rope_dim={rope_dim}); got shape {tuple(query_rope.shape)}"
+        )
+    check_unit_last_stride("query_rope", query_rope)
 
 
 def check_attention_out_disjoint(
@@ -192,6 +234,7 @@ def check_attention_out_disjoint(
     cu_query_lengths: torch.Tensor,
     kv_lengths: torch.Tensor,
     out: torch.Tensor,
+    query_rope: Optional[torch.Tensor] = None,
 ) -> None:
     """Raise ValueError if the attention's ``out`` shares memory with an input (checked on every
     call: the layout cannot tell)."""
@@ -200,6 +243,7 @@ def check_attention_out_disjoint(
         out,
         (
             ("query", query),
+            ("query_rope", query_rope),
             ("kv_cache", kv_cache),
             ("block_table", block_table),
             ("cu_query_lengths", cu_query_lengths),

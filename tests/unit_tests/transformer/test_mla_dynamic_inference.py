@@ -24,6 +24,7 @@ import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from megatron.core.inference.inference_request import DynamicInferenceRequest
 from megatron.core.inference.sampling_params import SamplingParams
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext import apply_megatron_ext, undo_megatron_ext
 from megatron_ext.fusions.mla_latent import attention as attention_module
@@ -341,6 +342,146 @@ def test_step_runs_the_kernels_and_none_of_megatron_cores_cache_path(stack, monk
     assert attention_module.mla_paged_latent_attention is not None
 
 
+# The step's Triton kernels: their launches are not torch ops on the GPU (the interpreter's
+# bookkeeping on the CPU is), so the op recorder below skips what runs inside them.
+KERNEL_ENTRY_POINTS = (
+    "fused_apply_mla_rope_for_q",
+    "fused_mla_rope_cache_append",
+    "mla_paged_latent_attention",
+)
+# aten ops that copy elements: a join, a materialised permute or reshape, a cast.
+COPY_OP = re.compile(r"\b(cat|stack|copy_|clone|_to_copy|contiguous|\w+_copy)\b")
+
+
+class OpRecorder(TorchDispatchMode):
+    """The aten ops a block issues (those it issues itself: not the ones inside an op's
+    implementation), except while :attr:`paused`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: List[str] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+    def pausing(self, function: Any) -> Any:
+        """``function``, with the recording paused while it runs."""
+
+        def wrapper(*args, **kwargs):
+            self.paused = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.paused = False
+
+        return wrapper
+
+
+def test_op_recorder_sees_the_copies_the_old_absorbed_path_made():
+    """The recorder used below can fail: the einsum + cat formulation of the absorption and of
+    W_UV issues copies it sees."""
+    q = torch.randn(5, 3, 8 + 4)
+    up = torch.randn(3, 8 + 6, 16)
+    with OpRecorder() as recorder:
+        absorbed = torch.einsum("thd,hdc->thc", q[..., :8], up[:, :8])
+        query = torch.cat([absorbed, q[..., 8:]], dim=-1)
+        torch.einsum("thc,hvc->thv", query[..., :16], up[:, 8:]).reshape(5, 3 * 6)
+    copies = [op for op in recorder.ops if COPY_OP.search(op)]
+    assert "aten::cat" in copies and len(copies) >= 2, recorder.ops
+
+
+def test_absorbed_path_issues_no_copy(stack, monkeypatch):
+    """A step's query and output path (W_UK absorption, the attention's two query operands and
+    head-major output, W_UV into linear_proj's rows) issues no op that copies elements: no cat of
+    the query, no permute or reshape made contiguous, no copy of the product. Every other op of
+    the step is recorded too (projections, norms, views): none copies either. The cos/sin tables
+    are built by the first step, outside the recording."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    hidden = torch.randn(int(context.padded_active_token_count), 1, TINY["hidden_size"])
+    hidden = hidden.to(DEVICE)
+    recorder = OpRecorder()
+    for name in KERNEL_ENTRY_POINTS:
+        monkeypatch.setattr(
+            mla_dynamic_inference, name, recorder.pausing(getattr(mla_dynamic_inference, name))
+        )
+    with torch.no_grad():
+        expected, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        with recorder:
+            got, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    assert torch.equal(got, expected)
+    copies = [op for op in recorder.ops if COPY_OP.search(op)]
+    assert not copies, recorder.ops
+    # The path is the one meant: one batched GEMM each for W_UK and (into its out) W_UV.
+    assert [op for op in recorder.ops if "bmm" in op] == ["aten::bmm", "aten::bmm.out"]
+
+
+def test_absorbed_path_matches_the_concatenated_query_path(stack, monkeypatch):
+    """The two-operand step against the formulation it replaced (einsum, then a cat of the
+    query; einsum and reshape for W_UV) on the same module and context: within fp32 rounding of
+    each other (the GEMMs may sum in another order); both are checked against float64 by the
+    step and generation tests above."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    generator = torch.Generator().manual_seed(2)
+    n = int(context.padded_active_token_count)
+    hidden = torch.randn(n, 1, TINY["hidden_size"], generator=generator).to(DEVICE)
+    with torch.no_grad():
+        new, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+
+    def concatenated(q, up_k):
+        absorbed = torch.einsum("thd,hdc->thc", q[..., : up_k.shape[1]], up_k)
+        return torch.cat([absorbed, q[..., up_k.shape[1] :]], dim=-1), None
+
+    def einsum_values(attended, up_v):
+        projected = torch.einsum("thc,hvc->thv", attended.transpose(0, 1), up_v)
+        return projected.reshape(attended.shape[1], -1)
+
+    monkeypatch.setattr(mla_dynamic_inference, "absorb_query", concatenated)
+    monkeypatch.setattr(mla_dynamic_inference, "project_values", einsum_values)
+    with torch.no_grad():
+        old, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    active = context.active_token_count
+    scale = float(old[:active].abs().max())
+    assert scale > 0
+    # The float64 tests' bound: on a GPU the two formulations' GEMMs may be other cuBLAS kernels.
+    assert float((new[:active] - old[:active]).abs().max()) <= 2**-14 * scale
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_absorption_and_value_projection_match_float64(tokens):
+    """The two batched GEMMs against float64 einsums, with gradients off (the out= GEMM into
+    linear_proj's rows) and on (the product and one reshape: out= records no graph). On the CPU
+    (fp32 sums; the GPU's GEMMs: test_gpu_absorption_and_value_projection_run_gemms_only)."""
+    generator = torch.Generator().manual_seed(tokens)
+    heads, qk, rope, v, latent = 3, 8, 4, 6, 16
+    q = torch.randn(tokens, heads, qk + rope, generator=generator)
+    weight = torch.randn(heads, qk + v, latent, generator=generator)
+    up_k, up_v = weight[:, :qk], weight[:, qk:]
+    query, query_rope = mla_dynamic_inference.absorb_query(q, up_k)
+    assert query.shape == (tokens, heads, latent) and query.transpose(0, 1).is_contiguous()
+    assert query_rope.data_ptr() == q[..., qk:].data_ptr() and query_rope.stride() == q.stride()
+    expected = torch.einsum("thd,hdc->thc", q[..., :qk].double(), up_k.double())
+    torch.testing.assert_close(query.double(), expected, rtol=1e-5, atol=1e-5)
+    attended = torch.randn(heads, tokens, latent, generator=generator)
+    expected = torch.einsum("htc,hvc->thv", attended.double(), up_v.double())
+    expected = expected.reshape(tokens, heads * v)
+    with torch.no_grad():
+        core = mla_dynamic_inference.project_values(attended, up_v)
+    assert core.shape == (tokens, heads * v) and core.is_contiguous()
+    torch.testing.assert_close(core.double(), expected, rtol=1e-5, atol=1e-5)
+    weight.requires_grad_(True)
+    core = mla_dynamic_inference.project_values(attended, weight[:, qk:])
+    torch.testing.assert_close(core.double(), expected, rtol=1e-5, atol=1e-5)
+    core.sum().backward()
+    assert weight.grad is not None and weight.grad[:, qk:].abs().sum() > 0
+
+
 def _head_shard(module: Any, rank: int, size: int) -> Any:
     """What tensor-parallel rank ``rank`` of ``size`` holds of ``module``, as
     :func:`mla_dynamic_attention` reads it: its ``heads / size`` query heads' rows of the
@@ -647,6 +788,103 @@ def test_gpu_attention_step_has_no_host_sync(stack, lengths):
             attention(hidden, None, inference_context=context)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# CUDA kernels that copy elements: torch's copy and cat kernels (a contiguous(), a reshape that
+# copies, a cast, a clone), whatever launches them.
+COPY_KERNEL = re.compile(r"copy|CatArray", re.IGNORECASE)
+
+
+def _kernels_under(events: Any, range_name: str) -> List[str]:
+    """The CUDA kernels launched under the profiler ranges named ``range_name``, nested ops
+    included."""
+    names: List[str] = []
+
+    def walk(event: Any) -> None:
+        names.extend(kernel.name for kernel in event.kernels)
+        for child in event.cpu_children:
+            walk(child)
+
+    for event in events:
+        if event.name == range_name:
+            walk(event)
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens", [1, 7, 1024])
+def test_gpu_absorption_and_value_projection_run_gemms_only(tokens, dtype):
+    """At DeepSeek-V3's shapes (128 heads, 128 + 64 query columns, a 512-wide latent, 128-wide
+    values) the W_UK and W_UV batched GEMMs take their strided operands and W_UV's strided output
+    as they are: cuBLAS kernels only, no copy kernel and no copying aten op inside them, the
+    output written where linear_proj reads it; values within the dtype's rounding of float64."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    heads, qk, rope, v, latent = 128, 128, 64, 128, 512
+    generator = torch.Generator().manual_seed(tokens)
+    q = torch.randn(tokens, heads, qk + rope, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(heads, qk + v, latent, generator=generator) / latent**0.5
+    weight = weight.to(DEVICE, dtype)
+    attended = torch.randn(heads, tokens, latent, generator=generator).to(DEVICE, dtype)
+    up_k, up_v = weight[:, :qk], weight[:, qk:]
+    mla_dynamic_inference.absorb_query(q, up_k)  # cuBLAS's first call of a shape, outside
+    mla_dynamic_inference.project_values(attended, up_v)
+    torch.cuda.synchronize()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        with record_function("absorb_query"):
+            query, _ = mla_dynamic_inference.absorb_query(q, up_k)
+        with record_function("project_values"):
+            core = mla_dynamic_inference.project_values(attended, up_v)
+        torch.cuda.synchronize()
+    events = p.events()
+    for name in ("absorb_query", "project_values"):
+        kernels = _kernels_under(events, name)
+        assert kernels, f"{name}: no kernel attributed to the range (profiler layout changed?)"
+        copies = [k for k in kernels if COPY_KERNEL.search(k)]
+        assert not copies, f"{name} launched copy kernels {copies} among {kernels}"
+    copy_ops = [e.name for e in events if COPY_OP.search(e.name)]
+    assert not copy_ops, copy_ops
+    bound = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    expected = torch.einsum("thd,hdc->thc", q[..., :qk].double(), up_k.double())
+    torch.testing.assert_close(query.double(), expected, **bound)
+    expected = torch.einsum("htc,hvc->thv", attended.double(), up_v.double())
+    torch.testing.assert_close(core.double(), expected.reshape(tokens, heads * v), **bound)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_runs_no_copy_kernel_on_the_absorbed_path(stack, monkeypatch):
+    """A decode-only step of one attention module (bf16, DeepSeek-V3 widths) under the profiler:
+    the absorption, the latent attention with its two query operands and head-major output, and
+    W_UV launch GEMMs and the attention's kernels, no copy or cat kernel."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def ranged(function: Any) -> Any:
+        def wrapper(*args, **kwargs):
+            with record_function("absorbed_path"):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("absorb_query", "mla_paged_latent_attention", "project_values"):
+        monkeypatch.setattr(
+            mla_dynamic_inference, name, ranged(getattr(mla_dynamic_inference, name))
+        )
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context, _ = _decode_context(model, [9, 30, 17])
+    _step(model, context)  # compiles outside the profile
+    attention = next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+    rows = context.current_input_and_position_ids()[0].shape[1]
+    hidden = torch.randn(rows, 1, DEEPSEEK_LIKE["hidden_size"], dtype=torch.bfloat16, device=DEVICE)
+    torch.cuda.synchronize()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        attention(hidden, None, inference_context=context)
+        torch.cuda.synchronize()
+    kernels = _kernels_under(p.events(), "absorbed_path")
+    assert any("_latent_attention_kernel" in k for k in kernels), kernels
+    assert len(kernels) >= 3, kernels  # two GEMMs and the attention at least
+    copies = [k for k in kernels if COPY_KERNEL.search(k)]
+    assert not copies, f"copy kernels {copies} among {kernels}"
 
 
 def _te_spec_model(config: Any, dtype: torch.dtype, down_proj_fusion: bool = False) -> Any:

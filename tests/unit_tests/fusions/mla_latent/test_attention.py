@@ -149,6 +149,88 @@ def test_strided_query_and_output():
     assert (out_wide[..., -5:] == GUARD).all()
 
 
+def _two_operand_query(step, qk_dim: int = 24):
+    """The step's query as two operands, laid out as the dynamic MLA step passes them:
+    ``q_nope @ W_UK`` a ``[heads, tokens, latent]`` matmul output viewed ``[tokens, heads,
+    latent]``, the RoPE part the end of each row of a wider projected query (``q[..., qk_dim:]``,
+    its first ``qk_dim`` columns guards)."""
+    tokens, heads, _ = step.query.shape
+    head_major = step.query[..., : step.latent_dim].transpose(0, 1).contiguous()
+    projected = torch.full(
+        (tokens, heads, qk_dim + step.rope_dim), GUARD, dtype=step.query.dtype, device=DEVICE
+    )
+    projected[..., qk_dim:] = step.query[..., step.latent_dim :]
+    return head_major.transpose(0, 1), projected[..., qk_dim:]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements as integers of their width (a bitwise comparison, NaNs included)."""
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def assert_two_query_operands_give_the_bits_of_one(step, **kwargs) -> None:
+    """The attention of ``step`` with its query as two operands (:func:`_two_operand_query`),
+    into a token-major and a head-major output, bitwise equal to the one-operand call's (the
+    concatenated query's)."""
+    tokens, heads, _ = step.query.shape
+    args = (step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, SCALE)
+    kwargs = dict(kwargs, rope_dim=step.rope_dim)
+    one = mla_paged_latent_attention(step.query, *args, **kwargs)
+    query, query_rope = _two_operand_query(step)
+    shape = (heads, tokens, step.latent_dim)
+    for name in ("new out", "head-major out"):
+        out = None
+        if name == "head-major out":
+            out = torch.full(shape, float("nan"), dtype=step.query.dtype, device=DEVICE)
+            out = out.transpose(0, 1)
+        got = mla_paged_latent_attention(query, *args, out=out, query_rope=query_rope, **kwargs)
+        assert got.shape == one.shape and (out is None or got.data_ptr() == out.data_ptr())
+        assert torch.equal(_bits(got), _bits(one)), f"two operands, {name}: bits moved"
+
+
+STEP_KINDS = {"decode": DECODE, "prefill": PREFILL, "chunked": CHUNKED, "mixed": MIXED}
+
+
+@pytest.mark.parametrize(
+    "kind,splits,dtype",
+    [(kind, splits, torch.float32) for kind in STEP_KINDS for splits in (1, 3)]
+    + [("mixed", 2, torch.float16)],
+    ids=str,
+)
+def test_two_query_operands_give_the_bits_of_one(kind, splits, dtype):
+    """The query's latent and RoPE parts through their own pointers and strides, and a
+    head-major output: the same loads and arithmetic, so the same bits as the concatenated
+    query's, for every step kind, with and without split-KV (padding tokens included)."""
+    step = build_step(
+        STEP_KINDS[kind],
+        heads=3,
+        block_size=16,
+        dtype=dtype,
+        seed=30 + splits,
+        padding_tokens=2,
+        device=DEVICE,
+    )
+    assert_two_query_operands_give_the_bits_of_one(
+        step, max_query_len=1 if kind == "decode" else None, num_kv_splits=splits
+    )
+
+
+def test_two_query_operands_are_a_layout_of_their_own(monkeypatch):
+    """The second operand is part of the plan's key: the one- and two-operand calls of one step
+    get a plan each, and the two-operand plan reads the RoPE part from column 0 of its own
+    pointer."""
+    monkeypatch.setattr(attention, "ATTENTION_PLANS", PlanCache())
+    step = build_step(MIXED, heads=2, block_size=16, seed=32, device=DEVICE)
+    args = (step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, SCALE)
+    query, query_rope = _two_operand_query(step)
+    mla_paged_latent_attention(step.query, *args, rope_dim=16, num_kv_splits=1)
+    mla_paged_latent_attention(query, *args, rope_dim=16, num_kv_splits=1, query_rope=query_rope)
+    one, two = attention.ATTENTION_PLANS.plans()
+    assert one.stage1.args["Q_ROPE_COL"] == step.latent_dim and two.stage1.args["Q_ROPE_COL"] == 0
+    assert two.stage1.args["q_rope_stride_h"] == query_rope.stride(1)
+    assert two.stage1.args["q_stride_h"] == query.stride(1)
+
+
 def test_inconsistent_metadata_never_reads_out_of_bounds():
     # The host cannot check the values without a sync: a -1 or too large block id where the
     # lengths say a row is used, and a length past the table's capacity. Those rows are skipped
@@ -467,6 +549,43 @@ def _bad_inputs():
     yield "table on the meta device", dict(
         good, block_table=table.to("meta")
     ), ValueError, "block_table is on meta"
+    # The query as two operands: the second gets every check the first gets.
+    two = dict(good, query=q[..., :32], query_rope=q[..., 32:])
+    yield "query_rope list", dict(
+        two, query_rope=q[..., 32:].tolist()
+    ), TypeError, "query_rope must be a torch.Tensor"
+    yield "int query_rope", dict(
+        two, query_rope=q[..., 32:].long()
+    ), TypeError, "query_rope must have dtype"
+    yield "query_rope dtype", dict(
+        two, query_rope=q[..., 32:].half()
+    ), TypeError, "query_rope is torch.float16"
+    yield "query_rope on the meta device", dict(
+        two, query_rope=q[..., 32:].to("meta")
+    ), ValueError, "query_rope is on meta"
+    yield "query_rope tokens", dict(two, query_rope=q[1:, :, 32:]), ValueError, "query_rope must be"
+    yield "query_rope heads", dict(two, query_rope=q[:, :1, 32:]), ValueError, "query_rope must be"
+    yield "query_rope width", dict(two, query_rope=q[..., 40:]), ValueError, "query_rope must be"
+    yield "query_rope 2-d", dict(two, query_rope=q[:, 0, 32:]), ValueError, "query_rope must be"
+    yield "query_rope last stride", dict(
+        two, query_rope=q[..., 32:].transpose(1, 2).contiguous().transpose(1, 2)
+    ), ValueError, "query_rope must have unit stride"
+    yield "two-operand query width", dict(
+        two, query=q[..., :24]
+    ), ValueError, "latent width \\(query width 24"
+    yield "two-operand 2-d query", dict(
+        two, query=q[:, 0, :32]
+    ), ValueError, "query must be \\[tokens, heads, latent_dim\\] \\(query_rope given"
+    yield "two-operand query last stride", dict(
+        two, query=q[..., :32].transpose(1, 2).contiguous().transpose(1, 2)
+    ), ValueError, "query must have unit stride"
+    yield "two-operand cache width", dict(
+        two, kv_cache=cache[..., :40]
+    ), ValueError, "kv_cache rows are 40 wide, query \\+ query_rope rows 32 \\+ 16"
+    rope_and_out = torch.zeros(q.shape[0], 2, 48, device=DEVICE)
+    yield "out beside query_rope in one buffer", dict(
+        two, query_rope=rope_and_out[..., :16], out=rope_and_out[..., 16:]
+    ), ValueError, "out overlaps query_rope"
 
 
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
@@ -529,7 +648,7 @@ GPU_DTYPES = {"bf16": (torch.bfloat16, BF16_TOLERANCE), "fp32": (torch.float32, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_DTYPES), ids=str)
-@pytest.mark.parametrize("heads", [1, 16, 32, 40, 128])
+@pytest.mark.parametrize("heads", [1, 3, 16, 32, 40, 128])
 @pytest.mark.parametrize("block_size", [16, 64, 256])
 @pytest.mark.parametrize(
     "requests",
@@ -542,6 +661,10 @@ GPU_DTYPES = {"bf16": (torch.bfloat16, BF16_TOLERANCE), "fp32": (torch.float32, 
     ids=["decode", "prefill", "chunked", "mixed"],
 )
 def test_gpu_step_kinds_match_float64(requests, block_size, heads, dtype):
+    """Every tile the launcher picks (decode head tiles of 16, 32 and 64 with their key tiles,
+    prefill tiles of 1 to 64 tokens, 4 and 8 warps, one block id per key tile or one per row):
+    float64's answer, and with the query as two operands and a head-major output the
+    concatenated query's bits, with one split and with the launcher's count."""
     torch_dtype, tolerance = GPU_DTYPES[dtype]
     step = build_step(
         requests,
@@ -556,7 +679,12 @@ def test_gpu_step_kinds_match_float64(requests, block_size, heads, dtype):
         padding_tokens=5,
     )
     decode_only = all(new == 1 for _, new in requests)
-    run_and_check(step, tolerance=tolerance, max_query_len=1 if decode_only else None)
+    max_query_len = 1 if decode_only else None
+    run_and_check(step, tolerance=tolerance, max_query_len=max_query_len)
+    for splits in (1, None):
+        assert_two_query_operands_give_the_bits_of_one(
+            step, max_query_len=max_query_len, num_kv_splits=splits
+        )
 
 
 @pytest.mark.gpu
