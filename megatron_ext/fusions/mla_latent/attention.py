@@ -146,8 +146,11 @@ def mla_paged_latent_attention(
         ATTENTION_PLANS.put(key, plan)
     elif out is None:
         out = torch.empty(plan.out_shape, dtype=query.dtype, device=query.device)
-    else:
-        # What the layout cannot tell: whether this call's output shares memory with an input.
+    elif plan.out_meets_an_input(
+        query, kv_cache, block_table, cu_query_lengths, kv_lengths, query_rope, out
+    ):
+        # What the layout cannot tell: whether this call's output shares memory with an input
+        # (the full check names it).
         check_attention_out_disjoint(
             query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope
         )

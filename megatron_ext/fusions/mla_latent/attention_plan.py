@@ -19,6 +19,7 @@ from megatron_ext.fusions.direct_launch import PreparedLaunch
 from megatron_ext.fusions.launch_math import cdiv
 from megatron_ext.fusions.launch_plans import LaunchPlan
 from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
+from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
 from megatron_ext.fusions.mla_latent.tile_rules import (
     LARGE_SCALE_LOG2,
     LOG2E,
@@ -228,9 +229,10 @@ class LatentAttentionPlan(LaunchPlan):
         stage1, combine: the prepared launches (None where nothing, or no combine, is launched).
         workspace: the split-KV workspace's (partial, lse) shapes, None with one split.
         device: the device the workspace is allocated on.
+        spans: the byte spans of the call's tensors (:meth:`out_meets_an_input`).
     """
 
-    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device")
+    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device", "spans")
 
     def __init__(
         self,
@@ -252,6 +254,10 @@ class LatentAttentionPlan(LaunchPlan):
         tokens, heads = query.shape[:2]
         self.out_shape = (tokens, heads, latent_dim)
         self.device = query.device
+        self.spans = tuple(
+            span_bytes(x)
+            for x in (query, kv_cache, block_table, cu_query_lengths, kv_lengths, query_rope, out)
+        )
         self.stage1: Optional[PreparedLaunch] = None
         self.combine: Optional[PreparedLaunch] = None
         self.workspace: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
@@ -299,6 +305,19 @@ class LatentAttentionPlan(LaunchPlan):
                 ),
                 dict(num_warps=4),
             )
+
+    def out_meets_an_input(self, *tensors: Optional[Tensor]) -> bool:
+        """Whether a call's ``out`` shares memory with one of its inputs, from the layout's spans
+        and the call's data pointers (what a cached layout must still test on every call).
+
+        Args:
+            tensors: ``query, kv_cache, block_table, cu_query_lengths, kv_lengths, query_rope,
+                out`` of a call with this plan's layout.
+
+        Returns:
+            bool: True if they meet (the full check then names the input).
+        """
+        return spans_meet(tensors, self.spans, len(self.spans) - 1)
 
     def __call__(
         self,
