@@ -19,7 +19,6 @@ from megatron_ext.fusions.direct_launch import PreparedLaunch
 from megatron_ext.fusions.launch_math import cdiv
 from megatron_ext.fusions.launch_plans import LaunchPlan
 from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
-from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
 from megatron_ext.fusions.mla_latent.tile_rules import (
     LARGE_SCALE_LOG2,
     LOG2E,
@@ -33,6 +32,7 @@ from megatron_ext.fusions.mla_latent.tile_rules import (
     page_tiles,
     tile_shape,
 )
+from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
 
 __all__ = ["LatentAttentionPlan", "SplitOutputs", "plan_for_call"]
 
