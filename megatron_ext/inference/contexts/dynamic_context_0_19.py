@@ -32,6 +32,9 @@ from megatron_ext.inference.contexts.static_slices_context_base import (
 
 __all__ = ["StaticSlicesInferenceContext"]
 
+# megatron-core's attribute holding the event its bookkeeping copy records.
+_BOOKKEEPING_EVENT = "_bookkeeping_h2d_done_event"
+
 
 class StaticSlicesInferenceContext(StaticSlicesContextBase):
     """``DynamicInferenceContext`` with static-address active slices (megatron-core 0.19.x).
@@ -98,11 +101,23 @@ class StaticSlicesInferenceContext(StaticSlicesContextBase):
             metadata=metadata,
         )
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # megatron-core's event marking its bookkeeping copy is a CUDA event, which does not
+        # pickle (so on CUDA its own context does not either): the copy gets a fresh one.
+        state = self.__dict__.copy()
+        if _BOOKKEEPING_EVENT in state:
+            state[_BOOKKEEPING_EVENT] = None
+        return state
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # pickle copies views apart from the tensor they view: the packed buffers make their
         # views again (PackedBuffer), and the slices are pointed at them. (megatron-core's own
         # ContextGPUView is views of one buffer too, which its pickled copy loses.)
         self.__dict__.update(state)
+        if _BOOKKEEPING_EVENT in state:
+            # As megatron-core's constructor makes it. Unrecorded, as the copy has no step of
+            # its own in flight: a step records it before anything waits on it.
+            setattr(self, _BOOKKEEPING_EVENT, torch.cuda.Event())
         if self._device_active_slices is not None:
             self._link_static_slices()
 

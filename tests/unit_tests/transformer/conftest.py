@@ -11,9 +11,12 @@ import torch
 
 @pytest.fixture
 def cpu_current_device(monkeypatch):
-    """Let megatron build RoPE modules on CPU: they ask ``torch.cuda.current_device()``."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    """Keep megatron's RoPE tables on the CPU, beside the CPU modules of the tests that use this.
+
+    megatron's rotary embeddings put their tables on ``torch.cuda.current_device()`` (on a CUDA
+    machine too, whatever the module's device), so that call answers ``"cpu"`` on any machine.
+    """
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
 
 
 @pytest.fixture

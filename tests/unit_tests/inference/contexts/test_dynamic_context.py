@@ -7,8 +7,9 @@ calls megatron-core's engine makes), with a small KV buffer so that requests pau
 get evicted. After every initialize_attention_state each static slice is compared with plain
 slicing of megatron-core's full tensors, and the padding rows with the neutral values.
 
-Runs on CPU (megatron-core's context allocates on ``torch.cuda.current_device()``, redirected to
-the CPU by ``cpu_torch_compat``); the ``gpu`` variants repeat the sequences on a CUDA device.
+Runs on the current CUDA device where there is one, else on the CPU (megatron-core's context
+allocates on ``torch.cuda.current_device()``, redirected to the CPU by ``cpu_torch_compat`` on a
+CPU-only build); the ``gpu`` variants repeat the sequences on a CUDA device.
 """
 
 import random
@@ -79,11 +80,18 @@ def make_context(**overrides) -> StaticSlicesInferenceContext:
     return build_synthetic_stack(**kwargs).context
 
 
+def model_device() -> torch.device:
+    """Where a model's tensors (prompts, logits) live: the current CUDA device, else the CPU.
+    (On 0.19 the context's request tensors are host tensors on either.)"""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def make_request(request_id: int, prompt_len: int, rng: random.Random, **sampling):
     params = dict(num_tokens_to_generate=rng.randint(1, 40), termination_id=-1)
     params.update(sampling)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    prompt = torch.tensor([rng.randrange(60) for _ in range(prompt_len)], device=device)
+    prompt = torch.tensor([rng.randrange(60) for _ in range(prompt_len)], device=model_device())
     return DynamicInferenceRequest(
         request_id=request_id, prompt_tokens=prompt, sampling_params=SamplingParams(**params)
     )
@@ -383,8 +391,7 @@ def test_last_token_logits_matches_megatron_core():
     for i in range(5):
         ctx.add_request(make_request(i, rng.randint(1, 9), rng))
     ctx.initialize_attention_state()
-    device = ctx.request_ids.device
-    logits = torch.randn(1, ctx.padded_active_token_count, 11, device=device)
+    logits = torch.randn(1, ctx.padded_active_token_count, 11, device=model_device())
     ours = ctx.last_token_logits(logits)
     if UPSTREAM_HAS_ACTIVE_SLICES:
         assert ctx.num_last_token_logits == ours.shape[0]
@@ -1112,13 +1119,21 @@ def test_a_context_pickles_and_its_copy_keeps_its_requests():
     reference). pickle copies views apart from the tensors they view, so the copy links its
     slices to its own buffers again; its slices then are the original's, step after step.
     (On 0.19 megatron-core's own ContextGPUView is views of one buffer, which its pickled copy
-    loses: there only the extension's slices are compared.)"""
+    loses: there only the extension's slices are compared. 0.19's context holds a CUDA event,
+    which does not pickle: the copy gets its own.)"""
     import pickle
 
     ctx = make_context()
     run_random(ctx, steps=12, seed=6)
     copy = pickle.loads(pickle.dumps(ctx))
     assert copy.sampling_requirements() == ctx.sampling_requirements()
+    if UPSTREAM_HAS_ACTIVE_SLICES:
+        event = copy._bookkeeping_h2d_done_event
+        assert isinstance(event, torch.cuda.Event)
+        assert event is not ctx._bookkeeping_h2d_done_event
+        if torch.cuda.is_available():
+            event.record()
+            event.synchronize()
 
     def slices(each):
         each.initialize_attention_state()

@@ -9,10 +9,12 @@ sampling rules are checked directly. The ``gpu`` tests capture the region in CUD
 check every replay bit for bit against eager execution, and that the region never synchronises.
 """
 
+import contextlib
 import logging
 import random
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -835,6 +837,21 @@ def sample_with_the_region_every_step(controller) -> None:
     )
 
 
+def _multinomial_checked_on_the_host(real):
+    """``torch.multinomial`` that checks its probabilities on the host first and raises the
+    errors the CPU's raises. On CUDA its own checks are device-side asserts, after which every
+    CUDA call of the process fails (the tests after it included)."""
+
+    def multinomial(probabilities: torch.Tensor, *args, **kwargs):
+        if not bool(torch.isfinite(probabilities).all()) or bool((probabilities < 0).any()):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        if bool((probabilities.sum(-1) <= 0).any()):
+            raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        return real(probabilities, *args, **kwargs)
+
+    return multinomial
+
+
 def _outcome(extension: bool, sampling: Dict):
     """Stock: the exception its engine raised, or None. The extension (flag applied): request
     1's failure reason, or None when it completed; the others must complete either way."""
@@ -842,8 +859,16 @@ def _outcome(extension: bool, sampling: Dict):
     prompt, _ = requests[1]
     requests[1] = (prompt, SamplingParams(num_tokens_to_generate=4, termination_id=-1, **sampling))
     if not extension:
+        # Stock refuses some of these in multinomial's checks: on CUDA they are checked on the
+        # host instead, so that the refusal is an exception here too.
+        checked = (
+            mock.patch("torch.multinomial", _multinomial_checked_on_the_host(torch.multinomial))
+            if torch.cuda.is_available()
+            else contextlib.nullcontext()
+        )
         try:
-            run_engine_records(build_engine(make_stack(extension=False)), requests)
+            with checked:
+                run_engine_records(build_engine(make_stack(extension=False)), requests)
         except Exception as error:  # noqa: BLE001 (the comparison is about whether and how)
             return error
         return None
@@ -853,6 +878,26 @@ def _outcome(extension: bool, sampling: Dict):
         records = run_engine_records(build_engine(stack), requests)
     assert completed(records[0]) and completed(records[2])
     return None if completed(records[1]) else failure_reason(records[1])
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[0.5, float("nan")], [0.5, float("inf")], [0.5, -0.1], [0.0, 0.0], [0.2, 0.8]],
+    ids=["nan", "inf", "negative", "zero_sum", "valid"],
+)
+def test_host_checked_multinomial_refuses_what_the_cpus_refuses(row):
+    """The stand-in the sampling-edge tests give stock on CUDA, against the CPU's own checks."""
+    probabilities = torch.tensor([row])
+    outcomes = []
+    for multinomial in (torch.multinomial, _multinomial_checked_on_the_host(torch.multinomial)):
+        try:
+            multinomial(probabilities, 1, generator=torch.Generator().manual_seed(0))
+            outcomes.append(None)
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    real, checked = outcomes
+    assert (real is None) == (checked is None), outcomes
+    assert checked is None or checked in real, outcomes
 
 
 @pytest.mark.parametrize("case", list(SAMPLING_EDGES))
@@ -1092,6 +1137,9 @@ def test_engine_fails_a_request_whose_logits_are_not_finite_alone(mode, kind):
 
 
 _EAGER_SAMPLING = {"greedy": dict(top_k=1), "top_k": dict(top_k=4)}
+# The extension's controller with its region not graphed, so that megatron-core's sampler samples
+# every step on CUDA too (the region is graphed there by default; off CUDA it never is).
+_EAGER = dict(controller_kwargs=dict(cuda_graph_sampling=False))
 
 
 @pytest.mark.skipif(
@@ -1111,7 +1159,7 @@ def test_eager_0_19_step_fails_a_request_whose_logits_are_not_finite_alone(mode,
     requests[3] = ([*prompt, mark], params)
 
     def stack():
-        built = make_stack()
+        built = make_stack(**_EAGER)
         assert not built.controller.region_samples_this_step()
         _poison(built, kind, mark)
         return built
@@ -1152,7 +1200,10 @@ def test_eager_0_19_step_samples_the_other_rows_as_megatron_core(kind, materiali
     }
 
     def first_step(extension: bool, poison: str):
-        stack = make_stack(extension=extension, materialize_only_last_token_logits=materialize)
+        eager = _EAGER if extension else {}
+        stack = make_stack(extension, materialize_only_last_token_logits=materialize, **eager)
+        if extension:
+            assert not stack.controller.region_samples_this_step()
         _poison(stack, poison, mark)
         controller, seen = stack.controller, []
         bookkeeping = controller._dynamic_step_context_bookkeeping
