@@ -26,6 +26,13 @@ caller takes the safe path:
   the direct kernel launch (:func:`bind_triton_launcher`), and ``JITFunction.arg_names``, the
   parameter order it passes arguments in (:func:`triton_kernel_arg_names`). Fallback: Triton's
   JIT launch.
+- ``torch.ops.aten._cudnn_attention_forward``: cuDNN's ragged (cumulative sequence lengths)
+  attention with separate query/key and value head sizes, for the MHA form of MLA's prefill
+  (:data:`cudnn_attention_forward`). Fallback: None (that backend is unavailable and the step
+  takes another, ultimately the absorbed Triton kernel).
+- ``torch.Tensor._version``: a tensor's in-place write counter, which tells whether host copies
+  of a step's lengths are still current (:data:`tensor_version`). Fallback: a value equal to no
+  other, so nothing is reused.
 - ``JITFunction.fn`` (the Python function under a ``triton.jit`` kernel): its constexpr
   parameters (:func:`triton_kernel_constexpr_names`; fallback: unknown, every argument keys the
   autotuning), and ``Autotuner``/``Heuristics`` ``.fn``, the kernel under megatron-core's
@@ -488,3 +495,46 @@ def bind_triton_launcher(compiled) -> Optional[DirectLaunch]:
             )  # fmt: skip
 
     return launch
+
+
+# --------------------------------------------------------------------------------------------------
+# torch's ragged cuDNN attention, and in-place write counters
+# --------------------------------------------------------------------------------------------------
+
+
+def _aten_op(name: str):
+    """``torch.ops.aten.<name>``, or None where this torch has no such operator."""
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# torch's cuDNN attention over packed (THD) tensors with cumulative sequence lengths:
+# ``(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp,
+# dropout_p, is_causal, return_debug_mask, *, scale)`` -> (output, logsumexp, ...). Its causal
+# mask is aligned top-left in each sequence (torch aligns it bottom-right only for a per-sequence
+# used-KV length, which this operator does not take), so the MHA form attends a cached prefix in
+# a separate unmasked call. None where missing.
+cudnn_attention_forward = _aten_op("_cudnn_attention_forward")
+
+
+class _NeverEqual:
+    """Fallback version: equal to nothing, so a cached host copy is never taken as current."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _unknown_version(t: torch.Tensor) -> object:
+    return _NeverEqual()
+
+
+# A tensor's in-place write counter (shared by its views), a C attribute getter.
+tensor_version: Callable[[torch.Tensor], object] = (
+    operator.attrgetter("_version")
+    if isinstance(getattr(torch.zeros(1), "_version", None), int)
+    else _unknown_version
+)

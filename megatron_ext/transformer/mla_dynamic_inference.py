@@ -5,7 +5,8 @@
 megatron-core's ``MLASelfAttention`` cannot run a dynamic-batching step on either supported
 release without FlashMLA and flash-attn (and calls ``flash_decode_and_prefill`` without its
 required ``is_decode_only``). :func:`mla_dynamic_attention` is the step megatron_ext runs instead,
-for every step kind (prefill, chunked prefill, mixed, decode-only), in the absorbed form:
+for every step kind (prefill, chunked prefill, mixed, decode-only), in the absorbed form (in
+eager steps, prefill requests may take the MHA form instead: :mod:`.mla_prefill`):
 
 1. the query and latent projections and norms, as megatron-core computes them;
 2. the query's RoPE part rotated in place at each token's position (``token_to_pos_ids``) by the
@@ -23,7 +24,8 @@ for every step kind (prefill, chunked prefill, mixed, decode-only), in the absor
 ``W_UK`` and ``W_UV`` are views of ``linear_kv_up_proj.weight``, taken at every call: the step
 writes no state of the module (megatron-core's ``prepare_for_absorption`` replaces submodules
 on first use), so threads may share a module. GRAPH-SAFE: no host synchronisation; every size
-comes from shapes and host ints of the context.
+comes from shapes and host ints of the context (the MHA form runs only in steps megatron-core
+runs eagerly, and there reads the step's lengths on the host: a read of device memory on 0.16).
 """
 
 import operator
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
 from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
+from megatron_ext.transformer.mla_prefill import mha_form_core
 from megatron_ext.transformer.rotary_tables import cos_sin_table
 
 __all__ = [
@@ -339,11 +342,9 @@ def mla_dynamic_attention(
     fused_apply_mla_rope_for_q(
         q, cos, sin, qk_dim, rope_dim, position_ids=tokens.token_to_pos_ids[:n].view(n, 1)
     )
-    kv_up = module.linear_kv_up_proj.weight.view(heads, qk_dim + v_dim, latent_dim)
-    up_k, up_v = kv_up[:, :qk_dim], kv_up[:, qk_dim:]
-    query, query_rope = absorb_query(q.view(n, heads, qk_dim + rope_dim), up_k)
+    q = q.view(n, heads, qk_dim + rope_dim)
 
-    # Key: RoPE and the append in one kernel, then attention over the paged cache.
+    # Key: RoPE and the append in one kernel (before either form of attention reads the cache).
     kv_cache, _, block_table = context.key_value_cache(module.layer_number)
     fused_mla_rope_cache_append(
         kv_latent,
@@ -357,6 +358,15 @@ def mla_dynamic_attention(
     )
     cu_query_lengths, max_query_len = context.cu_query_lengths()
     _, kv_lengths, _ = context.cu_kv_lengths()
+    # Prefill requests in the MHA form where the cost model says so (eager steps only).
+    core = mha_form_core(module, context, q, kv_cache, block_table, cu_query_lengths, kv_lengths)
+    if core is not None:
+        return module.linear_proj(core)
+
+    # Absorbed form: W_UK into the query, attention over the paged cache.
+    kv_up = module.linear_kv_up_proj.weight.view(heads, qk_dim + v_dim, latent_dim)
+    up_k, up_v = kv_up[:, :qk_dim], kv_up[:, qk_dim:]
+    query, query_rope = absorb_query(q, up_k)
     # Head-major, so that W_UV's batched GEMM reads it in place; the attention writes it through
     # its transposed view. (Its head stride, and the absorbed query's, vary with the token count:
     # a new count's first call launches through Triton's JIT, without compiling.)

@@ -1,6 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""The paged MLA latent cache's Triton kernels: the RoPE + cache append and the absorbed attention.
+"""The paged MLA latent cache's kernels: the RoPE + cache append, the attention in the absorbed
+and in the MHA form.
 
 One concern per module, each importing only the ones before it and the ground floor of
 :mod:`megatron_ext.fusions` (``tensor_checks``, ``launch_plans``, ``direct_launch``,
@@ -14,6 +15,8 @@ One concern per module, each importing only the ones before it and the ground fl
 * :mod:`.attention`: :func:`mla_paged_latent_attention` and its plan cache.
 * :mod:`.rope_cache_append`: the RoPE + append kernel, its plan and
   :func:`fused_mla_rope_cache_append`.
+* :mod:`.mha_form`: :func:`mla_paged_mha_attention`, the same attention in the MHA form
+  (decompressed keys and values, dense ragged attention on cuDNN, Transformer Engine or torch).
 
 ``megatron_ext.fusions.mla_paged_latent_attention`` and
 ``megatron_ext.fusions.fused_mla_rope_cache_append`` re-export the entries for older imports.
@@ -23,6 +26,7 @@ from megatron_ext.fusions.mla_latent.attention import ATTENTION_PLANS, mla_paged
 from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
 from megatron_ext.fusions.mla_latent.attention_plan import LatentAttentionPlan, plan_for_call
 from megatron_ext.fusions.mla_latent.checks import check_paged_cache, rows_of
+from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from megatron_ext.fusions.mla_latent.rope_cache_append import (
     APPEND_LAUNCHES,
     APPEND_PLANS,
@@ -60,6 +64,7 @@ __all__ = [
     "fused_mla_rope_cache_append",
     "head_tile",
     "mla_paged_latent_attention",
+    "mla_paged_mha_attention",
     "page_tiles",
     "pipeline_stages",
     "plan_for_call",

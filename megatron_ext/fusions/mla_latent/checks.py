@@ -38,9 +38,12 @@ __all__ = [
     "check_append_call",
     "check_attention_call",
     "check_attention_out_disjoint",
+    "check_block_table",
+    "check_cache_for_query",
     "check_paged_cache",
     "check_pow2",
     "check_query_rope",
+    "check_softmax_scale",
     "rows_of",
 ]
 
@@ -96,6 +99,56 @@ def check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 16; got {value}")
 
 
+def check_cache_for_query(kv_cache, query: torch.Tensor) -> int:
+    """Check the paged cache a query attends over (its layout, block size and dtype); return the
+    cache's row width."""
+    _, block_size, cache_width = check_paged_cache("kv_cache", kv_cache, query.device)
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"kv_cache's block size {block_size} is over {MAX_BLOCK_SIZE} (the kernel counts a "
+            "key's page and row in 32 bits across up to 64 pages)"
+        )
+    if kv_cache.dtype != query.dtype:
+        raise TypeError(f"kv_cache is {kv_cache.dtype}, query {query.dtype}: they must match")
+    return cache_width
+
+
+def check_block_table(block_table, device: torch.device) -> int:
+    """Check a [requests, max_blocks] block table; return its request count."""
+    check_tensor("block_table", block_table, INDEX_DTYPES)
+    check_device("block_table", block_table, device)
+    if block_table.dim() != 2:
+        raise ValueError(
+            "block_table must be [requests, max_blocks_per_request]; got "
+            f"{tuple(block_table.shape)}"
+        )
+    check_unit_last_stride("block_table", block_table)
+    return block_table.shape[0]
+
+
+def check_softmax_scale(softmax_scale) -> float:
+    """Check an attention's softmax scale (a positive, finite real whose product with log2(e) is
+    a normal float32); return it as a float."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        raise ValueError(f"softmax_scale {softmax_scale} is too large for a float") from None
+    if not (0 < scale < float("inf")):
+        raise ValueError(f"softmax_scale must be positive and finite; got {softmax_scale}")
+    # The kernel takes scale * log2(e) as an fp32 argument: outside fp32's normal range it would
+    # arrive as 0 (uniform attention) or inf (NaN logits), a plausible wrong answer. Inside it,
+    # no logit overflows (LARGE_SCALE_LOG2).
+    fp32 = torch.finfo(torch.float32)
+    if not (fp32.tiny <= scale * LOG2E <= fp32.max):
+        raise ValueError(
+            f"softmax_scale {softmax_scale} times log2(e) is outside float32's normal range "
+            f"[{fp32.tiny:.3g}, {fp32.max:.3g}]: the kernel scales its logits in float32"
+        )
+    return scale
+
+
 def check_attention_call(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -144,47 +197,16 @@ def check_attention_call(
                 f"query's width {width} leaves no latent part beside rope_dim={rope_dim}"
             )
         check_pow2(f"the latent width (query width {width} - rope_dim {rope_dim})", latent_dim)
-    _, block_size, cache_width = check_paged_cache("kv_cache", kv_cache, device)
-    if block_size > MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"kv_cache's block size {block_size} is over {MAX_BLOCK_SIZE} (the kernel counts a "
-            "key's page and row in 32 bits across up to 64 pages)"
-        )
-    if kv_cache.dtype != query.dtype:
-        raise TypeError(f"kv_cache is {kv_cache.dtype}, query {query.dtype}: they must match")
+    cache_width = check_cache_for_query(kv_cache, query)
     if cache_width != width:
         rows = f"query rows {width}"
         if two:
             rows = f"query + query_rope rows {latent_dim} + {rope_dim}"
         raise ValueError(f"kv_cache rows are {cache_width} wide, {rows}")
-    check_tensor("block_table", block_table, INDEX_DTYPES)
-    check_device("block_table", block_table, device)
-    if block_table.dim() != 2:
-        raise ValueError(
-            "block_table must be [requests, max_blocks_per_request]; got "
-            f"{tuple(block_table.shape)}"
-        )
-    check_unit_last_stride("block_table", block_table)
-    requests = block_table.shape[0]
+    requests = check_block_table(block_table, device)
     check_index_vector("cu_query_lengths", cu_query_lengths, requests + 1, device)
     check_index_vector("kv_lengths", kv_lengths, requests, device)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        raise ValueError(f"softmax_scale {softmax_scale} is too large for a float") from None
-    if not (0 < scale < float("inf")):
-        raise ValueError(f"softmax_scale must be positive and finite; got {softmax_scale}")
-    # The kernel takes scale * log2(e) as an fp32 argument: outside fp32's normal range it would
-    # arrive as 0 (uniform attention) or inf (NaN logits), a plausible wrong answer. Inside it,
-    # no logit overflows (LARGE_SCALE_LOG2).
-    fp32 = torch.finfo(torch.float32)
-    if not (fp32.tiny <= scale * LOG2E <= fp32.max):
-        raise ValueError(
-            f"softmax_scale {softmax_scale} times log2(e) is outside float32's normal range "
-            f"[{fp32.tiny:.3g}, {fp32.max:.3g}]: the kernel scales its logits in float32"
-        )
+    check_softmax_scale(softmax_scale)
     if max_query_len is not None:
         check_int("max_query_len", max_query_len, 1)
     if num_kv_splits is not None:

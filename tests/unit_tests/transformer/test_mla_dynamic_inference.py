@@ -719,14 +719,15 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
     )
 
 
-@pytest.mark.gpu
-def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
-    """megatron-core's own CUDA graphs (``cuda_graph_impl="local"``: per-layer graphs captured
-    in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
-    greedy tokens as the eager engine, log-probs within fp32 rounding."""
+def eager_and_graphed_runs(stack: Any, before: Any = None) -> Dict[str, Any]:
+    """The engine's outputs on the pausing requests (16 tokens each) without and with
+    megatron-core's CUDA graphs (``cuda_graph_impl`` "none" and "local"); ``before(impl)`` is
+    called before each build."""
     requests = requests_for(PAUSING_LENGTHS, 16, DEEPSEEK_LIKE["vocab_size"])
     runs = {}
     for impl in ("none", "local"):
+        if before is not None:
+            before(impl)
         if impl == "local":
             # megatron-core's CUDA graphs refuse a training RNG tracker; inference scripts set up
             # an inference one, as here (the process-wide tracker is put back afterwards).
@@ -755,6 +756,15 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
             assert getattr(engine, "capture_stats", None) is not None, "no CUDA graph was captured"
         runs[impl], _ = run_engine(engine, requests)
         undo_megatron_ext()
+    return runs
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
+    """megatron-core's own CUDA graphs (``cuda_graph_impl="local"``: per-layer graphs captured
+    in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
+    greedy tokens as the eager engine, log-probs within fp32 rounding."""
+    runs = eager_and_graphed_runs(stack)
     for request_id, eager in runs["none"].items():
         graphed = runs["local"][request_id]
         assert graphed["generated_tokens"] == eager["generated_tokens"], request_id

@@ -1,0 +1,328 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The MHA form of MLA attention for the prefill and chunked-prefill requests of a dynamic step.
+
+:func:`~megatron_ext.transformer.mla_dynamic_inference.mla_dynamic_attention` hands each step's
+attention here first (:func:`mha_form_core`); where this returns None the step runs in the
+absorbed form as before. Otherwise the step's requests are split in two: the leading ones (the
+decodes megatron-core puts first, short chunks) in the absorbed form, the rest in the MHA form
+(:func:`~megatron_ext.fusions.mla_latent.mha_form.mla_paged_mha_attention`), at the split point
+the cost model (:class:`CostModel`) finds cheapest.
+
+When the MHA form runs (each rule decided in one function):
+
+* the mode, :data:`MODE` (environment ``MEGATRON_EXT_MLA_MHA_FORM``): ``off`` (the default until
+  the GPU backends' speed and the cost model's rates are measured: always absorbed), ``auto`` (the
+  cost model decides) or ``force`` (every request of every prefill step in
+  the MHA form, the tests' switch; the plain-torch backend where no fused one runs);
+* the backend, :func:`backend_for` (override ``MEGATRON_EXT_MLA_MHA_BACKEND``): on CUDA in bf16 or
+  fp16, torch's cuDNN ragged attention where torch has it and cuDNN's SDPA is enabled on an sm80+
+  device, else Transformer Engine's fused attention where TE is installed; otherwise (CPU, fp32,
+  the Triton interpreter) none in ``auto`` mode, so CPU runs stay absorbed;
+* never in a step megatron-core runs from a CUDA graph or while a stream is capturing
+  (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
+  host. megatron-core 0.16 captures decode-only steps (and, with
+  ``use_cuda_graphs_for_non_decode_steps``, mixed steps of fixed token counts without an explicit
+  chunked prefill); 0.19 captures decode-only and mixed steps up to ``cuda_graph_max_tokens``
+  (512 by default) tokens and runs larger steps eagerly. Those eager steps are where prefills
+  and long chunks land;
+* never in decode-only steps (the MHA form never pays there).
+
+The host lengths (:func:`step_lengths`): on 0.19 the request bookkeeping is host memory, read
+without synchronisation; on 0.16 it lives on the GPU and is read once per step (eager steps
+only), kept while the tensors' in-place write counters say it is current.
+"""
+
+import dataclasses
+import os
+import threading
+import weakref
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megatron_ext import internals
+from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_attention
+
+__all__ = [
+    "BACKEND",
+    "COST_MODEL",
+    "MODE",
+    "CostModel",
+    "absorbed_request_count",
+    "backend_for",
+    "graphed_step",
+    "mha_form_core",
+    "step_lengths",
+]
+
+MODES = ("auto", "off", "force")
+MODE = os.environ.get("MEGATRON_EXT_MLA_MHA_FORM", "off").strip().lower() or "off"
+BACKEND = os.environ.get("MEGATRON_EXT_MLA_MHA_BACKEND", "auto").strip().lower() or "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Time of one layer's attention per form, from static sizes.
+
+    Per head, with latent width ``c``, RoPE ``r``, query/key ``d`` and value ``v`` widths: the
+    absorbed form pays ``2 (c + r) + 2 c`` FLOPs per query-key pair (2176 at DeepSeek-V3's widths)
+    and ``2 d c + 2 c v`` per query (W_UK into the query, W_UV after: 262144); the MHA form pays
+    ``2 (d + r) + 2 v`` per pair (640) and ``2 c (d + v)`` per attended row (the decompression
+    GEMM: 262144), plus a fixed cost per layer (host planning, extra launches). A request with
+    ``q`` new tokens and ``L`` rows has ``q (L - q) + q (q + 1) / 2`` pairs, so with equal rates
+    the MHA form wins once ``1536 * pairs > 262144 * (L - q)``: a chunk of more than ~171 tokens
+    behind any prefix, any prefill. The rates weigh each kind of FLOP.
+
+    Attributes:
+        absorbed_flops: the absorbed kernel's attention FLOP/s.
+        mha_flops: the dense backend's attention FLOP/s.
+        gemm_flops: the decompression's and the absorption's GEMM FLOP/s.
+        mha_fixed_seconds: the MHA form's fixed cost per layer.
+    """
+
+    absorbed_flops: float = 170e12
+    mha_flops: float = 500e12
+    gemm_flops: float = 600e12
+    mha_fixed_seconds: float = 40e-6
+
+
+COST_MODEL = CostModel()
+
+
+def absorbed_request_count(
+    query_lengths: np.ndarray,
+    kv_lengths: np.ndarray,
+    heads: int,
+    widths: Tuple[int, int, int, int],
+    model: CostModel = COST_MODEL,
+) -> int:
+    """How many leading requests to run in the absorbed form (the rest in the MHA form).
+
+    Args:
+        query_lengths, kv_lengths: the step's new tokens and rows per request (host).
+        heads: query heads on this rank.
+        widths: (latent, rope, qk, v) head widths.
+        model: the rates.
+
+    Returns:
+        int: ``s`` in ``0..requests``; ``requests`` means all absorbed. Ties go to the absorbed
+        form.
+    """
+    latent, rope, qk, v = widths
+    q = query_lengths.astype(np.float64)
+    rows = kv_lengths.astype(np.float64)
+    pairs = q * (rows - q) + q * (q + 1) / 2
+    absorbed = heads * (
+        pairs * (2 * (latent + rope) + 2 * latent) / model.absorbed_flops
+        + q * (2 * qk * latent + 2 * latent * v) / model.gemm_flops
+    )
+    mha = heads * (
+        pairs * (2 * (qk + rope) + 2 * v) / model.mha_flops
+        + rows * (2 * latent * (qk + v)) / model.gemm_flops
+    )
+    n = len(q)
+    # cost(s) = absorbed[:s].sum() + mha[s:].sum() + fixed if s < n
+    before = np.concatenate([[0.0], np.cumsum(absorbed)])
+    after = np.concatenate([np.cumsum(mha[::-1])[::-1], [0.0]])
+    cost = before + after + np.where(np.arange(n + 1) < n, model.mha_fixed_seconds, 0.0)
+    best = n
+    for s in range(n - 1, -1, -1):
+        if cost[s] < cost[best]:
+            best = s
+    return best
+
+
+_DEVICE_SUPPORT: dict = {}
+_TE_PRESENT: list = []
+
+
+def _cudnn_sdpa_usable(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    usable = _DEVICE_SUPPORT.get(index)
+    if usable is None:
+        usable = (
+            internals.cudnn_attention_forward is not None
+            and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(index) >= (8, 0)
+        )
+        _DEVICE_SUPPORT[index] = usable
+    # Whether cuDNN SDPA is enabled can change at run time (torch.backends.cuda settings).
+    return usable and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def _te_present() -> bool:
+    if not _TE_PRESENT:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+
+            _TE_PRESENT.append(True)
+        except Exception:  # noqa: BLE001 (any import failure: not usable)
+            _TE_PRESENT.append(False)
+    return _TE_PRESENT[0]
+
+
+def backend_for(device: torch.device, dtype: torch.dtype, mode: str = "auto") -> Optional[str]:
+    """The MHA form's backend for tensors on ``device`` in ``dtype``, or None (absorbed form).
+
+    The rule: on CUDA in bf16/fp16, :data:`BACKEND` if it names one that runs there, else torch's
+    cuDNN entry where usable, else Transformer Engine where installed; anywhere else none,
+    except in ``force`` mode, which takes the plain-torch backend.
+
+    Args:
+        device: the step's device.
+        dtype: the step's activation dtype.
+        mode: the MHA form's mode (:data:`MODE`).
+
+    Returns:
+        Optional[str]: one of :data:`~megatron_ext.fusions.mla_latent.mha_form.BACKENDS`.
+    """
+    fused_ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    available = {
+        "cudnn": fused_ok and _cudnn_sdpa_usable(device),
+        "te": fused_ok and _te_present(),
+        "torch": True,
+        "torch-bottom-right": True,
+    }
+    if BACKEND in BACKENDS:
+        return BACKEND if available[BACKEND] else None
+    for backend in ("cudnn", "te"):
+        if available[backend]:
+            return backend
+    return "torch" if mode == "force" else None
+
+
+def graphed_step(context: Any) -> bool:
+    """Whether this step runs from (or is being captured into) a CUDA graph: the one place that
+    keeps the MHA form, which reads lengths on the host, out of graphs."""
+    using = getattr(context, "using_cuda_graph_this_step", None)
+    if callable(using) and using():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_LENGTHS_LOCK = threading.Lock()
+_LENGTHS_CACHE: list = []  # [(key, weak references to the buffers, (query, kv) lengths)]
+
+
+def step_lengths(context: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """The step's new tokens and cached rows (new ones included) per active request, on the
+    host, in the order of the attention metadata.
+
+    Args:
+        context: a ``DynamicInferenceContext`` whose attention state is initialised.
+
+    Returns:
+        Tuple[np.ndarray, np.ndarray]: int64 query and KV lengths.
+    """
+    paused, total = int(context.paused_request_count), int(context.total_request_count)
+    query_buffer = context.request_query_lengths
+    offset_buffer = context.request_kv_length_offsets
+    # Each step's attention metadata is a new dict on both releases: held (so its id is not
+    # reused) and compared by identity, beside the buffers' write counters.
+    metadata = getattr(context, "active_attn_metadata", None) or {}
+    state = getattr(metadata.get("mha_metadata"), "state_data", None)
+    key = (
+        state,
+        id(query_buffer),
+        internals.tensor_version(query_buffer),
+        id(offset_buffer),
+        internals.tensor_version(offset_buffer),
+        paused,
+        total,
+    )
+    with _LENGTHS_LOCK:
+        if _LENGTHS_CACHE:
+            cached_key, refs, lengths = _LENGTHS_CACHE[0]
+            same = cached_key[0] is key[0] and cached_key[1:] == key[1:]
+            if same and refs[0]() is query_buffer and refs[1]() is offset_buffer:
+                return lengths
+    query = query_buffer[paused:total]
+    rows = offset_buffer[paused:total] + query
+    # On 0.19 these are host tensors; on 0.16 this is the step's one device-to-host read.
+    lengths = (
+        query.to("cpu").numpy().astype(np.int64),
+        rows.to("cpu").numpy().astype(np.int64),
+    )
+    with _LENGTHS_LOCK:
+        _LENGTHS_CACHE[:] = [
+            (key, (weakref.ref(query_buffer), weakref.ref(offset_buffer)), lengths)
+        ]
+    return lengths
+
+
+def mha_form_core(
+    module: Any,
+    context: Any,
+    q: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+) -> Optional[Tensor]:
+    """The step's core attention output with its prefill requests in the MHA form, or None
+    where the whole step should run in the absorbed form (see the module docstring).
+
+    Args:
+        module: the MLA self-attention module (its config, heads, ``linear_kv_up_proj``).
+        context: the dynamic inference context.
+        q: [tokens, heads, qk + rope], the rotated, un-absorbed query.
+        kv_cache, block_table: the layer's paged latent cache (this step's rows appended) and
+            the step's block table.
+        cu_query_lengths, kv_lengths: the step's device metadata (for the absorbed part).
+
+    Returns:
+        Optional[Tensor]: [tokens, 1, heads * v_head_dim], or None.
+    """
+    if MODE not in ("auto", "force") or context.is_decode_only() or graphed_step(context):
+        return None
+    backend = backend_for(q.device, q.dtype, MODE)
+    if backend is None:
+        return None
+    config = module.config
+    heads = module.num_attention_heads_per_partition
+    qk_dim, rope_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
+    v_dim, latent_dim = config.v_head_dim, config.kv_lora_rank
+    query_lengths, rows = step_lengths(context)
+    widths = (latent_dim, rope_dim, qk_dim, v_dim)
+    split = (
+        0
+        if MODE == "force"
+        else absorbed_request_count(query_lengths, rows, heads, widths, COST_MODEL)
+    )
+    if split == len(query_lengths):
+        return None
+    n = q.shape[0]
+    weight = module.linear_kv_up_proj.weight
+    core = q.new_zeros(n, heads, v_dim)
+    absorbed_tokens = int(query_lengths[:split].sum())
+    if split:
+        kv_up = weight.view(heads, qk_dim + v_dim, latent_dim)
+        q_head = q[:absorbed_tokens]
+        q_absorbed = torch.einsum("thd,hdc->thc", q_head[..., :qk_dim], kv_up[:, :qk_dim])
+        attended = mla_paged_latent_attention(
+            torch.cat([q_absorbed, q_head[..., qk_dim:]], dim=-1),
+            kv_cache,
+            block_table[:split],
+            cu_query_lengths[: split + 1],
+            kv_lengths[:split],
+            module.softmax_scale,
+            rope_dim=rope_dim,
+            max_query_len=max(1, int(query_lengths[:split].max())),
+        )
+        core[:absorbed_tokens] = torch.einsum("thc,hvc->thv", attended, kv_up[:, qk_dim:])
+    core[absorbed_tokens:] = mla_paged_mha_attention(
+        q[absorbed_tokens:],
+        kv_cache,
+        block_table[split:],
+        weight,
+        module.softmax_scale,
+        query_lengths=query_lengths[split:],
+        kv_lengths=rows[split:],
+        rope_dim=rope_dim,
+        backend=backend,
+    )
+    return core.view(n, 1, heads * v_dim)

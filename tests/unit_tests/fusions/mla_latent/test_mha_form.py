@@ -1,0 +1,366 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of MLA attention over the paged latent cache in the MHA form
+(megatron_ext.fusions.mla_latent.mha_form).
+
+On CPU the plain-torch backends (``torch``: top-left causal and a separate prefix call merged by
+log-sum-exp, as the cuDNN backend runs; ``torch-bottom-right``: one call per context, as Transformer
+Engine's) run against a float64 reference that decompresses each request's rows page by page,
+and against the absorbed Triton kernel (interpreter) on the same inputs. Tests marked ``gpu``
+run the cuDNN and Transformer Engine backends in bf16.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext import internals
+from megatron_ext.fusions.mla_latent import mha_form, mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent.mha_form import bucket, mla_paged_mha_attention
+from tests.unit_tests.fusions.mla_latent_cache_testlib import build_step
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
+SCALE = (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192)
+CPU_BACKENDS = ("torch", "torch-bottom-right")
+
+# (cached tokens, new tokens) per request.
+PREFILL = [(0, 37), (0, 1), (0, 16)]
+CHUNKED = [(21, 11), (32, 5), (3, 30)]
+MIXED = [(40, 1), (0, 19), (17, 9), (0, 1), (63, 1), (5, 3)]
+
+
+def mha_step(requests, heads, *, qk_dim=32, v_dim=32, seed=0, dtype=torch.float32, **sizes):
+    """A paged step (build_step's cache and table), an MHA-form query, the up-projection
+    weight and the host lengths."""
+    step = build_step(requests, heads=heads, seed=seed, device=DEVICE, **sizes)
+    gen = torch.Generator().manual_seed(seed + 100)
+    tokens = step.query.shape[0]
+    query = torch.randn(tokens, heads, qk_dim + step.rope_dim, generator=gen)
+    # Scaled so that logits are O(1)-O(10), as a trained model's.
+    weight = torch.randn(heads * (qk_dim + v_dim), step.latent_dim, generator=gen)
+    weight /= math.sqrt(step.latent_dim)
+    cache = step.kv_cache
+    if dtype != cache.dtype:
+        cache = cache.to(dtype)
+    lengths = dict(
+        query_lengths=[new for _, new in requests],
+        kv_lengths=[cached + new for cached, new in requests],
+    )
+    return step, query.to(DEVICE, dtype), cache, weight.to(DEVICE, dtype), lengths
+
+
+def deepseek_step(requests, heads, dtype=torch.float32):
+    """:func:`mha_step` at DeepSeek-V3's widths (latent 512, RoPE 64, qk 128, v 128), blocks of
+    64 rows."""
+    sizes = dict(qk_dim=128, v_dim=128, latent_dim=512, rope_dim=64, block_size=64)
+    return mha_step(requests, heads, seed=heads, dtype=dtype, **sizes)
+
+
+def reference(step, query, cache, weight, lengths, softmax_scale=SCALE):
+    """float64: each request's rows gathered page by page, decompressed per head, attended
+    bottom-right causally."""
+    tokens, heads, width = query.shape
+    rope = step.rope_dim
+    qk_dim = width - rope
+    latent = cache.shape[-1] - rope
+    w = weight.double().view(heads, -1, latent)
+    v_dim = w.shape[1] - qk_dim
+    block_size = cache.shape[1]
+    out = torch.zeros(tokens, heads, v_dim, dtype=torch.float64, device=query.device)
+    start = 0
+    for r, (q_len, kv_len) in enumerate(zip(lengths["query_lengths"], lengths["kv_lengths"])):
+        keys = torch.arange(kv_len, device=query.device)
+        rows = cache[step.block_table[r, keys // block_size].long(), keys % block_size].double()
+        k = torch.cat(
+            [
+                torch.einsum("nc,hdc->nhd", rows[:, :latent], w[:, :qk_dim]),
+                rows[:, None, latent:].expand(-1, heads, rope),
+            ],
+            -1,
+        )
+        v = torch.einsum("nc,hdc->nhd", rows[:, :latent], w[:, qk_dim:])
+        q = query[start : start + q_len].double()
+        scores = torch.einsum("qhd,nhd->hqn", q, k) * softmax_scale
+        positions = kv_len - q_len + torch.arange(q_len, device=query.device)
+        scores = scores.masked_fill(keys[None, None, :] > positions[None, :, None], -math.inf)
+        out[start : start + q_len] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+        start += q_len
+    return out
+
+
+def absorbed(step, query, cache, weight, softmax_scale=SCALE):
+    """The same attention through the absorbed kernel: W_UK into the query, W_UV after."""
+    tokens, heads, width = query.shape
+    rope = step.rope_dim
+    qk_dim = width - rope
+    latent = cache.shape[-1] - rope
+    w = weight.view(heads, -1, latent)
+    q_absorbed = torch.einsum("thd,hdc->thc", query[..., :qk_dim], w[:, :qk_dim])
+    attended = mla_paged_latent_attention(
+        torch.cat([q_absorbed, query[..., qk_dim:]], -1).contiguous(),
+        cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        softmax_scale,
+        rope_dim=rope,
+    )
+    return torch.einsum("thc,hvc->thv", attended, w[:, qk_dim:])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
+@pytest.mark.parametrize("heads", [3, 16])
+def test_steps_match_float64_and_the_absorbed_kernel(backend, requests, heads):
+    step, query, cache, weight, lengths = mha_step(requests, heads, seed=heads)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, backend=backend, **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got, absorbed(step, query, cache, weight), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_deepseek_v3_widths_match_float64_and_the_absorbed_kernel(heads):
+    """kv_lora_rank 512, qk 128, rope 64, v 128; a chunk behind a cached prefix, a fresh prefill
+    and a decode, block size 64."""
+    step, query, cache, weight, lengths = deepseek_step([(70, 3), (0, 4), (9, 1)], heads)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=64, **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    # bf16's bound between the two forms: both round their inputs; here both compute in fp32.
+    torch.testing.assert_close(got, absorbed(step, query, cache, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_is_within_its_bound_of_float64():
+    step, query, cache, weight, lengths = mha_step(CHUNKED, 4, seed=9, dtype=torch.bfloat16)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    # Inputs in bf16 (8 bits), keys and values decompressed to bf16: a few 2^-8 of |out| <= ~3.
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
+
+
+def test_padding_tokens_get_zeros_and_extra_table_rows_are_ignored():
+    step, query, cache, weight, lengths = mha_step(
+        MIXED, 2, seed=4, padding_requests=2, padding_tokens=5
+    )
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
+    )
+    assert torch.equal(got[-5:], torch.zeros_like(got[-5:]))
+    torch.testing.assert_close(
+        got.double(), reference(step, query, cache, weight, lengths), rtol=1e-5, atol=2e-5
+    )
+
+
+def test_no_tokens_gives_zeros():
+    step, query, cache, weight, lengths = mha_step([(4, 0)], 2, seed=5, padding_tokens=3)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
+    )
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_bucket_rounds_up_by_at_most_a_quarter():
+    for value in list(range(0, 300)) + [1000, 4097, 32768 + 1, 10**6]:
+        b = bucket(value)
+        assert b >= max(value, 16) and b <= max(16, value * 1.25 + 1), (value, b)
+        assert b == bucket(b)
+    assert len({bucket(v) for v in range(16, 4097)}) <= 4 * 8 + 1
+
+
+def test_top_left_and_bottom_right_torch_backends_differ_where_they_should():
+    """The split backend's top-left mask on a chunk behind a prefix, without the prefix call,
+    would be wrong: check that the merge is what makes them agree."""
+    step, query, cache, weight, lengths = mha_step(CHUNKED, 2, seed=6)
+    q_lens = np.array(lengths["query_lengths"])
+    kv_lens = np.array(lengths["kv_lengths"])
+    k, v = torch.randn(int(kv_lens.sum()), 2, 48), torch.randn(int(kv_lens.sum()), 2, 32)
+    q = torch.randn(int(q_lens.sum()), 2, 48)
+    top_left, _ = mha_form.varlen_attention(
+        "torch", q, k, v, (q_lens, kv_lens), "top_left", 0.3, False
+    )
+    bottom_right, _ = mha_form.varlen_attention(
+        "torch", q, k, v, (q_lens, kv_lens), "bottom_right", 0.3, False
+    )
+    assert not torch.allclose(top_left, bottom_right)
+
+
+@pytest.mark.parametrize("stats_layout", ["THk", "HT"])
+@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
+def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout):
+    """The cuDNN backend's packing, bucketing, stats layouts and merge, with a stand-in for
+    torch's operator (its contract: top-left causal, rows past the cumulative lengths ignored;
+    an adversarial NaN for queries of sequences without keys)."""
+    seen = []
+
+    def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, want_lse, dropout, causal, debug, scale):
+        q_lens, k_lens = np.diff(cu_q.cpu().numpy()), np.diff(cu_k.cpu().numpy())
+        seen.append((q.shape[0], k.shape[0], len(q_lens), max_q, max_k))
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and bias is None and dropout == 0.0
+        assert max_q >= q_lens.max() and max_k >= k_lens.max()
+        causal = "top_left" if causal else None
+        out, lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
+        no_keys = torch.from_numpy(np.repeat(k_lens == 0, q_lens))
+        out[: len(no_keys)][no_keys] = float("nan")
+        lse = lse.unsqueeze(-1) if stats_layout == "THk" else lse.t().contiguous()
+        return out, lse
+
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", stand_in)
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=7)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="cudnn", **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    # Every shape handed to the operator is a bucket.
+    for tokens, rows, entries, max_q, max_k in seen:
+        assert tokens == bucket(tokens) and rows == bucket(rows), seen
+        assert entries - 1 in (1, bucket(entries - 1, minimum=1)), seen
+        assert max_q == bucket(max_q, minimum=1) and max_k == bucket(max_k, minimum=1), seen
+    has_prefix = any(cached for cached, _ in requests)
+    assert len(seen) == 1 + has_prefix
+
+
+def _bad_inputs():
+    step, query, cache, weight, lengths = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    good = dict(
+        query=query,
+        kv_cache=cache,
+        block_table=step.block_table,
+        kv_up_weight=weight,
+        softmax_scale=SCALE,
+        rope_dim=16,
+        **lengths,
+    )
+    table = step.block_table
+    # The arguments the absorbed kernel shares: its messages.
+    yield "query list", dict(good, query=query.tolist()), TypeError, "query must be a torch.Tensor"
+    yield "int query", dict(good, query=query.long()), TypeError, "query must have dtype"
+    yield "4-d query", dict(good, query=query.unsqueeze(1)), ValueError, "query must be"
+    yield "rope_dim not a power of two", dict(good, rope_dim=12), ValueError, "rope_dim must be"
+    yield "latent width not a power of two", dict(
+        good, kv_cache=torch.zeros(4, 16, 40, device=DEVICE)
+    ), ValueError, "latent width"
+    yield "cache dtype", dict(good, kv_cache=cache.half()), TypeError, "kv_cache is torch.float16"
+    yield "2-d cache", dict(good, kv_cache=cache[0]), ValueError, "kv_cache must be"
+    huge_blocks = cache[:1, :1].expand(1, 2**24 + 1, cache.shape[2])
+    yield "block size", dict(good, kv_cache=huge_blocks), ValueError, "block size 16777217"
+    yield "float table", dict(good, block_table=table.float()), TypeError, "block_table must"
+    yield "1-d table", dict(good, block_table=table[0]), ValueError, "block_table must be"
+    yield "tensor scale", dict(good, softmax_scale=torch.tensor(0.1)), TypeError, "softmax_scale"
+    yield "negative scale", dict(good, softmax_scale=-1.0), ValueError, "softmax_scale must be"
+    yield "nan scale", dict(good, softmax_scale=float("nan")), ValueError, "softmax_scale must be"
+    yield "scale below float32", dict(good, softmax_scale=1e-300), ValueError, "normal range"
+    yield "table on the meta device", dict(
+        good, block_table=table.to("meta")
+    ), ValueError, "block_table is on meta"
+    # The MHA form's own arguments.
+    yield "weight dtype", dict(good, kv_up_weight=weight.double()), TypeError, "kv_up_weight"
+    yield "weight width", dict(good, kv_up_weight=weight[:, :16]), ValueError, "kv_up_weight"
+    yield "weight rows", dict(good, kv_up_weight=weight[:-1]), ValueError, "kv_up_weight"
+    yield "no value rows", dict(good, kv_up_weight=weight[:64]), ValueError, "none left"
+    yield "backend", dict(good, backend="flash"), ValueError, "backend must be"
+    yield "float lengths", dict(good, query_lengths=[2.0, 3.0]), TypeError, "query_lengths"
+    yield "negative length", dict(good, kv_lengths=[7, -3]), ValueError, "kv_lengths must be"
+    yield "length count", dict(good, kv_lengths=[7]), ValueError, "same requests"
+    yield "more new than cached", dict(good, kv_lengths=[7, 2]), ValueError, "count its new"
+    yield "too many tokens", dict(
+        good, query_lengths=[2, 30], kv_lengths=[7, 30]
+    ), ValueError, "over the"
+    yield "over the table", dict(good, kv_lengths=[7, 300]), ValueError, "capacity"
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
+def test_bad_input_is_refused_before_any_work(case, monkeypatch):
+    _, kwargs, error, match = case
+    calls = []
+    monkeypatch.setattr(mha_form, "decompressed_keys_values", lambda *a, **k: calls.append(1))
+    with pytest.raises(error, match=match):
+        mla_paged_mha_attention(**kwargs)
+    assert calls == []
+
+
+def _error(call) -> tuple:
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    return type(info.value), str(info.value)
+
+
+def test_shared_arguments_are_refused_with_the_absorbed_kernels_messages():
+    """Each shared argument's bad value raises the same type and message in both forms."""
+    step, query, cache, weight, lengths = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    absorbed_query = torch.zeros(5, 2, 48, device=DEVICE)
+    for name, value in (
+        ("kv_cache", cache.half()),
+        ("kv_cache", cache[0]),
+        ("block_table", step.block_table.float()),
+        ("softmax_scale", -1.0),
+        ("softmax_scale", 1e-300),
+    ):
+        shared = dict(kv_cache=cache, block_table=step.block_table, softmax_scale=SCALE)
+        shared[name] = value
+        absorbed_error = _error(
+            lambda shared=shared: mla_paged_latent_attention(
+                absorbed_query,
+                cu_query_lengths=step.cu_query_lengths,
+                kv_lengths=step.kv_lengths,
+                rope_dim=16,
+                **shared,
+            )
+        )
+        mha_error = _error(
+            lambda shared=shared: mla_paged_mha_attention(
+                query, kv_up_weight=weight, rope_dim=16, **shared, **lengths
+            )
+        )
+        assert absorbed_error == mha_error, name
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _gpu_backends():
+    backends = []
+    if internals.cudnn_attention_forward is not None:
+        backends.append("cudnn")
+    try:
+        import transformer_engine  # noqa: F401
+
+        backends.append("te")
+    except ImportError:
+        pass
+    return backends
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "te"])
+@pytest.mark.parametrize(
+    "requests",
+    [PREFILL, CHUNKED, MIXED, [(3072, 1024)], [(0, 1536), (0, 1536)]],
+    ids=["prefill", "chunked", "mixed", "chunk_behind_3k", "prefill_2x1536"],
+)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
+    if backend not in _gpu_backends():
+        pytest.skip(f"the {backend} backend is not available here")
+    step, query, cache, weight, lengths = deepseek_step(requests, heads, torch.bfloat16)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=64, backend=backend, **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
+    # And the plain-torch backend of the same semantics, on the same bf16 inputs.
+    plain = "torch" if backend == "cudnn" else "torch-bottom-right"
+    same = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=64, backend=plain, **lengths
+    )
+    torch.testing.assert_close(got.float(), same.float(), rtol=0, atol=2**-5)

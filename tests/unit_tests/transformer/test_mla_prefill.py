@@ -1,0 +1,315 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The MHA form of the dynamic MLA path's prefill requests (megatron_ext.transformer.mla_prefill).
+
+On CPU the form is forced (``MODE = "force"``, the plain-torch backend with cuDNN's semantics):
+the engine's generation with prefills, chunked prefills behind cached prefixes, mixed
+decode + chunk steps, pauses and evictions matches a float64 teacher-forced forward, one step
+matches the absorbed form, and the absorbed + MHA split of a mixed step matches too. The rules
+that keep the form out (mode, backend, CUDA graphs, decode-only steps) and the cost model are
+checked directly. Tests marked ``gpu`` run the default (cuDNN) backend in bf16 and megatron-core's
+CUDA graphs around it.
+"""
+
+from typing import Any, List
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.fusions.mla_latent import mha_form
+from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
+from megatron_ext.testing import small_mla_gpt
+from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine
+from megatron_ext.testing.synthetic import run_engine
+from megatron_ext.transformer import mla_dynamic_inference, mla_prefill
+from megatron_ext.transformer.multi_latent_attention import ExtMLASelfAttention
+from tests.unit_tests.transformer import test_mla_dynamic_inference as dynamic
+from tests.unit_tests.transformer.test_mla_dynamic_inference import (
+    DEEPSEEK_LIKE,
+    DEVICE,
+    PAUSING_CACHE,
+    PAUSING_LENGTHS,
+    TINY,
+    _context_step,
+    build_model,
+    generate_and_check,
+    requests_for,
+)
+
+# megatron-core's inference stack, the flags undone afterwards (the dynamic path's fixture).
+stack = dynamic.stack
+DEEPSEEK_WIDTHS = (512, 64, 128, 128)
+
+
+@pytest.fixture
+def mha_calls(monkeypatch) -> List[int]:
+    """Record the MHA form's calls (their token counts)."""
+    calls: List[int] = []
+    original = mla_prefill.mla_paged_mha_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(int(np.sum(kwargs["query_lengths"])))
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(mla_prefill, "mla_paged_mha_attention", spy)
+    return calls
+
+
+def _hidden(context: Any, seed: int) -> torch.Tensor:
+    n = int(context.padded_active_token_count)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, TINY["hidden_size"], generator=generator).to(DEVICE)
+
+
+def _attention(model: Any) -> Any:
+    return next(m for m in model.modules() if isinstance(m, ExtMLASelfAttention))
+
+
+# ------------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-bottom-right"])
+def test_forced_mha_form_generation_matches_float64(stack, monkeypatch, mha_calls, backend):
+    """Chunked prompts (one over the step budget), pauses, evictions, mixed decode + prefill
+    steps, every prefill step's requests in the MHA form."""
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    monkeypatch.setattr(mla_prefill, "BACKEND", backend)
+    model = build_model(TINY)
+    requests = requests_for(PAUSING_LENGTHS, 24, TINY["vocab_size"])
+    seen = generate_and_check(model, TINY, requests, 2**-14, **PAUSING_CACHE)
+    assert seen["stats"]["evicted"] > 0 and seen["kinds"] == {True, False}
+    # Every prompt token went through the MHA form (recomputed ones after eviction too).
+    assert sum(mha_calls) >= sum(PAUSING_LENGTHS) * TINY["num_layers"]
+
+
+def test_the_default_mode_is_off():
+    """Off until the GPU backends and the cost model's rates are measured."""
+    import os
+
+    if "MEGATRON_EXT_MLA_MHA_FORM" in os.environ:
+        pytest.skip("MEGATRON_EXT_MLA_MHA_FORM is set in this environment")
+    assert mla_prefill.MODE == "off"
+
+
+def test_auto_mode_on_cpu_stays_absorbed(stack, mha_calls, monkeypatch):
+    monkeypatch.setattr(mla_prefill, "MODE", "auto")
+    assert mla_prefill.backend_for(torch.device("cpu"), torch.float32) is None
+    model = build_model(TINY)
+    requests = requests_for([70, 12], 4, TINY["vocab_size"])
+    generate_and_check(model, TINY, requests, 2**-14, block_size_tokens=16, kv_blocks=32)
+    assert mha_calls == []
+
+
+# ------------------------------------------------------------------------------- one step
+
+
+def _absorbed_and_mha(model: Any, context: Any, monkeypatch, seed: int = 0):
+    module = _attention(model)
+    hidden = _hidden(context, seed)
+    with torch.no_grad():
+        monkeypatch.setattr(mla_prefill, "MODE", "off")
+        absorbed, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        monkeypatch.setattr(mla_prefill, "MODE", "force")
+        mha, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    active = context.active_token_count
+    return absorbed, mha, active
+
+
+def test_prefill_step_equals_the_absorbed_form(stack, monkeypatch, mha_calls):
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    absorbed, mha, active = _absorbed_and_mha(model, context, monkeypatch)
+    assert mha_calls == [29]
+    scale = float(absorbed[:active].abs().max())
+    assert scale > 0
+    assert float((mha - absorbed).abs().max()) <= 2**-18 * scale
+
+
+def test_split_step_runs_the_leading_requests_absorbed(stack, monkeypatch, mha_calls):
+    """The cost model's split point: the first request absorbed, the others in the MHA form,
+    the same output as the whole step absorbed."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module, hidden = _attention(model), _hidden(context, 2)
+    absorbed_calls = []
+    original = mla_prefill.mla_paged_latent_attention
+
+    def absorbed_spy(query, *args, **kwargs):
+        absorbed_calls.append(query.shape[0])
+        return original(query, *args, **kwargs)
+
+    monkeypatch.setattr(mla_prefill, "mla_paged_latent_attention", absorbed_spy)
+    with torch.no_grad():
+        monkeypatch.setattr(mla_prefill, "MODE", "off")
+        expected, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        monkeypatch.setattr(mla_prefill, "MODE", "auto")
+        monkeypatch.setattr(mla_prefill, "BACKEND", "torch")
+        monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args, **kwargs: 1)
+        got, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    assert absorbed_calls == [7] and mha_calls == [22]
+    active = context.active_token_count
+    scale = float(expected[:active].abs().max())
+    assert float((got - expected).abs().max()) <= 2**-18 * scale
+
+
+def test_graphed_and_decode_only_steps_and_off_mode_stay_absorbed(stack, monkeypatch, mha_calls):
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19])
+    module, hidden = _attention(model), _hidden(context, 3)
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    with torch.no_grad():
+        monkeypatch.setattr(context, "using_cuda_graph_this_step", lambda: True)
+        mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        monkeypatch.setattr(context, "using_cuda_graph_this_step", lambda: False)
+        monkeypatch.setattr(context, "is_decode_only", lambda: True)
+        mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        monkeypatch.setattr(context, "is_decode_only", lambda: False)
+        monkeypatch.setattr(mla_prefill, "MODE", "off")
+        mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        assert mha_calls == []
+        monkeypatch.setattr(mla_prefill, "MODE", "force")
+        mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    assert mha_calls == [26]
+
+
+def test_step_lengths_are_read_once_per_step_and_follow_the_step(stack):
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    first = mla_prefill.step_lengths(context)
+    assert first[0].tolist() == [7, 19, 3] and first[1].tolist() == [7, 19, 3]
+    assert mla_prefill.step_lengths(context) is first  # same step: the cached copy
+    # An in-place write (a new step's bookkeeping) makes it read again.
+    context.request_query_lengths[0] += 0
+    again = mla_prefill.step_lengths(context)
+    assert again is not first and again[0].tolist() == [7, 19, 3]
+
+
+# ------------------------------------------------------------------------------- rules
+
+
+def test_cost_model_split_points_at_deepseek_widths():
+    def split(q, kv, heads=128):
+        return mla_prefill.absorbed_request_count(np.array(q), np.array(kv), heads, DEEPSEEK_WIDTHS)
+
+    # Decode-only: absorbed; prefills: MHA.
+    assert split([1] * 8, [4096] * 8) == 8
+    assert split([4096], [4096]) == 0
+    assert split([1536, 1536], [1536, 1536]) == 0
+    # A long chunk behind a long prefix: MHA; a short one: absorbed (with the default rates the
+    # crossover is ~38 new tokens per request behind a long prefix).
+    assert split([1024], [1024 + 32768]) == 0
+    assert split([64], [64 + 32768]) == 0
+    assert split([16], [16 + 32768]) == 1
+    # Mixed: 8 decodes (first, as megatron-core orders them) absorbed, the chunk in MHA.
+    assert split([1] * 8 + [512], [2048] * 8 + [512 + 3072]) == 8
+    # A tiny step: the MHA form's fixed cost keeps it absorbed.
+    assert split([9, 30, 17], [9, 30, 17], heads=4) == 3
+
+
+def test_backend_rule(monkeypatch):
+    cpu = torch.device("cpu")
+    assert mla_prefill.backend_for(cpu, torch.float32) is None
+    assert mla_prefill.backend_for(cpu, torch.bfloat16) is None
+    assert mla_prefill.backend_for(cpu, torch.float32, "force") == "torch"
+    monkeypatch.setattr(mla_prefill, "BACKEND", "cudnn")
+    assert mla_prefill.backend_for(cpu, torch.bfloat16, "force") is None
+    monkeypatch.setattr(mla_prefill, "BACKEND", "torch-bottom-right")
+    assert mla_prefill.backend_for(cpu, torch.float32) == "torch-bottom-right"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
+    monkeypatch.setattr(mla_prefill, "_cudnn_sdpa_usable", lambda device: True)
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn"
+    assert mla_prefill.backend_for(cuda, torch.float16) == "cudnn"
+    assert mla_prefill.backend_for(cuda, torch.float32) is None
+    monkeypatch.setattr(mla_prefill, "_cudnn_sdpa_usable", lambda device: False)
+    monkeypatch.setattr(mla_prefill, "_te_present", lambda: True)
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "te"
+    monkeypatch.setattr(mla_prefill, "_te_present", lambda: False)
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
+
+
+def test_capturing_stream_counts_as_graphed(monkeypatch):
+    class Context:
+        def using_cuda_graph_this_step(self):
+            return False
+
+    assert not mla_prefill.graphed_step(Context())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert mla_prefill.graphed_step(Context())
+
+
+def test_backends_listed():
+    assert set(mha_form.BACKENDS) == {"cudnn", "te", "torch", "torch-bottom-right"}
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_auto_mha_form_generation_matches_float64_in_bf16(stack, monkeypatch, mha_calls):
+    """The auto mode on an H200 (cuDNN backend, cost model without its fixed cost, which keeps
+    4-head steps absorbed): DeepSeek-like widths, prompts chunked over a 256-token step budget,
+    the static bf16 bound."""
+    monkeypatch.setattr(mla_prefill, "MODE", "auto")
+    monkeypatch.setattr(mla_prefill, "COST_MODEL", mla_prefill.CostModel(mha_fixed_seconds=0.0))
+    model = build_model(dict(DEEPSEEK_LIKE, max_sequence_length=1200), torch.bfloat16)
+    requests = requests_for([900, 300, 40], 8, DEEPSEEK_LIKE["vocab_size"])
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=256,
+        max_sequence_length=1200,
+        block_size_tokens=64,
+        kv_blocks=64,
+    )
+    outputs, _ = run_engine(engine, requests)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    from megatron_ext.testing.mla_dynamic_engine import teacher_forced_errors
+
+    reference = small_mla_gpt.float64_copy(
+        model, device=DEVICE, **dict(DEEPSEEK_LIKE, max_sequence_length=1200)
+    )
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
+    assert mha_calls, "the MHA form never ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not UPSTREAM_HAS_ACTIVE_SLICES, reason="0.16 reads the lengths from the GPU")
+def test_gpu_mha_form_prefill_step_has_no_host_sync(stack, monkeypatch, mha_calls):
+    """0.19 keeps the request bookkeeping on the host: the MHA form reads no device memory."""
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context = _context_step(model, [9, 30, 17])
+    module = _attention(model)
+    hidden = torch.randn(
+        int(context.padded_active_token_count),
+        1,
+        DEEPSEEK_LIKE["hidden_size"],
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
+    with torch.no_grad():
+        module(hidden, None, inference_context=context)  # plans outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            module(hidden, None, inference_context=context)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(mha_calls) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_cuda_graphs_and_the_mha_form_generates_as_eager(stack, monkeypatch):
+    """megatron-core's CUDA graphs (decode and small mixed steps graphed) with the MHA form
+    forced in the eager steps: the same greedy tokens as the eager engine without the MHA form."""
+
+    def mode(impl):
+        monkeypatch.setattr(mla_prefill, "MODE", "off" if impl == "none" else "force")
+
+    runs = dynamic.eager_and_graphed_runs(stack, mode)
+    for request_id, eager in runs["none"].items():
+        assert runs["local"][request_id]["generated_tokens"] == eager["generated_tokens"]
