@@ -198,6 +198,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="16 heads only")
     parser.add_argument("--out", default="mla_mha_prefill.json")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--budget", type=float, default=220, help="seconds of probing before the rest is skipped"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to probe")
@@ -208,7 +211,7 @@ def main() -> int:
     found = backends()
     print(f"torch {torch.version.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"{torch.cuda.get_device_name()}, backends {found}", flush=True)  # fmt: skip
-    deadline = time.perf_counter() + 220
+    deadline = time.perf_counter() + args.budget
     for heads in (16,) if args.quick else (16, 128):
         for name, requests in CASES:
             if time.perf_counter() > deadline:
