@@ -6,7 +6,8 @@
 #   bash scripts/run_gpu_suite.sh [--wheels DIR] [--site DIR] [--results DIR] [--generate-golden]
 #                                 [--skip-unit] [--skip-survey] [--skip-sanitizer]
 #                                 [--skip-functional] [--skip-bench] [--quick-bench]
-#                                 [--repeat-unit N] [--unit-paths "PATH..."] [--bench NAME]
+#                                 [--repeat-unit N] [--repeat-test NAME:N]
+#                                 [--unit-paths "PATH..."] [--bench NAME]
 #                                 [--megatron-lm DIR]
 #
 #   --wheels DIR       install the wheels in DIR (a megatron-core release, say) into a private
@@ -18,6 +19,8 @@
 #                      comparing with them
 #   --skip-survey      leave out the survey of megatron-core's kernels for launch-to-launch races
 #   --repeat-unit N    run the GPU unit tests N times in a row (a race shows as a flaky failure)
+#   --repeat-test NAME:N  run the test function NAME N times among the others (tests/conftest.py):
+#                      a rare race under the suite's load, shown gone
 #   --unit-paths P     run only these test paths (default: tests/unit_tests), e.g. while iterating
 #                      on one component: "tests/unit_tests/inference tests/unit_tests/testing"
 #   --bench NAME       rope, inference, mla-serving, mla-engine or all (default; all but
@@ -35,7 +38,7 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 wheels="" site="" results="$repo/results" golden="" quick="" megatron_lm=""
-repeat_unit=1 unit_paths="tests/unit_tests" bench="all"
+repeat_unit=1 repeat_test="" unit_paths="tests/unit_tests" bench="all"
 skip_unit="" skip_survey="" skip_san="" skip_func="" skip_bench=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -50,10 +53,11 @@ while [ $# -gt 0 ]; do
     --skip-bench) skip_bench=1 ;;
     --quick-bench) quick="--quick" ;;
     --repeat-unit) repeat_unit="$2"; shift ;;
+    --repeat-test) repeat_test="--repeat-test=$2"; shift ;;
     --unit-paths) unit_paths="$2"; shift ;;
     --bench) bench="$2"; shift ;;
     --megatron-lm) megatron_lm="$2"; shift ;;
-    -h|--help) sed -n '3,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '3,35p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -114,7 +118,7 @@ if [ -z "$skip_unit" ]; then
     [ "$repeat_unit" -gt 1 ] && tag=" (run $i of $repeat_unit)"
     # shellcheck disable=SC2086
     step "GPU unit tests$tag" "unit$i.log" \
-      python3 -m pytest $unit_paths -m gpu -q -rs -p no:cacheprovider $xdist \
+      python3 -m pytest $unit_paths -m gpu -q -rs -p no:cacheprovider $xdist $repeat_test \
         --junitxml="$results/unit$i.xml"
   done
 fi

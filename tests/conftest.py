@@ -1,6 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Test-wide set-up: the Triton interpreter on CPU-only machines, and the ``gpu`` marker."""
+"""Test-wide set-up: the Triton interpreter on CPU-only machines, the ``gpu`` marker, and
+``--repeat-test NAME:N`` (one test run N times among the others: how a rare race is shown gone)."""
 
 import os
 import sys
@@ -14,6 +15,29 @@ HAVE_CUDA = torch.cuda.is_available()
 # before megatron-core's or megatron_ext's kernel modules are imported by any test module.
 if not HAVE_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    """``--repeat-test NAME:N``: collect the test function NAME N times (ids ``[...-rep0]`` on)."""
+    parser.addoption(
+        "--repeat-test",
+        default=None,
+        metavar="NAME:N",
+        help="run the test function NAME N times, among the other tests collected",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize the test named by ``--repeat-test`` over its repetitions."""
+    option = metafunc.config.getoption("--repeat-test")
+    if not option:
+        return
+    name, _, count = option.rpartition(":")
+    if not name or not count.isdigit() or int(count) < 1:
+        raise pytest.UsageError(f"--repeat-test takes NAME:N with N >= 1; got {option!r}")
+    if metafunc.function.__name__ == name:
+        metafunc.fixturenames.append("repetition")
+        metafunc.parametrize("repetition", range(int(count)), ids=lambda i: f"rep{i}")
 
 
 def pytest_collection_modifyitems(config, items):
