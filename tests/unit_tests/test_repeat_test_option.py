@@ -1,6 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""``--repeat-test NAME:N`` (tests/conftest.py): the named test is collected N times, others once."""
+"""``--repeat-test NAME:N`` (tests/conftest.py): the named test is collected N times, the
+others once."""
 
 from types import SimpleNamespace
 
