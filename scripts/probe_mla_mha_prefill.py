@@ -2,7 +2,7 @@
 
 """Probe and time MLA prefill attention in the absorbed and the MHA form on one GPU.
 
-    python scripts/probe_mla_mha_prefill.py [--quick] [--out FILE.json]
+    python scripts/probe_mla_mha_prefill.py [--quick] [--out FILE.json] [--row-budget ROWS]
 
 For 16 and 128 heads at DeepSeek-V3's widths (latent 512, RoPE 64, qk 128, v 128), bf16, a paged
 latent cache of 64-row blocks in shuffled order, and the steps: prefill 2 x 1536, 4096 and 8192
@@ -11,7 +11,8 @@ each) + a 512-token chunk behind 3072 rows. Per step and form:
 
 * ``absorbed``: W_UK into the query, megatron_ext's paged latent attention, W_UV;
 * ``mha:<backend>``: :func:`~megatron_ext.fusions.mla_latent.mha_form.mla_paged_mha_attention`
-  (gather, decompression GEMM, keys, dense ragged attention) for each backend that runs here
+  (gather, decompression GEMM, keys, dense ragged attention, at most ``--row-budget`` rows at a
+  time) for each backend that runs here
   (``cudnn``: torch's ragged cuDNN entry; ``te``: Transformer Engine; ``torch``: plain torch,
   only where its score matrices fit);
 * ``split:<backend>`` for the mixed step: the cost model's split (decodes absorbed, the chunk in
@@ -31,7 +32,7 @@ import math
 import statistics
 import time
 import traceback
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -116,7 +117,9 @@ def absorbed_call(s: Dict, first: int = 0, last: int = None) -> Callable[[], tor
     return call
 
 
-def mha_call(s: Dict, backend: str, first: int = 0) -> Callable[[], torch.Tensor]:
+def mha_call(
+    s: Dict, backend: str, first: int = 0, row_budget: Optional[int] = None
+) -> Callable[[], torch.Tensor]:
     from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 
     t0 = int(s["q_lens"][:first].sum())
@@ -132,13 +135,16 @@ def mha_call(s: Dict, backend: str, first: int = 0) -> Callable[[], torch.Tensor
             kv_lengths=s["kv_lens"][first:],
             rope_dim=ROPE,
             backend=backend,
+            row_budget=row_budget,
         )
 
     return call
 
 
-def split_call(s: Dict, backend: str, split: int) -> Callable[[], torch.Tensor]:
-    head, tail = absorbed_call(s, 0, split), mha_call(s, backend, split)
+def split_call(
+    s: Dict, backend: str, split: int, row_budget: Optional[int] = None
+) -> Callable[[], torch.Tensor]:
+    head, tail = absorbed_call(s, 0, split), mha_call(s, backend, split, row_budget)
     return lambda: torch.cat([head(), tail()]) if split else tail()
 
 
@@ -201,6 +207,12 @@ def main() -> int:
     parser.add_argument(
         "--budget", type=float, default=220, help="seconds of probing before the rest is skipped"
     )
+    parser.add_argument(
+        "--row-budget",
+        type=int,
+        default=None,
+        help="rows the MHA form decompresses at once (default: mha_form.ROW_BUDGET)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to probe")
@@ -229,9 +241,11 @@ def main() -> int:
                 pairs = float((s["q_lens"] * s["kv_lens"]).sum())
                 if backend == "torch" and pairs * heads * 4 > 8 * 2**30:
                     continue  # its score matrices would not fit
-                forms.append((f"mha:{backend}", mha_call(s, backend), "mha", 0))
+                mha = mha_call(s, backend, row_budget=args.row_budget)
+                forms.append((f"mha:{backend}", mha, "mha", 0))
                 if 0 < split < len(requests):
-                    forms.append((f"split:{backend}", split_call(s, backend, split), "mha", split))
+                    tail = split_call(s, backend, split, args.row_budget)
+                    forms.append((f"split:{backend}", tail, "mha", split))
             for form, call, kind, form_split in forms:
                 row = dict(case=name, heads=heads, form=form, model_split=split)
                 try:

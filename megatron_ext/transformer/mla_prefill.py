@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from megatron_ext import internals
-from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent import mha_form, mla_paged_latent_attention
 from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_attention
 
 __all__ = [
@@ -72,7 +72,11 @@ class CostModel:
     absorbed form pays ``2 (c + r) + 2 c`` FLOPs per query-key pair (2176 at DeepSeek-V3's widths)
     and ``2 d c + 2 c v`` per query (W_UK into the query, W_UV after: 262144); the MHA form pays
     ``2 (d + r) + 2 v`` per pair (640) and ``2 c (d + v)`` per attended row (the decompression
-    GEMM: 262144), plus a fixed cost per layer (host planning, extra launches). A request with
+    GEMM: 262144), plus a fixed cost per layer (host planning, extra launches) and one per chunk
+    of attended rows past the first (the MHA form decompresses at most
+    :data:`~megatron_ext.fusions.mla_latent.mha_form.ROW_BUDGET` rows at a time; each chunk
+    adds a gather, a GEMM, up to three attention calls and their merges: counted as a fixed
+    time, since their work is what the FLOP terms already count). A request with
     ``q`` new tokens and ``L`` rows has ``q (L - q) + q (q + 1) / 2`` pairs, so with equal rates
     the MHA form wins once ``1536 * pairs > 262144 * (L - q)``: a chunk of more than ~171 tokens
     behind any prefix, any prefill. The rates weigh each kind of FLOP.
@@ -82,12 +86,14 @@ class CostModel:
         mha_flops: the dense backend's attention FLOP/s.
         gemm_flops: the decompression's and the absorption's GEMM FLOP/s.
         mha_fixed_seconds: the MHA form's fixed cost per layer.
+        mha_chunk_seconds: the MHA form's fixed cost per extra chunk of rows.
     """
 
     absorbed_flops: float = 170e12
     mha_flops: float = 500e12
     gemm_flops: float = 600e12
     mha_fixed_seconds: float = 40e-6
+    mha_chunk_seconds: float = 20e-6
 
 
 COST_MODEL = CostModel()
@@ -125,10 +131,13 @@ def absorbed_request_count(
         + rows * (2 * latent * (qk + v)) / model.gemm_flops
     )
     n = len(q)
-    # cost(s) = absorbed[:s].sum() + mha[s:].sum() + fixed if s < n
+    # cost(s) = absorbed[:s].sum() + mha[s:].sum() + fixed + per extra chunk, if s < n
     before = np.concatenate([[0.0], np.cumsum(absorbed)])
     after = np.concatenate([np.cumsum(mha[::-1])[::-1], [0.0]])
-    cost = before + after + np.where(np.arange(n + 1) < n, model.mha_fixed_seconds, 0.0)
+    mha_rows = np.concatenate([np.cumsum(np.where(q > 0, rows, 0.0)[::-1])[::-1], [0.0]])
+    chunks = np.maximum(np.ceil(mha_rows / mha_form.ROW_BUDGET), 1.0)
+    fixed = model.mha_fixed_seconds + (chunks - 1) * model.mha_chunk_seconds
+    cost = before + after + np.where(np.arange(n + 1) < n, fixed, 0.0)
     best = n
     for s in range(n - 1, -1, -1):
         if cost[s] < cost[best]:

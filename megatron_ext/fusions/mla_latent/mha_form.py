@@ -12,15 +12,20 @@ and value head size ``v``: ``2 * (qk + rope) + 2 * v`` FLOPs per pair (640). It 
 request has many new tokens per attended row (prefill, long chunks).
 
 Rows are read through the block table from host-known lengths, packed without padding between
-requests. Backends (:data:`BACKENDS`):
+requests, and decompressed at most ``row_budget`` (:data:`ROW_BUDGET`: 6144, about 0.5 GB of keys
+and values at 128 heads in bf16) at a time: the rows, request after request, are cut into chunks
+(a request's rows split where they do not fit), every query attends each chunk and the partial
+results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
 
 * ``cudnn``: torch's ragged cuDNN attention (:data:`megatron_ext.internals.cudnn_attention_forward`)
   whose causal mask is aligned top-left: a request's new tokens attend their own rows with the
   causal mask (square, so top-left is bottom-right) and its cached prefix in a second, unmasked
-  call; the two are merged by their log-sum-exps. Sizes are rounded up to buckets
+  call; the two are merged by their log-sum-exps (per chunk: the new rows' square diagonal
+  blocks masked, every other block unmasked). Sizes are rounded up to buckets
   (:func:`bucket`) because cuDNN builds one execution plan per shape.
 * ``te``: Transformer Engine's fused attention, packed (THD) with cumulative lengths and its
-  bottom-right causal mask, one call over each request's whole context.
+  bottom-right causal mask, one call over each request's whole context (it returns no
+  log-sum-exp to merge, so the row budget does not apply to it).
 * ``torch`` and ``torch-bottom-right``: plain torch, one request at a time, with the same
   semantics as ``cudnn`` and ``te`` respectively; any device and dtype (fp64 included). The
   reference and the tests' stand-ins for the two fused backends.
@@ -44,6 +49,7 @@ from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check
 
 __all__ = [
     "BACKENDS",
+    "ROW_BUDGET",
     "SPLIT_BACKENDS",
     "bucket",
     "check_mha_call",
@@ -376,14 +382,149 @@ def varlen_attention(
     return out, lse
 
 
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Softmax-weighted merge of two attentions of the same queries over disjoint keys."""
+def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Softmax-weighted merge of two attentions of the same queries over disjoint keys.
+
+    Args:
+        out_a, out_b: [tokens, heads, v] the two partial outputs.
+        lse_a, lse_b: [tokens, heads] their log-sum-exps (-inf where a query attended nothing).
+
+    Returns:
+        Tuple[Tensor, Tensor]: the merged output in ``out_a``'s dtype and its log-sum-exp.
+    """
     top = torch.maximum(lse_a, lse_b)
-    # lse_b is finite for every query (each attends at least to its own row); lse_a may be -inf.
-    w_a = torch.exp(lse_a - top)[..., None]
-    w_b = torch.exp(lse_b - top)[..., None]
-    merged = (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
-    return merged.to(out_b.dtype)
+    # Either side, or both, may be -inf (a query with no keys in a chunk, or none so far).
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = w_a + w_b
+    dtype = out_a.dtype
+    merged = out_a * w_a[..., None].to(dtype) + out_b.to(dtype) * w_b[..., None].to(dtype)
+    merged = torch.where(total[..., None] > 0, merged / total[..., None].to(dtype), 0.0)
+    return merged, top + torch.log(total)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunks of attended rows
+# --------------------------------------------------------------------------------------------------
+
+# Attended rows decompressed at once (before a fused backend's bucket padding). Per row and head
+# the keys are qk + rope = 192 and the values v = 128 elements: at 128 heads in bf16 that is
+# (192 + 128) * 2 * 128 = 80 KiB per row, so 6144 rows hold 480 MiB of keys and values (the
+# decompression GEMM's output, whose value half the values view, adds its 32 KiB per row of
+# non-rotated keys: 672 MiB in all). Unbounded, a 1024-token chunk behind 32768 cached rows
+# would hold 33792 rows, 3.7 GB. 6144 is a bucket, so the cuDNN plans stay few.
+ROW_BUDGET = 6144
+
+
+class _Call(NamedTuple):
+    """One attention call of a chunk: its mask, where its keys start in the chunk's packed
+    rows, and its sequences as (first token, tokens, keys)."""
+
+    causal: Optional[str]
+    section: int
+    offset: int
+    sequences: Tuple[Tuple[int, int, int], ...]
+
+
+class _Chunk(NamedTuple):
+    """A chunk's packed rows per section (requests, positions) and its attention calls."""
+
+    sections: Tuple[Tuple[np.ndarray, np.ndarray], ...]
+    calls: Tuple[_Call, ...]
+
+
+def _rows(parts: Sequence[Tuple[int, int, int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """The (request, position) of each row of the (request, start, end) parts, in order."""
+    requests = [np.full(end - start, r, dtype=np.int64) for r, start, end in parts]
+    positions = [np.arange(start, end, dtype=np.int64) for _, start, end in parts]
+    empty = np.zeros(0, dtype=np.int64)
+    return np.concatenate(requests or [empty]), np.concatenate(positions or [empty])
+
+
+def _segments(q_lens: np.ndarray, kv_lens: np.ndarray, budget: int) -> list:
+    """Every row of the requests with new tokens, request after request, cut into chunks of at
+    most ``budget`` rows: per chunk, its (request, first row, end row) segments."""
+    chunks, current, room = [], [], budget
+    for r in np.flatnonzero(q_lens).tolist():
+        start, length = 0, int(kv_lens[r])
+        while start < length:
+            end = start + min(room, length - start)
+            current.append((r, start, end))
+            room -= end - start
+            start = end
+            if room == 0:
+                chunks.append(current)
+                current, room = [], budget
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _plan(q_lens: np.ndarray, kv_lens: np.ndarray, budget: int, top_left: bool) -> list:
+    """The chunks of a step: rows to decompress and attention calls, for a backend whose causal
+    mask is aligned top-left (``top_left``) or bottom-right.
+
+    Only a chunk's last segment can end before its request's last row (the others end there, or
+    the chunk would have taken more rows), so only it needs the extra calls below, and every
+    call's sequences have queries and keys.
+
+    Top-left (cuDNN: only square blocks are masked): sections [prefix parts][new-row parts, the
+    last segment's first]; an unmasked call of each prefix part with all of its request's
+    queries, a causal call of each new-row part ``a..b`` (own indices) with queries ``a..b``
+    (square), and an unmasked call of the last segment's new-row part with queries ``b..q``.
+
+    Bottom-right: one section, the segments in order; a causal call of each segment ``s..e``
+    that reaches new rows with the queries whose positions lie in it (the mask's last query
+    sits at ``e - 1``, as theirs does), and an unmasked call of the last segment with the queries
+    past it.
+
+    Returns:
+        list: of :class:`_Chunk`.
+    """
+    prefix = kv_lens - q_lens
+    first_token = np.cumsum(q_lens) - q_lens
+    plan = []
+    for segments in _segments(q_lens, kv_lens, budget):
+        last_r, _, last_end = segments[-1]
+        cut = last_end < kv_lens[last_r]  # the last segment stops short of its request's end
+        calls = []
+        if top_left:
+            cached = [(r, s, min(e, prefix[r])) for r, s, e in segments if s < prefix[r]]
+            new = [(r, max(s, prefix[r]), e) for r, s, e in segments if e > prefix[r]]
+            if cut and new and new[-1][0] == last_r:
+                new = new[-1:] + new[:-1]  # first: the below-diagonal call's keys start at 0
+            sequences = tuple((first_token[r], q_lens[r], e - s) for r, s, e in cached)
+            calls.append(_Call(None, 0, 0, sequences))
+            diagonal = tuple((first_token[r] + s - prefix[r], e - s, e - s) for r, s, e in new)
+            calls.append(_Call("top_left", 1, 0, diagonal))
+            if cut and new and new[0][0] == last_r:
+                r, s, e = new[0]
+                below = e - prefix[r]
+                calls.append(
+                    _Call(None, 1, 0, ((first_token[r] + below, q_lens[r] - below, e - s),))
+                )
+            sections = (_rows(cached), _rows(new))
+        else:
+            reaching = [(r, s, e) for r, s, e in segments if e > prefix[r]]
+            sequences = tuple(
+                (first_token[r] + max(s, prefix[r]) - prefix[r], e - max(s, prefix[r]), e - s)
+                for r, s, e in reaching
+            )
+            calls.append(_Call("bottom_right", 0, 0, sequences))
+            if cut:
+                r, s, e = segments[-1]
+                past = max(e - prefix[r], 0)
+                offset = sum(end - start for _, start, end in segments[:-1])
+                sequences = ((first_token[r] + past, q_lens[r] - past, e - s),)
+                calls.append(_Call(None, 0, offset, sequences))
+            sections = (_rows(segments),)
+        calls = tuple(
+            _Call(c.causal, c.section, c.offset, tuple(tuple(map(int, q)) for q in c.sequences))
+            for c in calls
+            if c.sequences
+        )
+        plan.append(_Chunk(sections, calls))
+    return plan
 
 
 def mla_paged_mha_attention(
@@ -397,6 +538,7 @@ def mla_paged_mha_attention(
     kv_lengths: Sequence[int],
     rope_dim: int = 64,
     backend: str = "torch",
+    row_budget: Optional[int] = None,
 ) -> Tensor:
     """MLA attention of a step's new tokens over their requests' paged latent rows, in the MHA
     form (decompressed keys and values, dense ragged attention).
@@ -409,6 +551,11 @@ def mla_paged_mha_attention(
     ``row[:latent] @ W_UV^T`` per head. Tokens past the last request get zeros. The lengths are
     host integers (they size the packed tensors); a block id outside the cache reads block 0.
 
+    The attended rows (request after request) are decompressed ``row_budget`` at a time, a
+    request's rows split across chunks where they do not fit; each chunk's partial attentions
+    are merged by their log-sum-exps into an fp32 (fp64 for fp64 inputs) accumulator. The
+    ``te`` backend returns no log-sum-exp to merge: it runs one chunk whatever the budget.
+
     Args:
         query (Tensor): [tokens, heads, qk_head_dim + rope_dim], ``[q_nope | rope(q_pe)]``.
         kv_cache (Tensor): [num_blocks, block_size, latent + rope_dim] in query's dtype.
@@ -420,6 +567,9 @@ def mla_paged_mha_attention(
         kv_lengths (Sequence[int]): cached rows per request (new ones included), on the host.
         rope_dim (int): the rotated columns (a power of two >= 16, as the absorbed kernel takes).
         backend (str): one of :data:`BACKENDS`.
+        row_budget (Optional[int]): the most rows decompressed at once, before the fused
+            backends' bucket padding (:func:`bucket`: at most a quarter more, 16 rows at least
+            per section); default :data:`ROW_BUDGET`.
 
     Returns:
         Tensor: [tokens, heads, v_head_dim] in query's dtype.
@@ -439,56 +589,67 @@ def mla_paged_mha_attention(
         kv_lengths,
         backend,
     )
+    budget = ROW_BUDGET if row_budget is None else row_budget
+    check_int("row_budget", budget, 1)
     tokens, heads, width = query.shape
     qk_dim = width - rope_dim
     used = int(q_lens.sum())
     out = torch.zeros(tokens, heads, v_dim, dtype=query.dtype, device=query.device)
     if used == 0:
         return out
-    prefix = kv_lens - q_lens
-    requests = np.arange(len(q_lens), dtype=np.int64)
-    # Fused backends plan per shape: each packed section is padded to a bucket (rows no query
-    # attends).
+    if backend == "te":
+        budget = max(int(kv_lens.sum()), 1)
+    # Fused backends plan per shape: each packed section and query set is padded to a bucket
+    # (rows no query attends).
     size = bucket if backend in ("cudnn", "te") else int
-    if backend in SPLIT_BACKENDS:
-        # Every request's cached prefix rows, then every request's new rows (one per new token).
-        sections = [
-            (np.repeat(requests, prefix), _within(prefix)),
-            (np.repeat(requests, q_lens), np.repeat(prefix, q_lens) + _within(q_lens)),
-        ]
-    else:
-        sections = [(np.repeat(requests, kv_lens), _within(kv_lens))]
-    starts, index_parts = [], []
-    for section_requests, section_positions in sections:
-        padded = np.zeros((2, size(len(section_requests))), dtype=np.int64)
-        padded[0, : len(section_requests)] = section_requests
-        padded[1, : len(section_requests)] = section_positions
-        starts.append(sum(part.shape[1] for part in index_parts))
-        index_parts.append(padded)
-    index = _to_device(np.concatenate(index_parts, axis=1), query.device)
-    keys, values = decompressed_keys_values(
-        kv_cache, block_table, index[0], index[1], kv_up_weight, heads, qk_dim, rope_dim
-    )
-    q = query[:used]
-    padded_tokens = size(used)
-    if padded_tokens != used or not q.is_contiguous():
-        q = torch.cat([q, q.new_zeros(padded_tokens - used, heads, width)])
+    plan = _plan(q_lens, kv_lens, budget, backend in SPLIT_BACKENDS)
+    accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
+    acc_out = torch.zeros(used, heads, v_dim, dtype=accumulate, device=query.device)
+    acc_lse = torch.full((used, heads), -math.inf, dtype=torch.float32, device=query.device)
     scale = float(softmax_scale)
-    if backend in WHOLE_BACKENDS:
-        result, _ = varlen_attention(
-            backend, q, keys, values, (q_lens, kv_lens), "bottom_right", scale, False
+    for chunk in plan:
+        starts, index_parts = [], []
+        for section_requests, section_positions in chunk.sections:
+            rows = len(section_requests)
+            padded = np.zeros((2, size(rows) if rows else 0), dtype=np.int64)
+            padded[0, :rows] = section_requests
+            padded[1, :rows] = section_positions
+            starts.append(sum(part.shape[1] for part in index_parts))
+            index_parts.append(padded)
+        index = _to_device(np.concatenate(index_parts, axis=1), query.device)
+        keys, values = decompressed_keys_values(
+            kv_cache, block_table, index[0], index[1], kv_up_weight, heads, qk_dim, rope_dim
         )
-    else:
-        own = slice(starts[1], None)
-        has_prefix = bool(prefix.any())
-        result, own_lse = varlen_attention(
-            backend, q, keys[own], values[own], (q_lens, q_lens), "top_left", scale, has_prefix
-        )
-        if has_prefix:
-            cached = slice(0, starts[1])
-            prefix_out, prefix_lse = varlen_attention(
-                backend, q, keys[cached], values[cached], (q_lens, prefix), None, scale, True
+        for call in chunk.calls:
+            first, q_counts, k_counts = (np.array(c, dtype=np.int64) for c in zip(*call.sequences))
+            token_ids = np.repeat(first, q_counts) + _within(q_counts)
+            n = len(token_ids)
+            lo = int(token_ids[0])
+            # A run of consecutive tokens (the usual case) is read and merged through views:
+            # no gathered copies of the queries or of the accumulator.
+            if np.array_equal(token_ids, np.arange(lo, lo + n)):
+                ids = slice(lo, lo + n)
+            else:
+                ids = _to_device(token_ids, query.device).long()
+            q = query[ids]
+            if size(n) != n or not q.is_contiguous():
+                q = torch.cat([q, q.new_zeros(size(n) - n, heads, width)])
+            begin = starts[call.section] + call.offset
+            rows = slice(begin, begin + size(int(k_counts.sum())))
+            part, part_lse = varlen_attention(
+                backend,
+                q,
+                keys[rows],
+                values[rows],
+                (q_counts, k_counts),
+                call.causal,
+                scale,
+                backend != "te",
             )
-            result = _merge(prefix_out, prefix_lse, result, own_lse)
-    out[:used] = result[:used]
+            part = part[:n]
+            if part_lse is None:  # te: one call over each request's whole context
+                acc_out[ids] = part.to(accumulate)
+                continue
+            acc_out[ids], acc_lse[ids] = _merge(acc_out[ids], acc_lse[ids], part, part_lse[:n])
+    out[:used] = acc_out.to(query.dtype)
     return out

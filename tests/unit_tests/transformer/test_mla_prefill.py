@@ -207,6 +207,20 @@ def test_cost_model_split_points_at_deepseek_widths():
     assert split([9, 30, 17], [9, 30, 17], heads=4) == 3
 
 
+def test_cost_model_counts_a_launch_per_extra_chunk(monkeypatch):
+    """Past the row budget each chunk adds ``mha_chunk_seconds``: a cost that moves the split."""
+
+    def split(model, budget):
+        monkeypatch.setattr(mha_form, "ROW_BUDGET", budget)
+        q, kv = np.array([64]), np.array([64 + 32768])
+        return mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, model)
+
+    cheap = mla_prefill.CostModel(mha_chunk_seconds=0.0)
+    dear = mla_prefill.CostModel(mha_chunk_seconds=1e-3)
+    assert split(cheap, 64) == split(dear, 2**20) == 0  # no chunk cost or a single chunk
+    assert split(dear, 64) == 1  # 514 chunks of 64 rows: absorbed
+
+
 def test_backend_rule(monkeypatch):
     cpu = torch.device("cpu")
     assert mla_prefill.backend_for(cpu, torch.float32) is None

@@ -194,19 +194,18 @@ def test_top_left_and_bottom_right_torch_backends_differ_where_they_should():
     assert not torch.allclose(top_left, bottom_right)
 
 
-@pytest.mark.parametrize("stats_layout", ["THk", "HT"])
-@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
-def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout):
-    """The cuDNN backend's packing, bucketing, stats layouts and merge, with a stand-in for
-    torch's operator (its contract: top-left causal, rows past the cumulative lengths ignored;
-    an adversarial NaN for queries of sequences without keys)."""
-    seen = []
+def _cudnn_stand_in(seen, stats_layout="THk"):
+    """A stand-in for torch's ragged cuDNN operator (its contract: top-left causal, rows past the
+    cumulative lengths ignored; an adversarial NaN for queries of sequences without keys) that
+    records each call's shapes and checks that every causal call is square."""
 
     def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, want_lse, dropout, causal, debug, scale):
         q_lens, k_lens = np.diff(cu_q.cpu().numpy()), np.diff(cu_k.cpu().numpy())
         seen.append((q.shape[0], k.shape[0], len(q_lens), max_q, max_k))
         assert cu_q.dtype == cu_k.dtype == torch.int32 and bias is None and dropout == 0.0
         assert max_q >= q_lens.max() and max_k >= k_lens.max()
+        # Only square blocks are masked: top-left is then bottom-right.
+        assert not causal or (q_lens == k_lens).all(), (q_lens, k_lens)
         causal = "top_left" if causal else None
         out, lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         no_keys = torch.from_numpy(np.repeat(k_lens == 0, q_lens))
@@ -214,20 +213,130 @@ def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout
         lse = lse.unsqueeze(-1) if stats_layout == "THk" else lse.t().contiguous()
         return out, lse
 
-    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", stand_in)
+    return stand_in
+
+
+def _assert_buckets(seen):
+    """Every shape handed to the operator is a bucket."""
+    for tokens, rows, entries, max_q, max_k in seen:
+        assert tokens == bucket(tokens) and rows == bucket(rows), seen
+        assert entries == bucket(entries, minimum=1), seen
+        assert max_q == bucket(max_q, minimum=1) and max_k == bucket(max_k, minimum=1), seen
+
+
+@pytest.mark.parametrize("stats_layout", ["THk", "HT"])
+@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
+def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout):
+    """The cuDNN backend's packing, bucketing, stats layouts and merge, with a stand-in for
+    torch's operator."""
+    seen = []
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", _cudnn_stand_in(seen))
     step, query, cache, weight, lengths = mha_step(requests, 3, seed=7)
     got = mla_paged_mha_attention(
         query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="cudnn", **lengths
     )
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
-    # Every shape handed to the operator is a bucket.
-    for tokens, rows, entries, max_q, max_k in seen:
-        assert tokens == bucket(tokens) and rows == bucket(rows), seen
-        assert entries - 1 in (1, bucket(entries - 1, minimum=1)), seen
-        assert max_q == bucket(max_q, minimum=1) and max_k == bucket(max_k, minimum=1), seen
+    _assert_buckets(seen)
     has_prefix = any(cached for cached, _ in requests)
     assert len(seen) == 1 + has_prefix
+
+
+# ------------------------------------------------------------------------------- row budget
+
+# (cached tokens, new tokens): a chunk behind a long prefix; requests of different lengths; one
+# request longer than every budget below.
+BEHIND_LONG_PREFIX = [(150, 7)]
+LONGER_THAN_BUDGET = [(0, 45)]
+BUDGET_CASES = [PREFILL, BEHIND_LONG_PREFIX, MIXED, LONGER_THAN_BUDGET, [(20, 40), (0, 3)]]
+BUDGET_IDS = ["prefill", "behind_long_prefix", "mixed", "longer_than_budget", "long_chunk_first"]
+
+
+def _recorded_rows(monkeypatch) -> list:
+    """Record the rows of every decompression (keys and values built at once)."""
+    rows = []
+    original = mha_form.decompressed_keys_values
+
+    def spy(*args, **kwargs):
+        keys, values = original(*args, **kwargs)
+        assert keys.shape[0] == values.shape[0]
+        rows.append(keys.shape[0])
+        return keys, values
+
+    monkeypatch.setattr(mha_form, "decompressed_keys_values", spy)
+    return rows
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("requests", BUDGET_CASES, ids=BUDGET_IDS)
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_a_row_budget_bounds_the_rows_and_keeps_the_result(monkeypatch, backend, requests, budget):
+    """Many chunks (a request's rows split across them, the new tokens' block too): the rows
+    decompressed at once stay within the budget, each row once, and the result is the unchunked
+    one within fp32 rounding and float64's within its bound."""
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=budget)
+    call = dict(rope_dim=16, backend=backend, **lengths)
+    rows = _recorded_rows(monkeypatch)
+    whole = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    attended = sum(lengths["kv_lengths"])
+    assert rows == [attended]
+    rows.clear()
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, row_budget=budget, **call
+    )
+    assert max(rows) <= budget and sum(rows) == attended
+    assert len(rows) == -(-attended // budget)
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-6)
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_budget_over_the_rows_is_the_unchunked_result_exactly(backend):
+    step, query, cache, weight, lengths = mha_step(MIXED, 3, seed=8)
+    call = dict(rope_dim=16, backend=backend, **lengths)
+    default = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    exact = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, row_budget=sum(lengths["kv_lengths"]), **call
+    )
+    assert torch.equal(default, exact)
+
+
+def test_the_module_budget_is_the_default(monkeypatch):
+    step, query, cache, weight, lengths = mha_step(CHUNKED, 2, seed=10)
+    rows = _recorded_rows(monkeypatch)
+    monkeypatch.setattr(mha_form, "ROW_BUDGET", 20)
+    mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths)
+    assert max(rows) <= 20 and sum(rows) == sum(lengths["kv_lengths"])
+
+
+@pytest.mark.parametrize("requests", BUDGET_CASES, ids=BUDGET_IDS)
+def test_cudnn_glue_with_a_row_budget(monkeypatch, requests):
+    """The cuDNN backend chunked (budget 16, its smallest bucket): causal calls only on square
+    blocks, every shape a bucket, float64's result."""
+    seen = []
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", _cudnn_stand_in(seen))
+    rows = _recorded_rows(monkeypatch)
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=11)
+    chunked = dict(rope_dim=16, backend="cudnn", row_budget=16, **lengths)
+    got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **chunked)
+    torch.testing.assert_close(
+        got.double(), reference(step, query, cache, weight, lengths), rtol=1e-5, atol=2e-5
+    )
+    _assert_buckets(seen)
+    # Two padded sections per chunk (cached rows, new rows): each at most a bucket of the budget.
+    assert max(rows) <= 2 * 16 and len(rows) == -(-sum(lengths["kv_lengths"]) // 16)
+
+
+def test_merge_of_queries_without_keys():
+    """Both sides -inf (no keys in either): zeros and -inf, no NaN; one side -inf: the other."""
+    out_a, out_b = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    none = torch.full((3, 2), -math.inf)
+    lse_b = torch.randn(3, 2)
+    merged, lse = mha_form._merge(out_a, none, out_b, none)
+    assert torch.equal(merged, torch.zeros_like(merged)) and torch.equal(lse, none)
+    merged, lse = mha_form._merge(out_a, none, out_b, lse_b)
+    assert torch.equal(merged, out_b) and torch.equal(lse, lse_b)
 
 
 def _bad_inputs():
@@ -269,6 +378,8 @@ def _bad_inputs():
     yield "weight rows", dict(good, kv_up_weight=weight[:-1]), ValueError, "kv_up_weight"
     yield "no value rows", dict(good, kv_up_weight=weight[:64]), ValueError, "none left"
     yield "backend", dict(good, backend="flash"), ValueError, "backend must be"
+    yield "zero row budget", dict(good, row_budget=0), ValueError, "row_budget"
+    yield "float row budget", dict(good, row_budget=8.0), TypeError, "row_budget"
     yield "float lengths", dict(good, query_lengths=[2.0, 3.0]), TypeError, "query_lengths"
     yield "negative length", dict(good, kv_lengths=[7, -3]), ValueError, "kv_lengths must be"
     yield "length count", dict(good, kv_lengths=[7]), ValueError, "same requests"
@@ -364,3 +475,22 @@ def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
         query, cache, step.block_table, weight, SCALE, rope_dim=64, backend=plain, **lengths
     )
     torch.testing.assert_close(got.float(), same.float(), rtol=0, atol=2**-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "requests",
+    [MIXED, [(3072, 1024)], [(0, 1536), (0, 1536)], [(5000, 300), (0, 700), (40, 1)]],
+    ids=["mixed", "chunk_behind_3k", "prefill_2x1536", "long_and_short"],
+)
+@pytest.mark.parametrize("budget", [16, 1024])
+def test_gpu_cudnn_with_a_row_budget_matches_float64_in_bf16(requests, budget):
+    """The cuDNN backend with a small budget: requests split across chunks, the new tokens'
+    block too, partial results merged."""
+    if "cudnn" not in _gpu_backends():
+        pytest.skip("the cudnn backend is not available here")
+    step, query, cache, weight, lengths = deepseek_step(requests, 16, torch.bfloat16)
+    chunked = dict(rope_dim=64, backend="cudnn", row_budget=budget, **lengths)
+    got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **chunked)
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
