@@ -102,6 +102,7 @@ def check_mla_rope_config(args: Any = None, config: Any = None) -> None:
                         ("fp8_dot_product_attention", False),
                         ("fp8_multi_head_attention", False),
                         ("params_dtype", None),
+                        ("moe_expert_capacity_factor", None),
                     )
                 }
             )

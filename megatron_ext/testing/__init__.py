@@ -7,6 +7,8 @@
   inference stack (synthetic logits, CPU-only torch shims, engine driver).
 * :mod:`megatron_ext.testing.torch_paged_attention`: plain-torch paged-KV attention, so that a
   real GPT runs through megatron-core's dynamic inference engine without flash-attn.
+* :mod:`megatron_ext.testing.small_mla_moe_gpt`: a tiny DeepSeek-V2-Lite-shaped GPT (MLA, a
+  dense first layer, megatron-core's MoE layers) for the dynamic MLA path's float64 checks.
 * :mod:`megatron_ext.testing.small_gpt`: the small GPT and its engine, as the inference
   functional case and the engine benchmark build them.
 """

@@ -17,7 +17,7 @@ weights do not depend on the mode.
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -71,6 +71,7 @@ def build_small_mla_gpt(
     v_head_dim: int = 128,
     cache_mla_latents: bool = False,
     config_overrides: Optional[Dict[str, Any]] = None,
+    block_spec: Optional[Callable[[Any], Any]] = None,
 ) -> Any:
     """A GPT of MLA layers, flag off or on, in eval mode on ``device``.
 
@@ -90,7 +91,10 @@ def build_small_mla_gpt(
             (megatron-core's config then needs ``apply_rope_fusion`` off). Such a model runs
             dynamic-batching steps only: through megatron_ext's path in mode ``"on"``; in mode
             ``"off"`` it is megatron-core's own MLA, which fails on such steps.
-        config_overrides: further ``MLATransformerConfig`` fields (e.g. ``cuda_graph_impl``).
+        config_overrides: further ``MLATransformerConfig`` fields (e.g. ``cuda_graph_impl``), or
+            replacements of those set here (e.g. ``q_lora_rank=None``).
+        block_spec: builds the decoder's spec from the config, called after the flag is applied
+            or undone (None: every layer megatron_ext's local MLA spec with a dense MLP).
 
     Returns:
         GPTModel: the model.
@@ -107,7 +111,7 @@ def build_small_mla_gpt(
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    config = MLATransformerConfig(
+    fields = dict(
         num_layers=num_layers,
         hidden_size=hidden_size,
         ffn_hidden_size=4 * hidden_size,
@@ -133,17 +137,23 @@ def build_small_mla_gpt(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        **(config_overrides or {}),
     )
+    # Overrides may replace a field above (e.g. q_lora_rank None: no query down-projection).
+    fields.update(config_overrides or {})
+    config = MLATransformerConfig(**fields)
     if mode == "on":
         apply_megatron_ext(mla_rope_contiguous_load=True, config=config)
     else:
         undo_megatron_ext()
     torch.manual_seed(seed)
+    # The MLA class follows the flag applied (or undone) above.
+    if block_spec is None:
+        spec = local_block_spec(get_gpt_layer_local_mla_spec(config), num_layers)
+    else:
+        spec = block_spec(config)
     model = GPTModel(
         config=config,
-        # The MLA class follows the flag applied (or undone) above.
-        transformer_layer_spec=local_block_spec(get_gpt_layer_local_mla_spec(config), num_layers),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",  # MLA applies its own yarn RoPE

@@ -155,6 +155,13 @@ def mla_dynamic_config_problems(
     for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
         if getattr(config, name, False):
             problems.append(f"{name} is on: an FP8 KV cache is not supported by the latent cache")
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    # megatron-core reads a negative capacity factor as none.
+    if capacity is not None and capacity >= 0:
+        problems.append(
+            f"moe_expert_capacity_factor={capacity}: MoE token dropping depends on the other "
+            "requests in a step, so a request's tokens would too; leave it unset in inference"
+        )
     dtype = cache_dtype if cache_dtype is not None else getattr(config, "params_dtype", None)
     if dtype is not None and dtype not in CACHE_DTYPES:
         problems.append(

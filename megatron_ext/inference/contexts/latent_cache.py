@@ -84,8 +84,8 @@ def check_latent_cache_request(request: Tuple[bool, Any, Dict[str, Any]]) -> boo
 
     Raises:
         ValueError: naming each option the dynamic MLA path does not take (FP8 or other cache
-            dtypes, latent or RoPE widths, context parallelism, TP sizes not dividing the heads),
-            before anything is allocated.
+            dtypes, latent or RoPE widths, context parallelism, TP sizes not dividing the heads,
+            MoE token dropping), before anything is allocated.
 
     Returns:
         bool: whether megatron_ext's path serves the latent cache (then any block size goes).

@@ -719,11 +719,29 @@ def test_gpu_decode_step_replays_from_a_cuda_graph_as_eager(stack):
     )
 
 
-def eager_and_graphed_runs(stack: Any, before: Any = None) -> Dict[str, Any]:
-    """The engine's outputs on the pausing requests (16 tokens each) without and with
-    megatron-core's CUDA graphs (``cuda_graph_impl`` "none" and "local"); ``before(impl)`` is
-    called before each build."""
-    requests = requests_for(PAUSING_LENGTHS, 16, DEEPSEEK_LIKE["vocab_size"])
+def eager_and_graphed_runs(
+    stack: Any,
+    before: Any = None,
+    sizes: Dict[str, Any] = DEEPSEEK_LIKE,
+    requests: Any = None,
+    cache: Any = None,
+) -> Dict[str, Any]:
+    """The engine's outputs without and with megatron-core's CUDA graphs (``cuda_graph_impl``
+    "none" and "local"); ``before(impl)`` is called before each build.
+
+    Args:
+        stack: the test's ``ExitStack``.
+        before: called with the implementation's name before each build, or None.
+        sizes: ``build_small_mla_gpt``'s keywords (``config_overrides`` kept, the
+            implementation added).
+        requests: default the pausing requests, 16 tokens each.
+        cache: the engine's cache sizes (default :data:`PAUSING_CACHE`).
+
+    Returns:
+        Dict[str, Any]: implementation -> request id -> the engine's output.
+    """
+    if requests is None:
+        requests = requests_for(PAUSING_LENGTHS, 16, sizes["vocab_size"])
     runs = {}
     for impl in ("none", "local"):
         if before is not None:
@@ -737,8 +755,10 @@ def eager_and_graphed_runs(stack: Any, before: Any = None) -> Dict[str, Any]:
             dtype=torch.float32,
             device=DEVICE,
             cache_mla_latents=True,
-            config_overrides=dict(cuda_graph_impl=impl),
-            **DEEPSEEK_LIKE,
+            **dict(
+                sizes,
+                config_overrides=dict(sizes.get("config_overrides") or {}, cuda_graph_impl=impl),
+            ),
         )
         apply_megatron_ext(
             mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
@@ -747,10 +767,10 @@ def eager_and_graphed_runs(stack: Any, before: Any = None) -> Dict[str, Any]:
             model,
             max_requests=8,
             max_tokens=MAX_TOKENS,
-            max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
+            max_sequence_length=sizes["max_sequence_length"],
             megatron_wrapper=True,
             num_cuda_graphs=4 if impl == "local" else None,
-            **PAUSING_CACHE,
+            **(PAUSING_CACHE if cache is None else cache),
         )
         if impl == "local":
             assert getattr(engine, "capture_stats", None) is not None, "no CUDA graph was captured"
@@ -764,7 +784,12 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
     """megatron-core's own CUDA graphs (``cuda_graph_impl="local"``: per-layer graphs captured
     in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
     greedy tokens as the eager engine, log-probs within fp32 rounding."""
-    runs = eager_and_graphed_runs(stack)
+    assert_graphed_as_eager(eager_and_graphed_runs(stack))
+
+
+def assert_graphed_as_eager(runs: Dict[str, Any]) -> None:
+    """The same greedy tokens in both runs of :func:`eager_and_graphed_runs`, log-probs within
+    fp32 rounding."""
     for request_id, eager in runs["none"].items():
         graphed = runs["local"][request_id]
         assert graphed["generated_tokens"] == eager["generated_tokens"], request_id
