@@ -39,12 +39,13 @@ from torch import Tensor
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
 from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
-from megatron_ext.transformer.mla_prefill import mha_form_core
+from megatron_ext.transformer.mla_prefill import mha_form_core, mha_form_split
 from megatron_ext.transformer.rotary_tables import cos_sin_table
 
 __all__ = [
     "CACHE_DTYPES",
     "absorb_query",
+    "absorbed_core",
     "check_mla_dynamic_config",
     "context_token_tensors",
     "mla_dynamic_attention",
@@ -365,19 +366,69 @@ def mla_dynamic_attention(
     )
     cu_query_lengths, max_query_len = context.cu_query_lengths()
     _, kv_lengths, _ = context.cu_kv_lengths()
-    # Prefill requests in the MHA form where the cost model says so (eager steps only).
-    core = mha_form_core(module, context, q, kv_cache, block_table, cu_query_lengths, kv_lengths)
-    if core is not None:
-        return module.linear_proj(core)
+    # Prefill requests in the MHA form where the cost model says so (eager steps only), the
+    # leading ones (decodes, short chunks) absorbed.
+    split = mha_form_split(module, context, q)
+    if split is None:
+        core = absorbed_core(
+            module,
+            q,
+            kv_cache,
+            block_table,
+            cu_query_lengths,
+            kv_lengths,
+            max(1, int(max_query_len)),
+        )
+    else:
+        first, tokens_first = split.absorbed_requests, split.absorbed_tokens
+        core = q.new_empty(n, heads * v_dim)
+        if first:
+            core[:tokens_first] = absorbed_core(
+                module,
+                q[:tokens_first],
+                kv_cache,
+                block_table[:first],
+                cu_query_lengths[: first + 1],
+                kv_lengths[:first],
+                split.absorbed_max_query_len,
+            )
+        mha = mha_form_core(module, q[tokens_first:], kv_cache, block_table, split)
+        core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
+    return module.linear_proj(core.view(n, 1, heads * v_dim))
 
-    # Absorbed form: W_UK into the query, attention over the paged cache.
+
+def absorbed_core(
+    module: Any,
+    q: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    cu_query_lengths: Tensor,
+    kv_lengths: Tensor,
+    max_query_len: int,
+) -> Tensor:
+    """The absorbed form's core attention output: ``W_UK`` into the query, the latent attention
+    over the paged cache, ``W_UV``. GRAPH-SAFE; no copy on the query or output path.
+
+    Args:
+        module: the MLA self-attention module (its config, heads, ``linear_kv_up_proj``).
+        q: [tokens, heads, qk + rope], the rotated, un-absorbed query.
+        kv_cache, block_table, cu_query_lengths, kv_lengths: the attention's cache and metadata
+            (:func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention`).
+        max_query_len: a static bound on the new tokens per request.
+
+    Returns:
+        Tensor: [tokens, heads * v_head_dim], contiguous.
+    """
+    config = module.config
+    heads = module.num_attention_heads_per_partition
+    qk_dim, v_dim, latent_dim = config.qk_head_dim, config.v_head_dim, config.kv_lora_rank
     kv_up = module.linear_kv_up_proj.weight.view(heads, qk_dim + v_dim, latent_dim)
     up_k, up_v = kv_up[:, :qk_dim], kv_up[:, qk_dim:]
     query, query_rope = absorb_query(q, up_k)
     # Head-major, so that W_UV's batched GEMM reads it in place; the attention writes it through
     # its transposed view. (Its head stride, and the absorbed query's, vary with the token count:
     # a new count's first call launches through Triton's JIT, without compiling.)
-    attended = torch.empty((heads, n, latent_dim), dtype=query.dtype, device=query.device)
+    attended = torch.empty((heads, q.shape[0], latent_dim), dtype=query.dtype, device=query.device)
     mla_paged_latent_attention(
         query,
         kv_cache,
@@ -385,11 +436,9 @@ def mla_dynamic_attention(
         cu_query_lengths,
         kv_lengths,
         module.softmax_scale,
-        rope_dim=rope_dim,
-        max_query_len=max(1, int(max_query_len)),
+        rope_dim=config.qk_pos_emb_head_dim,
+        max_query_len=max_query_len,
         out=attended.transpose(0, 1),
         query_rope=query_rope,
     )
-    # W_UV, then the output projection.
-    core = project_values(attended, up_v)
-    return module.linear_proj(core.view(n, 1, heads * v_dim))
+    return project_values(attended, up_v)

@@ -3,7 +3,7 @@
 """The MHA form of MLA attention for the prefill and chunked-prefill requests of a dynamic step.
 
 :func:`~megatron_ext.transformer.mla_dynamic_inference.mla_dynamic_attention` hands each step's
-attention here first (:func:`mha_form_core`); where this returns None the step runs in the
+attention split here first (:func:`mha_form_split`); where it returns None the step runs in the
 absorbed form as before. Otherwise the step's requests are split in two: the leading ones (the
 decodes megatron-core puts first, short chunks) in the absorbed form, the rest in the MHA form
 (:func:`~megatron_ext.fusions.mla_latent.mha_form.mla_paged_mha_attention`), at the split point
@@ -37,14 +37,14 @@ import dataclasses
 import os
 import threading
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from megatron_ext import internals
-from megatron_ext.fusions.mla_latent import mha_form, mla_paged_latent_attention
+from megatron_ext.fusions.mla_latent import mha_form
 from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_attention
 
 __all__ = [
@@ -52,10 +52,12 @@ __all__ = [
     "COST_MODEL",
     "MODE",
     "CostModel",
+    "MhaFormSplit",
     "absorbed_request_count",
     "backend_for",
     "graphed_step",
     "mha_form_core",
+    "mha_form_split",
     "step_lengths",
 ]
 
@@ -263,28 +265,37 @@ def step_lengths(context: Any) -> Tuple[np.ndarray, np.ndarray]:
     return lengths
 
 
-def mha_form_core(
-    module: Any,
-    context: Any,
-    q: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    cu_query_lengths: Tensor,
-    kv_lengths: Tensor,
-) -> Optional[Tensor]:
-    """The step's core attention output with its prefill requests in the MHA form, or None
-    where the whole step should run in the absorbed form (see the module docstring).
+class MhaFormSplit(NamedTuple):
+    """How a step's requests divide between the two forms (:func:`mha_form_split`).
+
+    Attributes:
+        backend: the MHA form's backend.
+        query_lengths: every request's new tokens (host).
+        kv_lengths: every request's attended rows, the new ones included (host).
+        absorbed_requests: the leading requests taken by the absorbed form.
+        absorbed_tokens: their tokens (the step's first rows).
+        absorbed_max_query_len: their longest new-token count (1 where there are none).
+    """
+
+    backend: str
+    query_lengths: np.ndarray
+    kv_lengths: np.ndarray
+    absorbed_requests: int
+    absorbed_tokens: int
+    absorbed_max_query_len: int
+
+
+def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSplit]:
+    """Whether the step's prefill requests take the MHA form, and where the split falls; None
+    where the whole step runs in the absorbed form (see the module docstring).
 
     Args:
-        module: the MLA self-attention module (its config, heads, ``linear_kv_up_proj``).
+        module: the MLA self-attention module (its config and heads).
         context: the dynamic inference context.
         q: [tokens, heads, qk + rope], the rotated, un-absorbed query.
-        kv_cache, block_table: the layer's paged latent cache (this step's rows appended) and
-            the step's block table.
-        cu_query_lengths, kv_lengths: the step's device metadata (for the absorbed part).
 
     Returns:
-        Optional[Tensor]: [tokens, 1, heads * v_head_dim], or None.
+        Optional[MhaFormSplit]: the split, or None.
     """
     if MODE not in ("auto", "force") or context.is_decode_only() or graphed_step(context):
         return None
@@ -293,10 +304,13 @@ def mha_form_core(
         return None
     config = module.config
     heads = module.num_attention_heads_per_partition
-    qk_dim, rope_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
-    v_dim, latent_dim = config.v_head_dim, config.kv_lora_rank
+    widths = (
+        config.kv_lora_rank,
+        config.qk_pos_emb_head_dim,
+        config.qk_head_dim,
+        config.v_head_dim,
+    )
     query_lengths, rows = step_lengths(context)
-    widths = (latent_dim, rope_dim, qk_dim, v_dim)
     split = (
         0
         if MODE == "force"
@@ -304,34 +318,42 @@ def mha_form_core(
     )
     if split == len(query_lengths):
         return None
-    n = q.shape[0]
-    weight = module.linear_kv_up_proj.weight
-    core = q.new_zeros(n, heads, v_dim)
-    absorbed_tokens = int(query_lengths[:split].sum())
-    if split:
-        kv_up = weight.view(heads, qk_dim + v_dim, latent_dim)
-        q_head = q[:absorbed_tokens]
-        q_absorbed = torch.einsum("thd,hdc->thc", q_head[..., :qk_dim], kv_up[:, :qk_dim])
-        attended = mla_paged_latent_attention(
-            torch.cat([q_absorbed, q_head[..., qk_dim:]], dim=-1),
-            kv_cache,
-            block_table[:split],
-            cu_query_lengths[: split + 1],
-            kv_lengths[:split],
-            module.softmax_scale,
-            rope_dim=rope_dim,
-            max_query_len=max(1, int(query_lengths[:split].max())),
-        )
-        core[:absorbed_tokens] = torch.einsum("thc,hvc->thv", attended, kv_up[:, qk_dim:])
-    core[absorbed_tokens:] = mla_paged_mha_attention(
-        q[absorbed_tokens:],
-        kv_cache,
-        block_table[split:],
-        weight,
-        module.softmax_scale,
-        query_lengths=query_lengths[split:],
-        kv_lengths=rows[split:],
-        rope_dim=rope_dim,
-        backend=backend,
+    leading = query_lengths[:split]
+    return MhaFormSplit(
+        backend,
+        query_lengths,
+        rows,
+        split,
+        int(leading.sum()),
+        max(1, int(leading.max())) if split else 1,
     )
-    return core.view(n, 1, heads * v_dim)
+
+
+def mha_form_core(
+    module: Any, q: Tensor, kv_cache: Tensor, block_table: Tensor, split: MhaFormSplit
+) -> Tensor:
+    """The MHA form's core attention output for the requests after the split.
+
+    Args:
+        module: the MLA self-attention module (its config, heads, ``linear_kv_up_proj``).
+        q: [tokens, heads, qk + rope], the rotated, un-absorbed query of those requests (and the
+            step's padding tokens after them).
+        kv_cache, block_table: the layer's paged latent cache (this step's rows appended) and
+            the step's block table.
+        split: from :func:`mha_form_split`.
+
+    Returns:
+        Tensor: [tokens, heads, v_head_dim].
+    """
+    first = split.absorbed_requests
+    return mla_paged_mha_attention(
+        q,
+        kv_cache,
+        block_table[first:],
+        module.linear_kv_up_proj.weight,
+        module.softmax_scale,
+        query_lengths=split.query_lengths[first:],
+        kv_lengths=split.kv_lengths[first:],
+        rope_dim=module.config.qk_pos_emb_head_dim,
+        backend=split.backend,
+    )

@@ -133,16 +133,16 @@ def test_split_step_runs_the_leading_requests_absorbed(stack, monkeypatch, mha_c
     context = _context_step(model, [7, 19, 3])
     module, hidden = _attention(model), _hidden(context, 2)
     absorbed_calls = []
-    original = mla_prefill.mla_paged_latent_attention
+    original = mla_dynamic_inference.mla_paged_latent_attention
 
     def absorbed_spy(query, *args, **kwargs):
         absorbed_calls.append(query.shape[0])
         return original(query, *args, **kwargs)
 
-    monkeypatch.setattr(mla_prefill, "mla_paged_latent_attention", absorbed_spy)
     with torch.no_grad():
         monkeypatch.setattr(mla_prefill, "MODE", "off")
         expected, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        monkeypatch.setattr(mla_dynamic_inference, "mla_paged_latent_attention", absorbed_spy)
         monkeypatch.setattr(mla_prefill, "MODE", "auto")
         monkeypatch.setattr(mla_prefill, "BACKEND", "torch")
         monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args, **kwargs: 1)
