@@ -62,8 +62,19 @@ __all__ = [
 ]
 
 MODES = ("auto", "off", "force")
-MODE = os.environ.get("MEGATRON_EXT_MLA_MHA_FORM", "off").strip().lower() or "off"
-BACKEND = os.environ.get("MEGATRON_EXT_MLA_MHA_BACKEND", "auto").strip().lower() or "auto"
+
+
+def _env_choice(name: str, default: str, choices: Tuple[str, ...]) -> str:
+    """An environment setting among ``choices``; a misspelt value fails at import rather than
+    silently meaning the default."""
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+MODE = _env_choice("MEGATRON_EXT_MLA_MHA_FORM", "off", MODES)
+BACKEND = _env_choice("MEGATRON_EXT_MLA_MHA_BACKEND", "auto", ("auto",) + tuple(BACKENDS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ checked directly. Tests marked ``gpu`` run the default (cuDNN) backend in bf16 a
 CUDA graphs around it.
 """
 
+import os
 from typing import Any, List
 
 import numpy as np
@@ -327,3 +328,24 @@ def test_gpu_engine_with_cuda_graphs_and_the_mha_form_generates_as_eager(stack, 
     runs = dynamic.eager_and_graphed_runs(stack, mode)
     for request_id, eager in runs["none"].items():
         assert runs["local"][request_id]["generated_tokens"] == eager["generated_tokens"]
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("MEGATRON_EXT_MLA_MHA_FORM", "on"), ("MEGATRON_EXT_MLA_MHA_BACKEND", "flash")],
+)
+def test_a_misspelt_setting_fails_at_import(name, value):
+    """An unknown mode or backend is an error naming the variable, not the default in disguise."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: value}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import megatron_ext.transformer.mla_prefill"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert f"{name}={value!r}: expected one of" in proc.stderr
