@@ -16,9 +16,15 @@ token shared by the heads; pages shuffled so that no request's are contiguous):
   once plus the query and the output (:func:`~megatron_ext.bench.mla_serving_cases.step_bytes`);
   the kernel reads the rows once per tile of 16 heads, which the L2 may or may not absorb, so the
   share of the copy ceiling is that of the minimum.
-* ``prefill``: chunked-prefill and mixed steps (a 2k chunk on 2k cached; a 512-token chunk plus 63
-  decode tokens; a 4k prefill), TFLOP/s of the attended (causal) pairs against a bf16
-  ``torch.matmul`` of 8192^3 measured in the same run.
+* ``prefill``: prefill, chunked-prefill and mixed steps
+  (:data:`~megatron_ext.bench.mla_serving_cases.PREFILL_CASES`: prefills of 2 x 1536 to 8k tokens,
+  chunks of 1k-2k behind 2k-32k cached rows, 8 or 63 decodes beside a 512-token chunk;
+  ``--quick``: three of them) at 16 and 128 heads, TFLOP/s of the attended (causal) pairs against
+  a bf16 ``torch.matmul`` of 8192^3 measured in the same run. Ours in each form
+  (:mod:`~megatron_ext.bench.mla_serving_forms`): the absorbed kernel; the MHA form
+  (:func:`~megatron_ext.fusions.mla_latent.mha_form.mla_paged_mha_attention`, decompression
+  included, with the backend the dynamic path picks); the cost model's split where it mixes the
+  two; the cost model's pick against FlashInfer and against the absorbed form.
 * ``rope_append``: megatron_ext's ``fused_mla_rope_cache_append``
   (:mod:`megatron_ext.fusions.mla_latent.rope_cache_append`) against megatron-core's path as its
   ``MLASelfAttention`` runs it: its own ``DynamicInferenceContext.apply_rotary_emb_key`` (yarn
@@ -36,10 +42,13 @@ the eager and host figures the median of rounds that alternate the contenders. T
 (a large ``copy_``, read + write) is measured in the same run. Printed last: a table per section,
 the verdicts against the project's targets (decode >= 80% of the ceiling at context >= 4k and batch
 >= 16, and at least FlashInfer's speed there; RoPE+append >= 85% of the ceiling from 1024 tokens
-and >= 3x megatron-core at 1-256 tokens; no eager row behind FlashInfer by more than its launch
-cost) with the worst rows named. Writes ``mla_serving.json`` and ``mla_serving.png`` (where
-matplotlib is installed) to ``--out``. A row that fails is reported (traceback, ``failed_rows``)
-and the others still run; the exit status is then 1.
+and >= 3x megatron-core at 1-256 tokens; prefill and chunked prefill of >= 2k tokens in the cost
+model's form >= 1.3x FlashInfer's speed, mixed steps at least its speed, the pick never slower
+than the absorbed form; no eager row behind FlashInfer by more than its launch cost) with the
+worst rows named. The MHA form is timed eagerly (it sizes its tensors from host lengths, so it
+runs only in the steps megatron-core does not capture). Writes ``mla_serving.json`` and
+``mla_serving.png`` (where matplotlib is installed) to ``--out``. A row that fails is reported
+(traceback, ``failed_rows``) and the others still run; the exit status is then 1.
 
 Without a GPU it says so and checks the two kernels in the Triton interpreter instead (fp32):
 the attention against a float64 reference on a small decode and a small mixed step, the fused
@@ -59,8 +68,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.bench import mla_serving_cases as cases
+from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
+from megatron_ext.transformer.mla_prefill import backend_for
 
 __all__ = ["main", "parse_args"]
 
@@ -76,6 +87,10 @@ QUICK_HOST_ROUNDS = 3
 # Where the timed rows run (the tests run the same code on the CPU, in fp32, with fake timings).
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
+# The MHA form's timed contenders (eager only: the form sizes its tensors from host lengths).
+FORM_CONTENDERS = ("mha", "split")
+# The MHA form's backend, None for the dynamic path's own choice (the tests set "torch").
+MHA_BACKEND: Optional[str] = None
 
 
 def _sync() -> None:
@@ -136,18 +151,23 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
 
-def graph_us(call: Callable[..., Any], sets: Sequence[tuple], quick: bool) -> Dict[str, Any]:
+def graph_us(
+    call: Callable[..., Any], sets: Sequence[tuple], quick: bool, graph: bool = True
+) -> Dict[str, Any]:
     """GPU us per call: do_bench of a CUDA graph of ``max(MIN_GRAPH_CALLS, len(sets))`` calls,
     call ``i`` on ``sets[i % len(sets)]``, divided by the number of calls. Should the capture fail
-    (a call that synchronises), the same calls are timed eagerly and the method says so.
+    (a call that synchronises), or ``graph`` be False (a call that only runs eagerly, as the MHA
+    form, which sizes its tensors from host lengths), the same calls are timed eagerly and the
+    method says so.
 
     Args:
         call: the call, taking one set's tensors.
         sets: the input sets (already warmed up: the first call of a shape compiles).
         quick: fewer do_bench repetitions.
+        graph: capture the calls in a CUDA graph.
 
     Returns:
-        Dict[str, Any]: ``gpu_us``, ``gpu_method`` ("graph", or the eager fallback and why).
+        Dict[str, Any]: ``gpu_us``, ``gpu_method`` ("graph", or the eager method and why).
     """
     calls = max(MIN_GRAPH_CALLS, len(sets))
 
@@ -156,16 +176,19 @@ def graph_us(call: Callable[..., Any], sets: Sequence[tuple], quick: bool) -> Di
             call(*sets[i % len(sets)])
 
     torch.cuda.synchronize()
+    if not graph:
+        method = "eager do_bench (runs in eager steps only)"
+        return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method}
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
             run_all()
     except Exception as error:  # a capture that failed: time eagerly instead, say so
         torch.cuda.synchronize()
         method = f"eager do_bench (CUDA-graph capture failed: {type(error).__name__}: {error})"
         return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method[:300]}
-    us = _do_bench_us(graph.replay, quick) / calls
-    del graph
+    us = _do_bench_us(cuda_graph.replay, quick) / calls
+    del cuda_graph
     return {"gpu_us": us, "gpu_method": "graph"}
 
 
@@ -180,10 +203,16 @@ def _host_rounds(quick: bool) -> int:
 
 
 def _timed(
-    contenders: Dict[str, Tuple[Callable[..., Any], Sequence[tuple]]], quick: bool
+    contenders: Dict[str, Tuple[Callable[..., Any], Sequence[tuple]]],
+    quick: bool,
+    eager_only: Sequence[str] = (),
 ) -> Dict[str, Dict[str, Any]]:
-    """GPU, eager and host time of each contender (call, input sets)."""
-    out = {name: graph_us(call, sets, quick) for name, (call, sets) in contenders.items()}
+    """GPU, eager and host time of each contender (call, input sets); those in ``eager_only``
+    are not captured in a CUDA graph."""
+    out = {
+        name: graph_us(call, sets, quick, graph=name not in eager_only)
+        for name, (call, sets) in contenders.items()
+    }
     first = {name: (lambda c=call, s=sets[0]: c(*s)) for name, (call, sets) in contenders.items()}
     host = interleaved_host_us(first, _host_rounds(quick), _sync)
     for name, times in host.items():
@@ -222,13 +251,19 @@ def _flashinfer_row(
 
 
 def attention_row(
-    requests: List[Tuple[int, int]], heads: int, quick: bool, flashinfer: bool
+    requests: List[Tuple[int, int]],
+    heads: int,
+    quick: bool,
+    flashinfer: bool,
+    forms: bool = False,
 ) -> Dict[str, Any]:
-    """Time one attention step: ours, and FlashInfer's where ``flashinfer``."""
+    """Time one attention step: ours, and FlashInfer's where ``flashinfer``; with ``forms``,
+    ours in the MHA form too (:func:`_mha_contenders`)."""
 
     step = cases.build_step(
         requests, heads, dtype=DTYPE, device=DEVICE, seed=len(requests) * 131 + heads
     )
+    mha = forms_lib.mha_step(step, heads, seed=heads) if forms else None
     nbytes = cases.step_bytes(requests, heads)
     sets = _attention_sets(step, nbytes["minimum"])
 
@@ -242,11 +277,70 @@ def attention_row(
         fi_report, contender = _flashinfer_row(step, heads, sets, sets[0][2], quick)
         if contender is not None:
             contenders["flashinfer"] = contender
-    times = _timed(contenders, quick)
+    forms_report: Dict[str, Any] = {}
+    if mha is not None:
+        forms_report, extra = _mha_contenders(step, mha, heads, sets)
+        contenders.update(extra)
+    times = _timed(contenders, quick, eager_only=FORM_CONTENDERS)
     if "flashinfer" in times:
         fi_report.update(times["flashinfer"])
     row = {"heads": heads, "bytes": nbytes, "ours": times["ours"], "flashinfer": fi_report}
+    if mha is not None:
+        for name in FORM_CONTENDERS:
+            if name in times:
+                forms_report[name].update(times[name])
+        row["forms"] = forms_report
     return row
+
+
+def mha_backend() -> Optional[str]:
+    """The MHA form's backend where the rows run: the dynamic path's own choice
+    (:func:`~megatron_ext.transformer.mla_prefill.backend_for`), or :data:`MHA_BACKEND`."""
+    if MHA_BACKEND is not None:
+        return MHA_BACKEND
+    return backend_for(torch.device(DEVICE), DTYPE)
+
+
+def _mha_contenders(
+    step: cases.PagedStep, mha: "forms_lib.MhaStep", heads: int, sets: List[tuple]
+) -> Tuple[Dict[str, Any], Dict[str, Tuple[Callable[..., Any], List[tuple]]]]:
+    """The MHA-form contenders of a step (what the row reports, the contenders to time):
+    ``mha``, every request in the MHA form; ``split``, the cost model's split where it mixes
+    the forms (the leading requests absorbed). Each output is compared with ours (run on
+    ``sets[0]`` already) through W_UV, relative to its largest value."""
+    backend = mha_backend()
+    report: Dict[str, Any] = {
+        "backend": backend,
+        "model_split": mha.split,
+        "requests": mha.requests,
+    }
+    if backend is None:
+        report["error"] = "no MHA-form backend runs here (cuDNN attention or Transformer Engine)"
+        return report, {}
+    splits = {"mha": 0}
+    if 0 < mha.split < mha.requests:
+        splits["split"] = mha.split
+    reference = mha.value_projection(sets[0][2])
+    form_sets = [(cache, query, mha.query, out) for cache, query, out in sets[:1]]
+    form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
+    contenders = {}
+    for name, split in splits.items():
+        call = functools.partial(forms_lib.run_split, step, mha, backend, split)
+        entry: Dict[str, Any] = {"split": split}
+        try:
+            out = call(*form_sets[0])
+            call(*form_sets[min(1, len(form_sets) - 1)])  # cuDNN plans the shape on first use
+            _sync()
+        except Exception as error:  # reported in the row: the others still run
+            entry["error"] = f"failed: {type(error).__name__}: {error}"[:300]
+        else:
+            expected = reference[mha.split_tokens :] if split else reference
+            scale = float(expected.abs().max()) or 1.0
+            entry["max_rel_diff"] = float((out.float() - expected).abs().max()) / scale
+            entry["flops"] = forms_lib.mha_flops(mha, heads, step.latent, step.rope, split)
+            contenders[name] = (call, form_sets)
+        report[name] = entry
+    return report, contenders
 
 
 def decode_row(
@@ -280,19 +374,33 @@ def prefill_row(
     quick: bool,
     flashinfer: bool,
 ) -> Dict[str, Any]:
-    """One chunked-prefill or mixed row."""
-    row = attention_row(requests, heads, quick, flashinfer)
+    """One chunked-prefill or mixed row, ours in both forms (:func:`chosen_form`)."""
+    row = attention_row(requests, heads, quick, flashinfer, forms=True)
     flops = cases.step_flops(requests, heads)
     tflops = flops / row["ours"]["gpu_us"] / 1e6
     row.update(
         section="prefill",
         case=case,
+        requests=[list(r) for r in requests],
         tokens=sum(new for _, new in requests),
         flops=flops,
         ours_tflops=tflops,
         ours_pct_peak=100 * tflops / peak["tflops"],
     )
+    for name in FORM_CONTENDERS:
+        entry = row["forms"].get(name)
+        if isinstance(entry, dict) and "gpu_us" in entry:
+            entry["tflops"] = entry["flops"] / entry["gpu_us"] / 1e6
+    row["forms"]["chosen"] = chosen_form(row["forms"])
     return row
+
+
+def chosen_form(forms: Dict[str, Any]) -> str:
+    """The contender that is the dynamic path's cost-model choice for the step (with
+    ``MEGATRON_EXT_MLA_MHA_FORM=auto``): ``ours`` (absorbed), ``mha`` or ``split``."""
+    if forms.get("backend") is None or forms["model_split"] == forms["requests"]:
+        return "ours"
+    return "mha" if forms["model_split"] == 0 else "split"
 
 
 def append_row(tokens: int, ceiling: Dict[str, float], quick: bool) -> Dict[str, Any]:
@@ -368,6 +476,8 @@ def row_jobs(
             jobs.append((label, functools.partial(decode_row, b, c, h, ceiling, quick, flashinfer)))
     if "prefill" in args.rows:
         for case, requests in cases.PREFILL_CASES.items():
+            if quick and case not in cases.QUICK_PREFILL_CASES:
+                continue
             for h in args.heads or cases.PREFILL_HEADS:
                 make = functools.partial(prefill_row, case, requests, h, peak, quick, flashinfer)
                 jobs.append((f"prefill: {case}, {h} heads", make))

@@ -36,12 +36,23 @@ DECODE_HEADS = (16, 128)
 QUICK_DECODE_BATCHES = (1, 64, 128)
 QUICK_DECODE_CONTEXTS = (4096, 32768)
 
-# Chunked prefill and mixed steps: (cached before the step, new tokens) per request.
+# Prefill, chunked-prefill and mixed steps: (cached before the step, new tokens) per request,
+# decodes first as megatron-core orders a step's requests.
 PREFILL_CASES: Dict[str, List[Tuple[int, int]]] = {
-    "chunk 2k on 2k cached": [(2048, 2048)],
-    "mixed: 512-token chunk on 1.5k + 63 decodes at 4k": [(1536, 512)] + [(4095, 1)] * 63,
+    "prefill 2 x 1536": [(0, 1536)] * 2,
     "prefill 4k from empty": [(0, 4096)],
+    "prefill 8k from empty": [(0, 8192)],
+    "chunk 1k on 3k cached": [(3072, 1024)],
+    "chunk 2k on 2k cached": [(2048, 2048)],
+    "chunk 1k on 32k cached": [(32768, 1024)],
+    "mixed: 8 decodes at 4k + a 512-token chunk on 1k": [(4095, 1)] * 8 + [(1024, 512)],
+    "mixed: 63 decodes at 4k + a 512-token chunk on 1.5k": [(4095, 1)] * 63 + [(1536, 512)],
 }
+QUICK_PREFILL_CASES = (
+    "prefill 2 x 1536",
+    "chunk 1k on 3k cached",
+    "mixed: 8 decodes at 4k + a 512-token chunk on 1k",
+)
 PREFILL_HEADS = (16, 128)
 
 APPEND_TOKENS = (1, 16, 64, 256, 1024, 4096)

@@ -7,6 +7,8 @@ in the tests)."""
 import os
 from typing import Any, Callable, Dict, List, Optional
 
+from megatron_ext.bench.mla_serving_forms_report import forms_table, forms_verdicts
+
 # The serving kernels' targets: decode attention reads the cache near the copy ceiling where a
 # step is memory-bound, at or above FlashInfer's speed there; the key RoPE + cache append is
 # memory-bound from a prefill's size on and well ahead of megatron-core's unfused path at decode.
@@ -190,6 +192,9 @@ def verdicts(result: Dict[str, Any]) -> List[Dict[str, str]]:
         out += _decode_verdicts([r for r in rows if r["section"] == "decode"], flashinfer)
     if sections & {"decode", "prefill"}:
         out.append(_eager_verdict(rows, flashinfer))
+    prefill = [r for r in rows if r["section"] == "prefill" and "forms" in r]
+    if prefill:
+        out += forms_verdicts(prefill, flashinfer)
     if "rope_append" in sections:
         out += _append_verdicts([r for r in rows if r["section"] == "rope_append"])
     return out
@@ -313,6 +318,7 @@ def tables(result: Dict[str, Any]) -> str:
         lines += _decode_table(decode, tb_per_s)
     if prefill:
         lines += _prefill_table(prefill, result["matmul_peak"]["tflops"])
+        lines += forms_table([r for r in prefill if "forms" in r])
     if append:
         lines += _append_table(append, tb_per_s)
     methods = sorted(

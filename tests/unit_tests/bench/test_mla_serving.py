@@ -12,6 +12,7 @@ import torch
 from megatron_ext.bench import __main__ as bench_main
 from megatron_ext.bench import mla_serving
 from megatron_ext.bench import mla_serving_cases as cases
+from megatron_ext.bench import mla_serving_forms as forms_lib
 
 
 def test_help_through_the_main_job(capsys):
@@ -118,8 +119,9 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(mla_serving, "DTYPE", torch.float32)
     times = iter(range(1, 10000))
 
-    def fake_graph_us(call, sets, quick):
-        return {"gpu_us": float(next(times)), "gpu_method": "graph"}
+    def fake_graph_us(call, sets, quick, graph=True):
+        method = "graph" if graph else "eager do_bench (runs in eager steps only)"
+        return {"gpu_us": float(next(times)), "gpu_method": method}
 
     def fake_host_us(fns, rounds, sync):
         return {name: {"host_us": 2.0, "eager_us": 3.0 + i} for i, name in enumerate(fns)}
@@ -130,6 +132,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(mla_serving, "matmul_peak", lambda quick: {"tflops": 800.0})
     versions = dict(device="cpu", torch="t", triton="tr", megatron_core="m", python="p")
     monkeypatch.setattr(mla_serving, "_versions", lambda: versions)
+    # The plain-torch MHA form: the dynamic path picks none on the CPU.
+    monkeypatch.setattr(mla_serving, "MHA_BACKEND", "torch")
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["flashinfer_0.7.4", "older_flashinfer"])
@@ -161,9 +165,30 @@ def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_pa
         assert "matplotlib" in printed
     for title in ("decode attention", "chunked prefill", "key RoPE + paged cache append"):
         assert f"=== table: {title}" in printed
-    assert "=== verdicts" in printed and printed.count("\n- ") == len(result["verdicts"]) == 5
+    assert "=== verdicts" in printed and printed.count("\n- ") == len(result["verdicts"]) == 8
+    # The MHA form (plain torch here) computes the same attention as ours, through W_UV.
+    forms = prefill["forms"]
+    assert forms["backend"] == "torch" and forms["mha"]["max_rel_diff"] < 1e-5, forms
+    assert forms["mha"]["gpu_method"].startswith("eager"), forms
+    assert forms["chosen"] in ("ours", "mha") and "=== table: prefill forms" in printed
     # The decode row is outside the targets' region (batch 2, context 40).
     assert "not measured: no decode row in the region" in printed
+
+
+def test_prefill_rows_time_the_cost_models_split(fake_gpu, monkeypatch, tmp_path, capsys):
+    # Two decodes and a chunk; the split forced at the decodes (at these tiny sizes the model
+    # would absorb all): the leading requests absorbed, the chunk in the MHA form.
+    monkeypatch.setattr(cases, "PREFILL_CASES", {"mixed": [(30, 1), (12, 1), (9, 6)]})
+    monkeypatch.setattr(forms_lib, "absorbed_request_count", lambda *args: 2)
+    args = ["--rows", "prefill", "--heads", "4", "--out", str(tmp_path)]
+    assert mla_serving.bench_gpu(mla_serving.parse_args(args)) == 0
+    (row,) = json.loads((tmp_path / "mla_serving.json").read_text())["rows"]
+    forms = row["forms"]
+    assert (forms["model_split"], forms["requests"], forms["chosen"]) == (2, 3, "split")
+    assert forms["split"]["split"] == 2 and forms["split"]["max_rel_diff"] < 1e-5, forms
+    assert forms["mha"]["max_rel_diff"] < 1e-5, forms
+    printed = capsys.readouterr().out
+    assert "mixed steps, the cost model's form" in printed and " 2/3 " in printed
 
 
 def test_rows_pick_the_sections(fake_gpu, monkeypatch, tmp_path, capsys):
@@ -180,7 +205,7 @@ def test_rows_pick_the_sections(fake_gpu, monkeypatch, tmp_path, capsys):
 def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
     # One small row per section, timed for real: graph capture, eager and host timing, FlashInfer
     # where installed; the append rows bitwise equal to megatron-core's, FlashInfer close to ours.
-    monkeypatch.setattr(cases, "PREFILL_CASES", {"chunk": [(64, 64)], "mixed": [(32, 16), (90, 1)]})
+    monkeypatch.setattr(cases, "PREFILL_CASES", {"chunk": [(64, 64)], "mixed": [(90, 1), (32, 16)]})
     monkeypatch.setattr(cases, "APPEND_TOKENS", (16, 1024))
     argv = [
         "--quick",
@@ -209,6 +234,13 @@ def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
         fi = row.get("flashinfer")
         if isinstance(fi, dict) and "max_abs_diff" in fi:
             assert fi["max_abs_diff"] < 0.05, f"FlashInfer differs from ours: {fi}"
+        if row["section"] == "prefill":
+            # The MHA form runs where the dynamic path would take it, and agrees with ours.
+            forms = row["forms"]
+            assert forms["backend"] is not None, forms
+            for name in ("mha", "split"):
+                if name in forms:
+                    assert forms[name]["max_rel_diff"] < 0.02, f"MHA form ({name}): {forms}"
     assert all(r["bits_equal"] for r in result["rows"] if r["section"] == "rope_append")
     assert 1.0 < result["copy_ceiling"]["tb_per_s"] < 20.0
     assert "=== verdicts" in capsys.readouterr().out
