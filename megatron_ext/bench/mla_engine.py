@@ -32,7 +32,9 @@ hidden 256 and 4 heads with DeepSeek-V3's head widths: host-bound.
 
 Method: every round gives each engine the same ``requests`` prompts of ``--prompt`` tokens,
 ``--generate`` tokens each. The prefill (steps of up to :data:`MAX_PREFILL_TOKENS` prompt
-tokens) is timed per engine and reported apart; then the engines' decode steps
+tokens) is timed per engine and reported apart (``prefill ms``: the batch's time to first token;
+its attention runs in the form ``MEGATRON_EXT_MLA_MHA_FORM`` selects, printed with the table: one
+run per mode compares the forms); then the engines' decode steps
 run in alternating turns (step ``i`` of each, back to back, synchronised before and after; the
 order rotates between rounds), after one discarded warm-up round (Triton compiles, megatron_ext's
 sampling graphs). Decode figures count the decode-only steps (a step after the prefill that is
@@ -881,12 +883,20 @@ def bench_gpu(args: argparse.Namespace) -> int:
 
     from megatron_ext import undo_megatron_ext
     from megatron_ext.testing.synthetic import ensure_model_parallel
+    from megatron_ext.transformer import mla_prefill
 
     ensure_model_parallel()
     report: Dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "megatron_core": package_info.__version__,
         "torch": torch.__version__,
+        # Which form the prefill steps (prefill ms: the batch's time to first token) ran in.
+        "mha_form": {
+            "mode": mla_prefill.MODE,
+            "backend": mla_prefill.backend_for(
+                torch.device("cuda"), torch.bfloat16, mla_prefill.MODE
+            ),
+        },
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": [],
         "comparisons": [],
@@ -947,6 +957,11 @@ def bench_gpu(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=2)
     # The suite's summary (scripts/run_gpu_suite.sh) prints what follows this header.
     print("=== table: MLA decode through the engines (bf16)")
+    form = report["mha_form"]
+    print(
+        f"prefill attention: MHA form {form['mode']} (backend {form['backend']}; environment "
+        "MEGATRON_EXT_MLA_MHA_FORM=off|auto|force: run once per mode to compare prefill ms)"
+    )
     for failure in report["failed"]:
         print(f"FAILED: {failure['model']} {failure.get('requests', '(build)')}")
     for line in report_lib.verdicts(report):
