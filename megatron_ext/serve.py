@@ -21,7 +21,6 @@ megatron-core 0.16 has no server: the command refuses at once there.
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -31,8 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
-from unittest import mock
+from typing import Any, List, Optional, Sequence
 
 from megatron_ext.flags import add_megatron_ext_args
 from megatron_ext.inference.serve_checks import (
@@ -195,11 +193,6 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
         find_checkpoint(args.load, getattr(args, "ckpt_step", None))
         load_args_from_checkpoint(args)
     force_serving_args(args)
-    import torch
-
-    if not torch.cuda.is_available():
-        # megatron-core otherwise allocates the weights on torch.cuda.current_device().
-        args.use_cpu_initialization = True
     try:
         validate_args(args, ARG_DEFAULTS)
     except AssertionError as error:
@@ -251,17 +244,20 @@ def _check_layout(args: argparse.Namespace) -> None:
         raise ServeConfigError(
             f"--gpu-memory-fraction {args.gpu_memory_fraction}: must be in (0, 1]"
         )
+
+
+def cpu_refusal() -> Optional[str]:
+    """Why this machine cannot serve, or None: megatron-core's inference engine needs a CUDA
+    device (the tests serve tiny models on the CPU through ``megatron_ext.testing.cpu_serve``)."""
     import torch
 
-    from megatron_ext.fusions import tensor_checks
-
-    if not torch.cuda.is_available() and not tensor_checks.INTERPRETED:
-        # Checked here: otherwise the engine fails at the first request, behind a running server.
-        raise ServeConfigError(
-            "no CUDA device: on the CPU megatron_ext's Triton kernels run only in Triton's "
-            "interpreter; set TRITON_INTERPRET=1 in the environment before starting (slow: for "
-            "tiny models and tests)"
-        )
+    if torch.cuda.is_available():
+        return None
+    return (
+        "no CUDA device: serving needs a GPU (megatron-core's inference engine runs on CUDA); "
+        "tests serve tiny models on the CPU with python -m megatron_ext.testing.cpu_serve under "
+        "TRITON_INTERPRET=1"
+    )
 
 
 def preflight(args: argparse.Namespace, tokenizer_vocab: int) -> None:
@@ -336,57 +332,6 @@ def init_distributed(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-
-
-def cpu_read_metadata(
-    read_metadata: Callable[[str], Tuple[int, bool]],
-) -> Callable[[str], Tuple[int, bool]]:
-    """megatron.training's ``read_metadata`` for a CPU-only torch build.
-
-    megatron.training takes the ranks' largest iteration on a CUDA tensor whenever
-    torch.distributed is initialised; this runs ``read_metadata`` as if it were not and takes the
-    maximum over the ranks on a CPU tensor instead (gloo).
-
-    Args:
-        read_metadata: megatron.training's ``checkpointing.read_metadata``.
-
-    Returns:
-        Callable[[str], Tuple[int, bool]]: the same function, reducing on the CPU.
-    """
-    import torch
-
-    def cpu_version(tracker_filename: str) -> Tuple[int, bool]:
-        with mock.patch.object(torch.distributed, "is_initialized", return_value=False):
-            iteration, release = read_metadata(tracker_filename)
-        if torch.distributed.is_initialized():
-            largest = torch.tensor([iteration], dtype=torch.long)
-            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
-            iteration = int(largest[0])
-        return iteration, release
-
-    return cpu_version
-
-
-@contextlib.contextmanager
-def cpu_only_torch() -> Iterator[None]:
-    """Let the model, its loading and the engine run on a CPU-only torch build; nothing on CUDA.
-
-    megatron-core's inference stack and megatron.training's loader name CUDA in places that have
-    no CPU path (``torch.cuda.current_device()``, pinned memory, events, streams, a CUDA tensor in
-    ``read_metadata``): megatron_ext's ``cpu_torch_compat`` and :func:`cpu_read_metadata` stand in.
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    from megatron.training import checkpointing
-
-    from megatron_ext.testing.synthetic import cpu_torch_compat
-
-    cpu_version = cpu_read_metadata(checkpointing.read_metadata)
-    with cpu_torch_compat(), mock.patch.object(checkpointing, "read_metadata", cpu_version):
-        yield
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -546,9 +491,8 @@ def run(args: argparse.Namespace) -> int:
 
     init_distributed(args)
     try:
-        with cpu_only_torch():
-            model = build_model(args)
-            asyncio.run(serve_until_signal(args, model, get_tokenizer()))
+        model = build_model(args)
+        asyncio.run(serve_until_signal(args, model, get_tokenizer()))
     except ServeConfigError as error:  # the cache size, known once the model is loaded
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -579,6 +523,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from megatron.training.global_vars import get_tokenizer
 
         preflight(args, get_tokenizer().vocab_size)
+        refusal = cpu_refusal()
+        if refusal is not None:
+            raise ServeConfigError(refusal)
     except ServeConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

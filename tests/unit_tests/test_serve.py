@@ -371,8 +371,6 @@ def test_parse_serve_args_and_preflight_with_megatron_training(tmp_path):
     assert args.cache_mla_latents and not args.apply_rope_fusion
     assert args.mla_rope_contiguous_load and args.inference_static_active_slices
     assert args.padded_vocab_size == 256
-    # Without CUDA megatron-core must allocate the weights on the CPU.
-    assert args.use_cpu_initialization or torch.cuda.is_available()
     # A checkpoint saved by this command line passes both checks (megatron_ext's and
     # megatron.training's check_checkpoint_args).
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
@@ -383,55 +381,9 @@ def test_parse_serve_args_and_preflight_with_megatron_training(tmp_path):
         serve.parse_serve_args(TINY + ["--random-weights", "--load", str(tmp_path)])
 
 
-def test_cpu_read_metadata_reads_as_undistributed_and_reduces_on_the_cpu():
-    seen = []
-
-    def read_metadata(tracker_filename):
-        # megatron.training's own takes its cross-rank maximum on a CUDA tensor when it sees a
-        # process group: the CPU version must hide it.
-        seen.append((tracker_filename, torch.distributed.is_initialized()))
-        return 7, False
-
-    created = not torch.distributed.is_initialized()
-    if created:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
-    try:
-        assert serve.cpu_read_metadata(read_metadata)("tracker.txt") == (7, False)
-        assert torch.distributed.is_initialized()  # put back after the call
-    finally:
-        if created:
-            torch.distributed.destroy_process_group()
-    assert serve.cpu_read_metadata(read_metadata)("other.txt") == (7, False)
-    assert seen == [("tracker.txt", False), ("other.txt", False)]
-
-
-def test_cpu_only_torch_changes_nothing_with_cuda(monkeypatch):
+def test_serving_needs_a_gpu_and_names_the_tests_cpu_launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    current_device = torch.cuda.current_device
-    with serve.cpu_only_torch():
-        assert torch.cuda.current_device is current_device
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")
-@pytest.mark.skipif(not HAS_TRAINING, reason="needs megatron.training")
-def test_cpu_only_torch_on_the_cpu():
-    from megatron.training import checkpointing
-
-    original = checkpointing.read_metadata
-    with serve.cpu_only_torch():
-        assert torch.cuda.current_device() == "cpu"  # where megatron-core allocates
-        assert checkpointing.read_metadata is not original
-    assert checkpointing.read_metadata is original
-
-
-def test_preflight_on_the_cpu_needs_the_triton_interpreter(monkeypatch):
-    from megatron_ext.fusions import tensor_checks
-
+    assert serve.cpu_refusal() is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(tensor_checks, "INTERPRETED", False)
-    with pytest.raises(ServeConfigError, match="TRITON_INTERPRET=1"):
-        serve.preflight(model_namespace(random_weights=True), tokenizer_vocab=256)
-    monkeypatch.setattr(tensor_checks, "INTERPRETED", True)
-    serve.preflight(model_namespace(random_weights=True), tokenizer_vocab=256)
+    refusal = serve.cpu_refusal()
+    assert "no CUDA device" in refusal and "megatron_ext.testing.cpu_serve" in refusal

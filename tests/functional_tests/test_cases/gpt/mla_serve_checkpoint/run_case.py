@@ -236,9 +236,12 @@ def _child_reference(spec: Dict[str, Any], output: Path) -> None:
     from megatron_ext.testing.synthetic import run_engine
 
     server_case = _load(SERVER_CASE / "run_case.py", "mla_server_case")
-    args = serve.parse_serve_args(spec["argv"])
+    from megatron_ext.testing.cpu_serve import cpu_only_torch
+
+    # As the server is started (the CPU launcher adds --use-cpu-initialization).
+    args = serve.parse_serve_args(spec["argv"] + (["--use-cpu-initialization"] if on_cpu() else []))
     serve.init_distributed(args)
-    with serve.cpu_only_torch():  # as the server runs (nothing on a GPU)
+    with cpu_only_torch():  # as the server runs (nothing on a GPU)
         model = serve.build_model(args)
         llm = MegatronLLM(
             model=model,
@@ -287,10 +290,12 @@ def run_child(kind: str, payload: Any, work: Path, timeout: float) -> Tuple[int,
 
 
 def start_server(argv: List[str], log: Path) -> subprocess.Popen:
-    """``python -m megatron_ext.serve ARGV`` in its own process (its output to ``log``)."""
+    """``python -m megatron_ext.serve ARGV`` in its own process (its output to ``log``); on a
+    machine without a GPU through the tests' CPU launcher ``megatron_ext.testing.cpu_serve``."""
     sink = log.open("w")
+    module = "megatron_ext.testing.cpu_serve" if on_cpu() else "megatron_ext.serve"
     return subprocess.Popen(
-        [sys.executable, "-m", "megatron_ext.serve", *argv],
+        [sys.executable, "-m", module, *argv],
         cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
@@ -324,6 +329,14 @@ def descendants(pid: int) -> List[int]:
         found += children
         frontier += children
     return found
+
+
+def command_line(pid: int) -> str:
+    """A process's command line (from /proc; empty once it has gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return ""
 
 
 def alive(pid: int) -> bool:
@@ -446,7 +459,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             problems.append(f"the server did not report ready: {log.read_text()[-3000:]}")
             return finish(args, [], problems, run_environment())
         run["startup_seconds"] = time.monotonic() - start
-        children = descendants(server.pid)
+        children = {pid: command_line(pid) for pid in descendants(server.pid)}
         # Bad input while it runs: the same port, and a model that is not the checkpoint's.
         for name, extra, expect in (
             ("port_in_use", [], f"--port {port}"),
@@ -474,9 +487,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     text = log.read_text(errors="replace")
     if code != 0 or "megatron_ext.serve: stopped" not in text:
         problems.append(f"the server exited {code} after SIGTERM: {text[-1500:]}")
+    # A child that sees its parent gone (multiprocessing's resource tracker, say) takes a moment.
+    deadline = time.monotonic() + 10.0
     left = [pid for pid in children if alive(pid)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [pid for pid in left if alive(pid)]
     if left:
-        problems.append(f"processes the server started are still running: {left}")
+        named = "; ".join(f"{pid}: {children[pid]}" for pid in left)
+        problems.append(f"processes the server started are still running 10 s after it: {named}")
     if not server_case.port_is_closed(port):
         problems.append(f"port {port} still accepts connections after the server stopped")
     order = sorted(served)
