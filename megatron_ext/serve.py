@@ -246,6 +246,20 @@ def _check_layout(args: argparse.Namespace) -> None:
         )
 
 
+def cpu_refusal() -> Optional[str]:
+    """Why this machine cannot serve, or None: megatron-core's inference engine needs a CUDA
+    device (the tests serve tiny models on the CPU through ``megatron_ext.testing.cpu_serve``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        "no CUDA device: serving needs a GPU (megatron-core's inference engine runs on CUDA); "
+        "tests serve tiny models on the CPU with python -m megatron_ext.testing.cpu_serve under "
+        "TRITON_INTERPRET=1"
+    )
+
+
 def preflight(args: argparse.Namespace, tokenizer_vocab: int) -> None:
     """Everything checked before torch.distributed, the model or the server start: the layout,
     the port (on the rank that serves HTTP), the checkpoint, its model arguments (megatron_ext's
@@ -509,6 +523,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         from megatron.training.global_vars import get_tokenizer
 
         preflight(args, get_tokenizer().vocab_size)
+        refusal = cpu_refusal()
+        if refusal is not None:
+            raise ServeConfigError(refusal)
     except ServeConfigError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

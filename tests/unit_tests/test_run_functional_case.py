@@ -260,6 +260,27 @@ def test_two_gpu_case_is_reported_not_passed(tmp_path):
     assert "needs a machine with 2 GPUs" in outcome.messages[0]
 
 
+def test_cpu_case_runs_without_a_gpu(tmp_path):
+    gpu_only = make_case(tmp_path, name="gpu_only")
+    outcome = run(gpu_only, tmp_path, available_gpus=0)
+    assert outcome.status == runner.NOT_RUN
+    assert "needs a machine with 1 GPUs" in outcome.messages[0]
+    cpu = make_case(tmp_path, name="cpu", extra_yaml="CPU: true\n")
+    assert run(cpu, tmp_path, available_gpus=0, generate_golden=True).status == (
+        runner.GOLDEN_WRITTEN
+    )
+
+
+@pytest.mark.parametrize(
+    "nproc, value, message",
+    [(1, '"yes"', "CPU must be true or false"), (2, "true", "NPROC must be 1")],
+)
+def test_cpu_key_is_checked(tmp_path, nproc, value, message):
+    case = make_case(tmp_path, nproc=nproc, extra_yaml=f"CPU: {value}\n")
+    with pytest.raises(ValueError, match=message):
+        runner.load_case(case)
+
+
 def test_main_exit_codes_and_summary(tmp_path):
     one = make_case(tmp_path, name="one")
     make_case(tmp_path, name="two", nproc=2)

@@ -379,3 +379,11 @@ def test_parse_serve_args_and_preflight_with_megatron_training(tmp_path):
     serve.preflight(args, tokenizer_vocab=256)
     with pytest.raises(ServeConfigError, match="--random-weights and --load"):
         serve.parse_serve_args(TINY + ["--random-weights", "--load", str(tmp_path)])
+
+
+def test_serving_needs_a_gpu_and_names_the_tests_cpu_launcher(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert serve.cpu_refusal() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    refusal = serve.cpu_refusal()
+    assert "no CUDA device" in refusal and "megatron_ext.testing.cpu_serve" in refusal

@@ -24,6 +24,8 @@ A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`
 * ``GOLDEN``: ``bitwise`` (default) or ``none``. Golden values hold one series per metric, so a
   ``bitwise`` case with several runs must set ``COMPARE_MODES`` (runs that should differ, such as
   two dtypes, are separate cases).
+* ``CPU``: when true, the case also runs on a machine without a GPU (one process, on the CPU;
+  ``NPROC`` must be 1); otherwise it needs ``NPROC`` GPUs.
 * ``REQUIRES``: Python modules the case needs (e.g. ``megatron.training``, which only some
   megatron-core wheels ship); where one cannot be found the case is not run, and says why.
 * ``GOLDEN_PENDING``: why a case has no golden values yet (e.g. no machine of its size has run it).
@@ -73,6 +75,7 @@ KNOWN_KEYS = {
     "GOLDEN",
     "GOLDEN_PENDING",
     "REQUIRES",
+    "CPU",
     "TEST_TYPE",
     "DESCRIPTION",
 }
@@ -150,6 +153,7 @@ class CaseConfig:
     compare_modes: bool
     golden: str
     requires: List[str] = field(default_factory=list)
+    cpu: bool = False
     raw: Dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -264,6 +268,11 @@ def load_case(case_dir: Path) -> CaseConfig:
     requires = raw.get("REQUIRES", [])
     if not isinstance(requires, list) or not all(isinstance(m, str) and m for m in requires):
         raise ValueError(f"{where}: REQUIRES must be a list of module names, got {_kind(requires)}")
+    cpu = raw.get("CPU", False)
+    if not isinstance(cpu, bool):
+        raise ValueError(f"{where}: CPU must be true or false, got {_kind(cpu)}")
+    if cpu and nproc != 1:
+        raise ValueError(f"{where}: CPU: true runs one process, so NPROC must be 1, got {nproc}")
     return CaseConfig(
         path=case_dir,
         name=f"{case_dir.parent.name}/{case_dir.name}",
@@ -277,6 +286,7 @@ def load_case(case_dir: Path) -> CaseConfig:
         compare_modes=compare_modes,
         golden=golden,
         requires=requires,
+        cpu=cpu,
         raw=raw,
     )
 
@@ -701,7 +711,8 @@ def run_case(
         CaseOutcome: status and messages.
     """
     outcome = CaseOutcome(case.name, FAILED)
-    if case.nproc > available_gpus:
+    # A CPU case runs on the CPU where there is no GPU (the entry point picks the device).
+    if case.nproc > available_gpus and not (case.cpu and available_gpus == 0):
         outcome.status = NOT_RUN
         outcome.messages.append(
             f"needs a machine with {case.nproc} GPUs (this one has {available_gpus}); not run, "
