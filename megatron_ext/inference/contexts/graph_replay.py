@@ -2,6 +2,7 @@
 
 """Replaying a fixed-shape piece of bookkeeping from a CUDA graph captured on first use."""
 
+import gc
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -73,8 +74,16 @@ def capture_graph(
         register(generator)
     # As megatron-core's own graphs: a CUDA call from another thread of the process (a serving
     # loop, a data thread) must not invalidate this capture, which only this thread's calls feed.
-    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-        body()
+    # Nor may this thread's garbage collector: a finalizer it runs mid-capture (an old graph, its
+    # memory pool) could make a call that capture forbids. torch collects just before capturing.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            body()
+    finally:
+        if collecting:
+            gc.enable()
     current.wait_stream(side)
     return graph
 
