@@ -102,14 +102,18 @@ def is_megatron_core_min_version(minimum: str) -> bool:
     return get_megatron_core_version() >= Version(minimum)
 
 
-# megatron-core warns at import, once per module, that optional Transformer Engine / Apex are
-# missing; megatron_ext works without them, so its command-line tools hide these (and only these).
-OPTIONAL_DEPENDENCY_WARNING = r".*(Transformer Engine|Apex)( and Apex)? (is|are) not installed.*"
+# megatron-core warns at import, once per module, that optional Transformer Engine / Apex (and,
+# from 0.19, absl.logging) are missing; megatron_ext works without them, so its command-line
+# tools hide these (and only these).
+OPTIONAL_DEPENDENCY_WARNING = (
+    r".*(Transformer Engine|Apex|absl\.logging)( and Apex)? (is|are) not installed.*"
+)
 
 
 def ignore_optional_dependency_warnings() -> None:
-    """Hide megatron-core's "Transformer Engine / Apex not installed" warnings (for CLIs: call it
-    in a ``warnings.catch_warnings()`` block or a script's ``__main__``, not in library code)."""
+    """Hide megatron-core's "Transformer Engine / Apex / absl.logging not installed" warnings
+    (for CLIs: call it in a ``warnings.catch_warnings()`` block or a script's ``__main__``, not
+    in library code)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=OPTIONAL_DEPENDENCY_WARNING, category=UserWarning)

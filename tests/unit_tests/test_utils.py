@@ -98,6 +98,7 @@ def test_cli_filter_hides_only_megatron_cores_optional_dependency_warnings():
         for message in (
             "Transformer Engine and Apex are not installed. Falling back to Torch.",
             "Apex is not installed. Falling back to Torch Norm",
+            "absl.logging is not installed. Using logging.getLogger(__name__) instead.",
             "a real problem",
         ):
             warnings.warn(message, UserWarning, stacklevel=1)
