@@ -21,6 +21,7 @@ megatron-core 0.16 has no server: the command refuses at once there.
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 from megatron_ext.flags import add_megatron_ext_args
 from megatron_ext.inference.serve_checks import (
@@ -46,7 +47,14 @@ from megatron_ext.inference.serve_checks import (
     plan_buffer_size_gb,
 )
 
-__all__ = ["SERVER_MIN_CORE", "add_serve_args", "main", "parse_serve_args", "preflight"]
+__all__ = [
+    "SERVER_MIN_CORE",
+    "add_serve_args",
+    "main",
+    "parse_serve_args",
+    "preflight",
+    "stop_signals_blocked",
+]
 
 PROG = "python -m megatron_ext.serve"
 # The first megatron-core release with MegatronAsyncLLM and its OpenAI-compatible server.
@@ -69,6 +77,8 @@ FORCED_ARGS = {
 ARG_DEFAULTS = {"micro_batch_size": 1}
 # megatron-core 0.19's context takes this many tokens per step when max_tokens is not given.
 DEFAULT_STEP_TOKENS = 16384
+# The signals that stop the server.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -423,6 +433,24 @@ def wait_until_healthy(host: str, port: int, timeout: float) -> None:
         time.sleep(0.25)
 
 
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread inside the block; one sent to this thread alone
+    is delivered when the block ends (Python still handles one sent to the process: another
+    thread takes it). Threads started inside inherit the mask and keep it, and so do processes
+    they spawn: a blocked signal stays blocked across fork and exec."""
+    from multiprocessing import resource_tracker
+
+    # Started first: multiprocessing starts it with exactly these signals blocked and then
+    # unblocks them in the calling thread, which would undo the block for what comes after.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
     """Serve ``model`` until SIGINT or SIGTERM, then stop the frontends, the engine and the
     coordinator. Tensor-parallel ranks other than 0 run the engine and stop with rank 0."""
@@ -441,14 +469,19 @@ async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: An
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
-    llm = MegatronAsyncLLM(
-        model=model,
-        tokenizer=tokenizer,
-        inference_config=config,
-        # One host: the coordinator's ZMQ sockets stay on the loopback interface.
-        coordinator_host="127.0.0.1",
-        coordinator_port=getattr(args, "inference_coordinator_port", None),
-    )
+    # torchrun (and a terminal) signals each rank's whole process group, megatron-core's
+    # coordinator process among it; a coordinator that died with the signal would leave
+    # shutdown() waiting for it forever. It is spawned here (from the LLM's loop thread), so it
+    # starts with the stop signals blocked and is stopped by shutdown() in order instead.
+    with stop_signals_blocked():
+        llm = MegatronAsyncLLM(
+            model=model,
+            tokenizer=tokenizer,
+            inference_config=config,
+            # One host: the coordinator's ZMQ sockets stay on the loopback interface.
+            coordinator_host="127.0.0.1",
+            coordinator_port=getattr(args, "inference_coordinator_port", None),
+        )
     try:
         await llm.serve(
             ServeConfig(host=args.host, port=args.port, frontend_replicas=args.frontend_replicas),
@@ -478,6 +511,9 @@ async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: An
             for child in multiprocessing.active_children():
                 child.terminate()
                 child.join(timeout=5)
+                if child.is_alive():  # the coordinator blocks SIGTERM (above)
+                    child.kill()
+                    child.join(timeout=5)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -517,6 +553,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         before serving or by a second signal.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    # megatron.training's validate_args refuses tensor parallel > 1 on GPUs before Blackwell
+    # without it (it orders the tensor-parallel communication); read when CUDA starts, later.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     try:
         require_server_release()
         args = parse_serve_args(argv)

@@ -6,9 +6,10 @@ interpreter, ``TRITON_INTERPRET=1``).
 
 megatron-core's model and engine and megatron.training's loader call CUDA where they have no CPU
 path (``torch.cuda.current_device()``, pinned memory, events, streams, a CUDA tensor in
-``read_metadata``); :func:`cpu_only_torch` stands in for them around the whole command, and the
-weights are allocated on the CPU (``--use-cpu-initialization``). Serving itself needs a GPU:
-``megatron_ext.serve`` refuses a machine without one, this launcher aside.
+``read_metadata``, the GPU's architecture in ``validate_args`` for tensor parallel > 1);
+:func:`cpu_only_torch` stands in for them around the whole command, and the weights are allocated
+on the CPU (``--use-cpu-initialization``). Serving itself needs a GPU: ``megatron_ext.serve``
+refuses a machine without one, this launcher aside.
 """
 
 import contextlib
@@ -18,7 +19,10 @@ from unittest import mock
 
 import torch
 
-__all__ = ["cpu_only_torch", "cpu_read_metadata", "main"]
+__all__ = ["CPU_DEVICE_ARCH", "cpu_only_torch", "cpu_read_metadata", "main"]
+
+# The GPU architecture megatron.training's validate_args is told on the CPU (9: Hopper).
+CPU_DEVICE_ARCH = 9
 
 
 def cpu_read_metadata(
@@ -56,12 +60,19 @@ def cpu_only_torch() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    from megatron.training import checkpointing
+    from megatron.training import arguments, checkpointing
 
     from megatron_ext.testing.synthetic import cpu_torch_compat
 
     cpu_version = cpu_read_metadata(checkpointing.read_metadata)
-    with cpu_torch_compat(), mock.patch.object(checkpointing, "read_metadata", cpu_version):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_torch_compat())
+        stack.enter_context(mock.patch.object(checkpointing, "read_metadata", cpu_version))
+        # validate_args asks CUDA for the GPU's architecture when tensor parallel > 1; a
+        # pre-Blackwell answer keeps its CUDA_DEVICE_MAX_CONNECTIONS check, as on most GPUs.
+        stack.enter_context(
+            mock.patch.object(arguments, "get_device_arch_version", lambda: CPU_DEVICE_ARCH)
+        )
         yield
 
 

@@ -217,18 +217,20 @@ def _find_key(document: Any, key: str) -> Optional[Any]:
 
 
 def _functional_cases() -> Dict[str, int]:
-    """Discovers the functional test cases and the number of processes each needs.
+    """Discovers the functional test cases and the number of GPUs each needs.
 
     Returns:
         Case id (its directory relative to ``tests/functional_tests/test_cases``, e.g.
-        ``gpt/some_case``) -> ``NPROC`` of its model_config.yaml (1 when absent).
+        ``gpt/some_case``) -> ``GPUS`` of its model_config.yaml (default ``NPROC``, 1 when
+        both are absent).
     """
     cases = {}
     if not CASES_ROOT.is_dir():
         return cases
     for config in sorted(CASES_ROOT.rglob("model_config.yaml")):
-        nproc = _find_key(_load_yaml(config) or {}, "NPROC")
-        cases[config.parent.relative_to(CASES_ROOT).as_posix()] = int(nproc or 1)
+        raw = _load_yaml(config) or {}
+        gpus = _find_key(raw, "GPUS") or _find_key(raw, "NPROC")
+        cases[config.parent.relative_to(CASES_ROOT).as_posix()] = int(gpus or 1)
     return cases
 
 
@@ -453,8 +455,8 @@ def test_functional_matrices_list_exactly_the_cases_in_the_tree():
     jobs = _jobs(_load_yaml(GPU_WORKFLOW))
     cases = _functional_cases()
     expected = {
-        SINGLE_GPU_FUNCTIONAL_JOB: {case for case, nproc in cases.items() if nproc < 2},
-        MULTI_GPU_FUNCTIONAL_JOB: {case for case, nproc in cases.items() if nproc >= 2},
+        SINGLE_GPU_FUNCTIONAL_JOB: {case for case, gpus in cases.items() if gpus < 2},
+        MULTI_GPU_FUNCTIONAL_JOB: {case for case, gpus in cases.items() if gpus >= 2},
     }
     problems = []
     for job_id, wanted in expected.items():
@@ -473,8 +475,8 @@ def test_functional_matrices_list_exactly_the_cases_in_the_tree():
             problems.append(mismatch)
     assert not problems, (
         f"{GPU_WORKFLOW.relative_to(REPO_ROOT)} is out of sync with the functional cases "
-        f"({CASES_ROOT.relative_to(REPO_ROOT)}/**/model_config.yaml; NPROC >= 2 goes to "
-        f"{MULTI_GPU_FUNCTIONAL_JOB!r}): " + "; ".join(problems)
+        f"({CASES_ROOT.relative_to(REPO_ROOT)}/**/model_config.yaml; GPUS (default NPROC) >= 2 "
+        f"goes to {MULTI_GPU_FUNCTIONAL_JOB!r}): " + "; ".join(problems)
     )
 
 

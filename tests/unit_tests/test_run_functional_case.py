@@ -271,6 +271,26 @@ def test_cpu_case_runs_without_a_gpu(tmp_path):
     )
 
 
+def test_gpus_a_one_process_case_needs(tmp_path):
+    # One process that starts two ranks itself: two GPUs on a GPU machine, the CPU without one.
+    case = make_case(tmp_path, extra_yaml="CPU: true\nGPUS: 2\n")
+    assert (runner.load_case(case).nproc, runner.load_case(case).gpus) == (1, 2)
+    outcome = run(case, tmp_path, available_gpus=1)
+    assert outcome.status == runner.NOT_RUN
+    assert "needs a machine with 2 GPUs (this one has 1)" in outcome.messages[0]
+    assert run(case, tmp_path, available_gpus=0, generate_golden=True).status == (
+        runner.GOLDEN_WRITTEN
+    )
+    assert runner.load_case(make_case(tmp_path, name="default", nproc=2)).gpus == 2
+
+
+@pytest.mark.parametrize("value", ["0", "true", '"2"'])
+def test_gpus_key_is_checked(tmp_path, value):
+    case = make_case(tmp_path, nproc=1, extra_yaml=f"GPUS: {value}\n")
+    with pytest.raises(ValueError, match="GPUS must be an integer >= NPROC"):
+        runner.load_case(case)
+
+
 @pytest.mark.parametrize(
     "nproc, value, message",
     [(1, '"yes"', "CPU must be true or false"), (2, "true", "NPROC must be 1")],

@@ -7,10 +7,14 @@ megatron-core 0.19 is skipped without them, with the reason."""
 import argparse
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
@@ -121,6 +125,57 @@ def test_force_serving_args_turns_on_what_mla_serving_needs():
     assert args.cache_mla_latents and not args.apply_rope_fusion
     assert args.mla_rope_contiguous_load and args.inference_static_active_slices
     assert args.no_load_optim and args.exit_on_missing_checkpoint
+
+
+def test_main_defaults_cuda_device_max_connections_for_tensor_parallel(monkeypatch):
+    # megatron.training's validate_args refuses tensor parallel > 1 without it on most GPUs.
+    def refuse() -> None:
+        raise ServeConfigError("stop here")
+
+    monkeypatch.setattr(serve, "require_server_release", refuse)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert serve.main([]) == serve.EXIT_BAD_INPUT
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # the user's value is kept
+    assert serve.main([]) == serve.EXIT_BAD_INPUT
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping under torchrun
+
+
+MASK_OF_A_CHILD = (
+    "import signal; print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))"
+)
+
+
+def test_stop_signals_blocked_reach_a_process_spawned_from_a_thread_started_inside():
+    # megatron-core spawns its coordinator from its loop thread, after multiprocessing's resource
+    # tracker (which unblocks SIGINT and SIGTERM in the thread that starts it) may have started.
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    masks = []
+
+    def spawn() -> None:
+        resource_tracker.ensure_running()
+        child = subprocess.run(
+            [sys.executable, "-c", MASK_OF_A_CHILD], capture_output=True, text=True, check=True
+        )
+        masks.append(json.loads(child.stdout))
+
+    try:
+        with serve.stop_signals_blocked():
+            thread = threading.Thread(target=spawn)
+            thread.start()
+            thread.join()
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            assert received == []  # held back inside the block
+        assert received == [signal.SIGTERM]  # and delivered after it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert masks == [sorted([int(signal.SIGINT), int(signal.SIGTERM)])]
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
 
 
 # ----------------------------------------------------------------------------------------------

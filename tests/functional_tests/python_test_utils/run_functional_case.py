@@ -26,6 +26,8 @@ A case is a directory under ``tests/functional_tests/test_cases/<model>/<case>/`
   two dtypes, are separate cases).
 * ``CPU``: when true, the case also runs on a machine without a GPU (one process, on the CPU;
   ``NPROC`` must be 1); otherwise it needs ``NPROC`` GPUs.
+* ``GPUS``: the GPUs the case needs on a GPU machine (default ``NPROC``), for an entry point that
+  starts its ranks itself from one process (e.g. a server under torchrun).
 * ``REQUIRES``: Python modules the case needs (e.g. ``megatron.training``, which only some
   megatron-core wheels ship); where one cannot be found the case is not run, and says why.
 * ``GOLDEN_PENDING``: why a case has no golden values yet (e.g. no machine of its size has run it).
@@ -76,6 +78,7 @@ KNOWN_KEYS = {
     "GOLDEN_PENDING",
     "REQUIRES",
     "CPU",
+    "GPUS",
     "TEST_TYPE",
     "DESCRIPTION",
 }
@@ -154,6 +157,7 @@ class CaseConfig:
     golden: str
     requires: List[str] = field(default_factory=list)
     cpu: bool = False
+    gpus: int = 1
     raw: Dict[str, Any] = field(repr=False, default_factory=dict)
 
 
@@ -273,6 +277,9 @@ def load_case(case_dir: Path) -> CaseConfig:
         raise ValueError(f"{where}: CPU must be true or false, got {_kind(cpu)}")
     if cpu and nproc != 1:
         raise ValueError(f"{where}: CPU: true runs one process, so NPROC must be 1, got {nproc}")
+    gpus = raw.get("GPUS", nproc)
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < nproc:
+        raise ValueError(f"{where}: GPUS must be an integer >= NPROC ({nproc}), got {gpus!r}")
     return CaseConfig(
         path=case_dir,
         name=f"{case_dir.parent.name}/{case_dir.name}",
@@ -287,6 +294,7 @@ def load_case(case_dir: Path) -> CaseConfig:
         golden=golden,
         requires=requires,
         cpu=cpu,
+        gpus=gpus,
         raw=raw,
     )
 
@@ -712,10 +720,10 @@ def run_case(
     """
     outcome = CaseOutcome(case.name, FAILED)
     # A CPU case runs on the CPU where there is no GPU (the entry point picks the device).
-    if case.nproc > available_gpus and not (case.cpu and available_gpus == 0):
+    if case.gpus > available_gpus and not (case.cpu and available_gpus == 0):
         outcome.status = NOT_RUN
         outcome.messages.append(
-            f"needs a machine with {case.nproc} GPUs (this one has {available_gpus}); not run, "
+            f"needs a machine with {case.gpus} GPUs (this one has {available_gpus}); not run, "
             "no golden values checked"
         )
         return outcome

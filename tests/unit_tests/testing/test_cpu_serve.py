@@ -51,13 +51,17 @@ def test_cpu_only_torch_changes_nothing_with_cuda(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")
 @pytest.mark.skipif(not HAS_TRAINING, reason="needs megatron.training (megatron-core 0.19)")
 def test_cpu_only_torch_on_the_cpu():
-    from megatron.training import checkpointing
+    from megatron.training import arguments, checkpointing
 
     original = checkpointing.read_metadata
+    arch_version = arguments.get_device_arch_version
     with cpu_serve.cpu_only_torch():
         assert torch.cuda.current_device() == "cpu"  # where megatron-core allocates
         assert checkpointing.read_metadata is not original
+        # What validate_args asks for tensor parallel > 1.
+        assert arguments.get_device_arch_version() == cpu_serve.CPU_DEVICE_ARCH
     assert checkpointing.read_metadata is original
+    assert arguments.get_device_arch_version is arch_version
 
 
 def test_with_cuda_it_is_the_command_itself(monkeypatch):

@@ -23,6 +23,10 @@
 5. SIGTERM: the server must exit 0 after printing "stopped", leave no process it started, and close
    the port.
 
+With ``--tensor-parallel N`` (the case ``mla_serve_checkpoint_tp2``), the server and the direct
+engine run as N ranks under torchrun with ``--tensor-model-parallel-size N`` (the checkpoint is
+still trained by one process); SIGTERM goes to torchrun, and every rank must stop on its own.
+
 Standalone::
 
     python tests/functional_tests/test_cases/gpt/mla_serve_checkpoint/run_case.py --output-json OUT
@@ -122,6 +126,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--extra-model-args", nargs="*", default=[], help="appended to the model flags")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="serve (and run the direct engine) with this tensor-parallel size, one process per "
+        "rank under torchrun (the checkpoint is trained with 1)",
+    )
     p.add_argument("--child", choices=["train", "train_cpu", "reference"], help=argparse.SUPPRESS)
     p.add_argument("--child-args", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -132,14 +143,33 @@ def model_args(args: argparse.Namespace) -> List[str]:
     return MODEL_ARGS + ["--seed", str(args.seed)] + list(args.extra_model_args)
 
 
-def serve_args(args: argparse.Namespace, ckpt: Path, port: int) -> List[str]:
+def serve_args(args: argparse.Namespace, ckpt: Path, port: int, tp: int = 1) -> List[str]:
     """``megatron_ext.serve``'s command line for the case (explicit cache sizes, so that the
-    direct run builds the same context)."""
+    direct run builds the same context), with tensor-parallel size ``tp``."""
     return model_args(args) + [
         "--load", str(ckpt), "--port", str(port), "--max-requests", "16",
         "--max-sequence-length", "256", "--max-tokens", "256", "--block-size-tokens", "16",
         "--buffer-size-gb", "0.25", "--frontend-replicas", "2",
+        "--tensor-model-parallel-size", str(tp),
     ]  # fmt: skip
+
+
+def launcher(nproc: int) -> List[str]:
+    """The command prefix that starts ``nproc`` ranks: this Python, under torchrun when > 1
+    (local rendezvous on a free port).
+
+    Args:
+        nproc: processes (tensor-parallel ranks).
+
+    Returns:
+        List[str]: the prefix, to be followed by ``-m MODULE`` or a script and its arguments.
+    """
+    if nproc == 1:
+        return [sys.executable]
+    from megatron_ext.testing.network import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", HOST, "--master-port", str(free_port())]  # fmt: skip
 
 
 def child_env(port: Optional[int] = None) -> Dict[str, str]:
@@ -238,10 +268,11 @@ def _child_reference(spec: Dict[str, Any], output: Path) -> None:
     server_case = _load(SERVER_CASE / "run_case.py", "mla_server_case")
     from megatron_ext.testing.cpu_serve import cpu_only_torch
 
-    # As the server is started (the CPU launcher adds --use-cpu-initialization).
-    args = serve.parse_serve_args(spec["argv"] + (["--use-cpu-initialization"] if on_cpu() else []))
-    serve.init_distributed(args)
     with cpu_only_torch():  # as the server runs (nothing on a GPU)
+        # As the server is started (the CPU launcher adds --use-cpu-initialization).
+        cpu_args = ["--use-cpu-initialization"] if on_cpu() else []
+        args = serve.parse_serve_args(spec["argv"] + cpu_args)
+        serve.init_distributed(args)
         model = serve.build_model(args)
         llm = MegatronLLM(
             model=model,
@@ -258,7 +289,10 @@ def _child_reference(spec: Dict[str, Any], output: Path) -> None:
         "outputs": {str(k): v for k, v in outputs.items()},
         "layers": [layer_kind(layer) for layer in model.decoder.layers],
     }
-    output.write_text(json.dumps(result, default=float))
+    import torch
+
+    if torch.distributed.get_rank() == 0:  # every rank ran the same steps (tensor parallel)
+        output.write_text(json.dumps(result, default=float))
 
 
 def layer_kind(layer: Any) -> str:
@@ -271,31 +305,35 @@ def layer_kind(layer: Any) -> str:
     return f"moe {mlp.config.num_moe_experts} top-{mlp.config.moe_router_topk}{shared}"
 
 
-def run_child(kind: str, payload: Any, work: Path, timeout: float) -> Tuple[int, str]:
-    """Run this script as ``--child kind`` with ``payload`` (JSON), in its own process."""
+def run_child(
+    kind: str, payload: Any, work: Path, timeout: float, nproc: int = 1
+) -> Tuple[int, str]:
+    """Run this script as ``--child kind`` with ``payload`` (JSON), in its own process (``nproc``
+    ranks under torchrun when > 1)."""
     spec = work / f"{kind}.args.json"
     spec.write_text(json.dumps(payload))
     out = work / f"{kind}.out.json"
     from megatron_ext.testing.network import free_port
 
-    command = [sys.executable, __file__, "--child", kind, "--child-args", str(spec),
-               "--output-json", str(out)]  # fmt: skip
+    command = launcher(nproc) + [__file__, "--child", kind, "--child-args", str(spec),
+                                 "--output-json", str(out)]  # fmt: skip
+    env = child_env(free_port() if nproc == 1 else None)
     log = work / f"{kind}.log"
     with log.open("w") as sink:
         code = subprocess.call(
-            command, env=child_env(free_port()), stdout=sink, stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )  # fmt: skip
+            command, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout
+        )
     return code, log.read_text()[-3000:]
 
 
-def start_server(argv: List[str], log: Path) -> subprocess.Popen:
-    """``python -m megatron_ext.serve ARGV`` in its own process (its output to ``log``); on a
-    machine without a GPU through the tests' CPU launcher ``megatron_ext.testing.cpu_serve``."""
+def start_server(argv: List[str], log: Path, nproc: int = 1) -> subprocess.Popen:
+    """``python -m megatron_ext.serve ARGV`` in its own process (its output to ``log``), under
+    torchrun with ``nproc`` ranks when > 1; on a machine without a GPU through the tests' CPU
+    launcher ``megatron_ext.testing.cpu_serve``."""
     sink = log.open("w")
     module = "megatron_ext.testing.cpu_serve" if on_cpu() else "megatron_ext.serve"
     return subprocess.Popen(
-        [sys.executable, "-m", module, *argv],
+        launcher(nproc) + ["-m", module, *argv],
         cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
@@ -435,8 +473,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     )  # fmt: skip
     port = args.port or free_port()
-    argv_serve = serve_args(args, ckpt, port)
-    code, tail = run_child("reference", {"argv": argv_serve, "requests": requests}, work, 900)
+    tp = args.tensor_parallel
+    argv_serve = serve_args(args, ckpt, port, tp)
+    payload = {"argv": argv_serve, "requests": requests}
+    code, tail = run_child("reference", payload, work, 900, nproc=tp)
     reference_path = work / "reference.out.json"
     if code != 0 or not reference_path.is_file():
         problems.append(f"the direct engine run exited {code}: {tail}")
@@ -449,10 +489,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         problems.append(f"layers {reference['layers']}, expected {expected_layers}")
 
     log = work / "server.log"
-    server = start_server(argv_serve, log)
+    server = start_server(argv_serve, log, nproc=tp)
     served: Dict[int, Dict[str, Any]] = {}
     children: List[int] = []
-    run: Dict[str, Any] = {"mode": "served", "device": "cpu" if cpu else "cuda"}
+    run: Dict[str, Any] = {
+        "mode": "served", "device": "cpu" if cpu else "cuda", "tensor_parallel": tp,
+    }  # fmt: skip
     try:
         start = time.monotonic()
         if not wait_for_line(server, log, "serving on", args.startup_timeout):
@@ -465,6 +507,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             ("port_in_use", [], f"--port {port}"),
             ("mismatch", ["--kv-lora-rank", "128"], "--kv-lora-rank: checkpoint 256"),
         ):
+            # One process: both are found before torch.distributed starts, whatever the size.
             bad = serve_args(args, ckpt, port if name == "port_in_use" else free_port()) + extra
             problem = refused(bad, work / f"refused_{name}.log", expect)
             if problem:
@@ -485,8 +528,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     found, _ = server_case.compare(requests, served, direct)
     problems += found
     text = log.read_text(errors="replace")
-    if code != 0 or "megatron_ext.serve: stopped" not in text:
-        problems.append(f"the server exited {code} after SIGTERM: {text[-1500:]}")
+    stopped = text.count("megatron_ext.serve: stopped")
+    # torchrun forwards SIGTERM to every rank and then exits 1 itself (its SignalException);
+    # each rank must stop on its own, before torchrun's grace period ends in SIGKILL.
+    clean = code == 0 if tp == 1 else "forcefully exiting" not in text
+    if not clean or stopped != tp:
+        problems.append(
+            f"the server exited {code} after SIGTERM, {stopped} of {tp} ranks stopped: "
+            f"{text[-1500:]}"
+        )
     # A child that sees its parent gone (multiprocessing's resource tracker, say) takes a moment.
     deadline = time.monotonic() + 10.0
     left = [pid for pid in children if alive(pid)]
