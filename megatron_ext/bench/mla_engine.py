@@ -33,8 +33,9 @@ hidden 256 and 4 heads with DeepSeek-V3's head widths: host-bound.
 Method: every round gives each engine the same ``requests`` prompts of ``--prompt`` tokens,
 ``--generate`` tokens each. The prefill (steps of up to :data:`MAX_PREFILL_TOKENS` prompt
 tokens) is timed per engine and reported apart (``prefill ms``: the batch's time to first token;
-its attention runs in the form ``MEGATRON_EXT_MLA_MHA_FORM`` selects, printed with the table: one
-run per mode compares the forms); then the engines' decode steps
+its attention runs in the form ``MEGATRON_EXT_MLA_MHA_FORM`` selects, printed with the table;
+``--prefill-forms off auto`` also times each dynamic engine's prefill per mode in the same
+process, after the timed rounds); then the engines' decode steps
 run in alternating turns (step ``i`` of each, back to back, synchronised before and after; the
 order rotates between rounds), after one discarded warm-up round (Triton compiles, megatron_ext's
 sampling graphs). Decode figures count the decode-only steps (a step after the prefill that is
@@ -90,6 +91,7 @@ from megatron_ext.bench import mla_engine_report as report_lib
 from megatron_ext.bench.mla_engine_profile import breakdown_lines
 from megatron_ext.bench.mla_roofline import decode_step_cost, device_ceilings, roofline
 from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
+from megatron_ext.transformer.mla_prefill import MODES as MHA_FORM_MODES
 
 __all__ = [
     "ENGINE_MODELS",
@@ -439,6 +441,39 @@ def timed_round(
     return result
 
 
+def prefill_ms_by_form(
+    unit: Any, prompts: Sequence[List[int]], modes: Sequence[str], rounds: int
+) -> Dict[str, float]:
+    """The batch's time to first token (its prefill, synchronised) with the MHA form's mode set
+    to each of ``modes`` in turn: one discarded warm-up per mode (cuDNN plans its shapes), then
+    ``rounds`` rounds alternating the modes; each batch is generated to the end before the next.
+
+    Args:
+        unit: a :class:`DynamicUnit`.
+        prompts: the batch.
+        modes: :data:`~megatron_ext.transformer.mla_prefill.MODES` to compare.
+        rounds: timed rounds.
+
+    Returns:
+        Dict[str, float]: per mode, the median prefill in ms.
+    """
+    from megatron_ext.transformer.mla_prefill import mha_form_mode
+
+    times: Dict[str, List[float]] = {mode: [] for mode in modes}
+    for index in range(rounds + 1):
+        for mode in modes:
+            with mha_form_mode(mode):
+                unit.start(prompts)
+                _sync()
+                began = time.perf_counter()
+                unit.prefill()
+                _sync()
+                if index:  # the first round warms up
+                    times[mode].append(time.perf_counter() - began)
+                unit.drain()
+    return {mode: statistics.median(seconds) * 1e3 for mode, seconds in times.items()}
+
+
 def kernel_time_per_step(unit: Any, prompts: Sequence[List[int]]) -> Dict[str, Optional[float]]:
     """GPU work per decode step of one engine: its decode steps under ``torch.profiler`` (CUDA
     activity only), the durations of every kernel and copy summed.
@@ -573,6 +608,13 @@ def measure_config(
     kernels = {}
     if torch.cuda.is_available():
         kernels = {name: kernel_time_per_step(unit, prompts) for name, unit in units.items()}
+    forms = {}
+    if getattr(args, "prefill_forms", None):
+        forms = {
+            name: prefill_ms_by_form(unit, prompts, args.prefill_forms, min(args.rounds, 3))
+            for name, unit in units.items()
+            if name != "static"
+        }
     rows = [
         engine_row(model_name, requests, name, unit.batch, turns, args, kernels.get(name, {}))
         for name, unit in units.items()
@@ -584,6 +626,8 @@ def measure_config(
         row["controller_class"] = (
             type(unit.engine.controller).__name__ if row["engine"] != "static" else None
         )
+        if row["engine"] in forms:
+            row["prefill_ms_by_form"] = forms[row["engine"]]
     pairs = [(name, "static") for name in units if name != "static"]
     if {"dynamic-graphed", "dynamic-eager"} <= set(units):
         pairs.append(("dynamic-graphed", "dynamic-eager"))
@@ -853,6 +897,17 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "loops, the host share from one loop under torch.profiler, beside the stepped rounds' "
         "end-to-end figure",
     )
+    parser.add_argument(
+        "--prefill-forms",
+        nargs="+",
+        choices=MHA_FORM_MODES,
+        default=None,
+        metavar="MODE",
+        help="after the timed rounds, time each dynamic engine's prefill of the batch (its time "
+        "to first token) with the MHA form's mode set to each MODE in turn (off, auto, force), "
+        "in the same process; without it the prefill runs in the mode the environment sets "
+        "(MEGATRON_EXT_MLA_MHA_FORM)",
+    )
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
@@ -967,6 +1022,13 @@ def bench_gpu(args: argparse.Namespace) -> int:
     for line in report_lib.verdicts(report):
         print(line)
     print(report_lib.table(report))
+    for row in report["rows"]:
+        if row.get("prefill_ms_by_form"):
+            forms = ", ".join(f"{m} {ms:.1f} ms" for m, ms in row["prefill_ms_by_form"].items())
+            print(
+                f"time to first token ({row['model']}, {row['requests']} prompts of "
+                f"{row['prompt']} tokens, {row['engine']}), per MHA-form mode: {forms}"
+            )
     for entry in report["profiles"]:
         title = f"{entry['model']}, {entry['requests']} requests, {entry['engine']}"
         if entry["breakdown"].get("steps"):

@@ -33,11 +33,12 @@ without synchronisation; on 0.16 it lives on the GPU and is read once per step (
 only), kept while the tensors' in-place write counters say it is current.
 """
 
+import contextlib
 import dataclasses
 import os
 import threading
 import weakref
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ __all__ = [
     "backend_for",
     "graphed_step",
     "mha_form_core",
+    "mha_form_mode",
     "mha_form_split",
     "step_lengths",
 ]
@@ -75,6 +77,28 @@ def _env_choice(name: str, default: str, choices: Tuple[str, ...]) -> str:
 
 MODE = _env_choice("MEGATRON_EXT_MLA_MHA_FORM", "off", MODES)
 BACKEND = _env_choice("MEGATRON_EXT_MLA_MHA_BACKEND", "auto", ("auto",) + tuple(BACKENDS))
+
+
+@contextlib.contextmanager
+def mha_form_mode(mode: str) -> Iterator[None]:
+    """Run the block with :data:`MODE` set to ``mode``, as the environment setting would
+    (process-wide: for benchmarks and tests that compare the forms in one process, not while
+    another thread runs steps).
+
+    Args:
+        mode: one of :data:`MODES`.
+
+    Raises:
+        ValueError: for another mode, before anything changes.
+    """
+    global MODE
+    if mode not in MODES:
+        raise ValueError(f"MHA-form mode {mode!r}: expected one of {', '.join(MODES)}")
+    previous, MODE = MODE, mode
+    try:
+        yield
+    finally:
+        MODE = previous
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,24 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
         mla_engine.ENGINE_MODELS, "tiny", dict(mla_engine.ENGINE_MODELS["tiny"], q_lora_rank=48)
     )
     engines = ["dynamic-eager", "static"]
-    args = argparse.Namespace(prompt=5, generate=3, rounds=2, engines=engines, server_loop=True)
+    args = argparse.Namespace(
+        prompt=5,
+        generate=3,
+        rounds=2,
+        engines=engines,
+        server_loop=True,
+        prefill_forms=["off", "force"],
+    )
+    from megatron_ext.transformer import mla_prefill
+
+    mha_modes = []
+    mha_attention = mla_prefill.mla_paged_mha_attention
+
+    def recording_mha_attention(*a, **k):
+        mha_modes.append(mla_prefill.MODE)
+        return mha_attention(*a, **k)
+
+    monkeypatch.setattr(mla_prefill, "mla_paged_mha_attention", recording_mha_attention)
     with cpu_torch_compat():
         ensure_model_parallel()
         try:
@@ -202,6 +219,12 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
         assert row["decode_tokens_per_s"] > 0 and row["prefill_ms"] > 0
         assert row["kernel_ms_per_step"] is None and row["host_share"] is None
     assert rows["dynamic-eager"]["context_class"] == "StaticSlicesInferenceContext"
+    # The prefill timed per MHA-form mode (force: the plain-torch MHA form on the CPU).
+    assert set(rows["dynamic-eager"]["prefill_ms_by_form"]) == {"off", "force"}
+    assert min(rows["dynamic-eager"]["prefill_ms_by_form"].values()) > 0
+    assert "prefill_ms_by_form" not in rows["static"]
+    assert mha_modes and set(mha_modes) == {"force"}  # the MHA form ran in force mode only
+    assert mla_prefill.MODE == "off"  # put back
     assert rows["static"]["static_cache_gib"] > 0
     [comparison] = result["comparisons"]
     assert (comparison["candidate"], comparison["baseline"]) == ("dynamic-eager", "static")
@@ -363,6 +386,13 @@ def test_new_options_and_the_help_text():
     assert args.profile_steps == 5 and args.server_loop
     defaults = mla_engine.parse_args([])
     assert defaults.profile_steps == 0 and not defaults.server_loop
+    assert defaults.prefill_forms is None
+    assert mla_engine.parse_args(["--prefill-forms", "off", "auto"]).prefill_forms == [
+        "off",
+        "auto",
+    ]
+    with pytest.raises(SystemExit):
+        mla_engine.parse_args(["--prefill-forms", "on"])
     with pytest.raises(SystemExit):
         mla_engine.parse_args(["--profile-steps", "-1"])
     text = " ".join(mla_engine.parse_args.__globals__["_EPILOG"].split())

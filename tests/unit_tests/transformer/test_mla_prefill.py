@@ -349,3 +349,21 @@ def test_a_misspelt_setting_fails_at_import(name, value):
     )
     assert proc.returncode != 0
     assert f"{name}={value!r}: expected one of" in proc.stderr
+
+
+def test_mha_form_mode_sets_and_restores_the_process_wide_mode():
+    before = mla_prefill.MODE
+    with mla_prefill.mha_form_mode("force"):
+        assert mla_prefill.MODE == "force"
+        with mla_prefill.mha_form_mode("auto"):
+            assert mla_prefill.MODE == "auto"
+        assert mla_prefill.MODE == "force"
+    assert mla_prefill.MODE == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with mla_prefill.mha_form_mode("auto"):
+            raise RuntimeError("inside")
+    assert mla_prefill.MODE == before
+    with pytest.raises(ValueError, match="'on': expected one of auto, off, force"):
+        with mla_prefill.mha_form_mode("on"):
+            pass
+    assert mla_prefill.MODE == before
