@@ -206,6 +206,7 @@ def test_gpu_every_section_runs_and_agrees(monkeypatch, tmp_path, capsys):
     # One small row per section, timed for real: graph capture, eager and host timing, FlashInfer
     # where installed; the append rows bitwise equal to megatron-core's, FlashInfer close to ours.
     monkeypatch.setattr(cases, "PREFILL_CASES", {"chunk": [(64, 64)], "mixed": [(90, 1), (32, 16)]})
+    monkeypatch.setattr(cases, "QUICK_PREFILL_CASES", ("chunk", "mixed"))  # --quick keeps these
     monkeypatch.setattr(cases, "APPEND_TOKENS", (16, 1024))
     argv = [
         "--quick",
