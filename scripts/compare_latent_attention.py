@@ -163,8 +163,16 @@ def compare_shape(
         lse = torch.empty(lse_shape, dtype=torch.float32, device="cuda")
 
         def stage1(cache, query, out):
+            # One query operand: the kernel reads its RoPE part through the same tensor.
             plan.stage1(
-                query, cache, step.block_table, step.cu_query_lengths, step.kv_lengths, partial, lse
+                query,
+                query,
+                cache,
+                step.block_table,
+                step.cu_query_lengths,
+                step.kv_lengths,
+                partial,
+                lse,
             )
 
         def combine(cache, query, out):

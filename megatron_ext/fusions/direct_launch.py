@@ -214,6 +214,12 @@ class KernelLaunches:
         return direct
 
 
+def _kernel_name(launches: Any) -> str:
+    """The kernel's name for a message (a stand-in's type name)."""
+    kernel = getattr(launches, "kernel", launches)
+    return getattr(kernel, "__name__", type(kernel).__name__)
+
+
 class PreparedLaunch(LaunchPlan):
     """One launch of a kernel whose arguments other than its leading tensors are fixed: the one
     "direct launch, else Triton's JIT" path of the package.
@@ -289,7 +295,17 @@ class PreparedLaunch(LaunchPlan):
         self.direct = launches.launches.get(self.key)
 
     def __call__(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Launch with ``tensors`` for the leading arguments (in the prepared order)."""
+        """Launch with ``tensors`` for the leading arguments (in the prepared order).
+
+        Raises:
+            TypeError: for another number of tensors than prepared (the C launcher would read
+                past the arguments, the JIT path leave one unset), before any launch.
+        """
+        if len(tensors) != len(self.names):
+            raise TypeError(
+                f"{_kernel_name(self.launches)}: {len(tensors)} tensors given, "
+                f"{len(self.names)} prepared ({', '.join(self.names)})"
+            )
         direct = self.direct
         if direct and internals.cuda_current_device() == self.device_index and not hooks_set():
             gx, gy, gz = self.grid

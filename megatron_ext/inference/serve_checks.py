@@ -205,8 +205,13 @@ def checkpoint_args_mismatches(
         List[str]: ``"--flag: checkpoint X, command line Y"`` per mismatch.
     """
     problems = []
+    # The query groups count only with grouped-query attention (exclusive with MLA): pretrain's
+    # throughput logging sets num_query_groups to the head count on the arguments it saves.
+    grouped = getattr(saved, "group_query_attention", False) or getattr(
+        args, "group_query_attention", False
+    )
     for name in names:
-        if not hasattr(saved, name):
+        if not hasattr(saved, name) or (name == "num_query_groups" and not grouped):
             continue
         have, want = getattr(saved, name), getattr(args, name, None)
         if have != want:

@@ -155,6 +155,7 @@ def build_mla_dynamic_engine(
     seed: int = 0,
     megatron_wrapper: bool = False,
     num_cuda_graphs: Optional[int] = None,
+    moe_pad_experts_for_cuda_graph_inference: bool = False,
 ) -> Tuple[Any, Any, Any]:
     """megatron-core's dynamic context (latent cache), controller and engine around ``model``.
 
@@ -169,6 +170,13 @@ def build_mla_dynamic_engine(
             serving script uses) instead of :class:`RecordingModelWrapper`.
         num_cuda_graphs: the context's CUDA-graph batch buckets (with a model config's
             ``cuda_graph_impl="local"``, megatron-core's engine captures them on construction).
+        moe_pad_experts_for_cuda_graph_inference: megatron-core's setting that gives its MoE
+            layers fixed shapes (drop-and-pad at a capacity no token exceeds) in graphed steps,
+            without which their capture reads expert counts back to the host; the model config's
+            field on 0.19, the inference wrapper config's on 0.16 (needs ``megatron_wrapper``).
+
+    Raises:
+        ValueError: for the MoE padding on 0.16 without ``megatron_wrapper``.
 
     Returns:
         Tuple[DynamicInferenceEngine, context, wrapper]: the objects.
@@ -184,6 +192,14 @@ def build_mla_dynamic_engine(
     from megatron_ext.testing.synthetic import build_engine
 
     config = model.config
+    if moe_pad_experts_for_cuda_graph_inference:
+        if UPSTREAM_HAS_ACTIVE_SLICES:
+            config.moe_pad_experts_for_cuda_graph_inference = True
+        elif not megatron_wrapper:
+            raise ValueError(
+                "moe_pad_experts_for_cuda_graph_inference on megatron-core 0.16 is a setting of "
+                "its inference wrapper: pass megatron_wrapper=True"
+            )
     dtype = next(model.parameters()).dtype
     row = config.kv_lora_rank + config.qk_pos_emb_head_dim
     block_bytes = dtype.itemsize * config.num_layers * block_size_tokens * row
@@ -219,7 +235,14 @@ def build_mla_dynamic_engine(
             **sizes,
         )
     wrapper = (
-        _megatron_wrapper(model, context, dtype, max_requests, max_sequence_length)
+        _megatron_wrapper(
+            model,
+            context,
+            dtype,
+            max_requests,
+            max_sequence_length,
+            moe_pad_experts_for_cuda_graph_inference,
+        )
         if megatron_wrapper
         else RecordingModelWrapper(model, context)
     )
@@ -233,7 +256,12 @@ def build_mla_dynamic_engine(
 
 
 def _megatron_wrapper(
-    model: Any, context: Any, dtype: torch.dtype, max_requests: int, max_sequence_length: int
+    model: Any,
+    context: Any,
+    dtype: torch.dtype,
+    max_requests: int,
+    max_sequence_length: int,
+    moe_pad_experts_for_cuda_graph_inference: bool = False,
 ) -> Any:
     """megatron-core's ``GPTInferenceWrapper`` around ``model`` (its constructor differs by
     release)."""
@@ -258,6 +286,7 @@ def _megatron_wrapper(
         padded_vocab_size=model.vocab_size,
         inference_max_requests=max_requests,
         inference_max_seq_length=max_sequence_length,
+        moe_pad_experts_for_cuda_graph_inference=moe_pad_experts_for_cuda_graph_inference,
     )
     return GPTInferenceWrapper(model, config, context)
 

@@ -292,6 +292,19 @@ def test_checkpoint_args_mismatch_names_each_flag():
     assert checkpoint_args_mismatches(older, model_namespace()) == []
 
 
+def test_checkpoint_query_groups_compared_only_with_grouped_query_attention():
+    """megatron.training's pretrain saves num_query_groups = the head count (its throughput
+    logging sets it) although MLA has no query groups: that is no mismatch; with grouped-query
+    attention on either side it is."""
+    trained = model_namespace(num_query_groups=4, group_query_attention=False)
+    assert checkpoint_args_mismatches(trained, model_namespace(group_query_attention=False)) == []
+    grouped = model_namespace(num_query_groups=4, group_query_attention=True)
+    command_line = model_namespace(num_query_groups=2, group_query_attention=True)
+    assert checkpoint_args_mismatches(grouped, command_line) == [
+        "--num-query-groups: checkpoint 4, command line 2"
+    ]
+
+
 def test_preflight_reports_checkpoint_mismatch(tmp_path):
     write_checkpoint(tmp_path, model_namespace(qk_pos_emb_head_dim=32))
     args = model_namespace(load=str(tmp_path))

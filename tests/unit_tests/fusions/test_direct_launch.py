@@ -309,3 +309,22 @@ def test_prepared_launch_of_cpu_tensors_or_a_stand_in_takes_the_full_path():
     prepared(out, x2)
     assert prepared.direct is None
     assert calls == [((2, 1, 1), _scale_args(out, x2, 8), {"num_warps": 1})]
+
+
+@pytest.mark.parametrize("given", [1, 3])
+def test_prepared_launch_refuses_another_number_of_tensors_before_launching(given):
+    """A caller that passes one tensor too few or too many (a plan's operands changed under it)
+    gets a TypeError naming the kernel and the prepared tensors, and nothing is launched."""
+    calls = []
+
+    class StandIn:
+        kernel = _scale_kernel
+
+        def __call__(self, grid, args, **options):
+            calls.append(grid)
+
+    x, out = torch.arange(8.0), torch.zeros(8)
+    prepared = direct_launch.PreparedLaunch(StandIn(), (2,), _scale_args(out, x, 8), {})
+    with pytest.raises(TypeError, match=rf"_scale_kernel: {given} tensors given, 2 prepared"):
+        prepared(*[out, x, x][:given])
+    assert calls == []

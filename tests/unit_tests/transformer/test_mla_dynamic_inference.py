@@ -725,6 +725,7 @@ def eager_and_graphed_runs(
     sizes: Dict[str, Any] = DEEPSEEK_LIKE,
     requests: Any = None,
     cache: Any = None,
+    moe: bool = False,
 ) -> Dict[str, Any]:
     """The engine's outputs without and with megatron-core's CUDA graphs (``cuda_graph_impl``
     "none" and "local"); ``before(impl)`` is called before each build.
@@ -736,6 +737,8 @@ def eager_and_graphed_runs(
             implementation added).
         requests: default the pausing requests, 16 tokens each.
         cache: the engine's cache sizes (default :data:`PAUSING_CACHE`).
+        moe: MoE layers: the graphed engine gets megatron-core's
+            ``moe_pad_experts_for_cuda_graph_inference``.
 
     Returns:
         Dict[str, Any]: implementation -> request id -> the engine's output.
@@ -770,6 +773,7 @@ def eager_and_graphed_runs(
             max_sequence_length=sizes["max_sequence_length"],
             megatron_wrapper=True,
             num_cuda_graphs=4 if impl == "local" else None,
+            moe_pad_experts_for_cuda_graph_inference=moe and impl == "local",
             **(PAUSING_CACHE if cache is None else cache),
         )
         if impl == "local":
@@ -915,9 +919,14 @@ def test_gpu_decode_attention_runs_no_copy_kernel_on_the_absorbed_path(stack, mo
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         attention(hidden, None, inference_context=context)
         torch.cuda.synchronize()
-    kernels = _kernels_under(p.events(), "absorbed_path")
-    assert any("_latent_attention_kernel" in k for k in kernels), kernels
-    assert len(kernels) >= 3, kernels  # two GEMMs and the attention at least
+    events = p.events()
+    # The profiler ties a kernel to the op that launched it through the CUDA runtime's launch
+    # calls; Triton launches through the driver API, so its kernels appear in the trace but not
+    # under the range: they are looked for among every kernel of the window.
+    launched = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_latent_attention_kernel" in k for k in launched), launched
+    kernels = _kernels_under(events, "absorbed_path")
+    assert len(kernels) >= 2, kernels  # the two GEMMs at least
     copies = [k for k in kernels if COPY_KERNEL.search(k)]
     assert not copies, f"copy kernels {copies} among {kernels}"
 
