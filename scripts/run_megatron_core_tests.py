@@ -75,6 +75,18 @@ def outcomes(log_path: Path) -> Dict[str, str]:
     return result
 
 
+def nothing_ran_reason(log_path: Path) -> str:
+    """Why a run's log names no test outcome: its collection error, or its last line."""
+    if not log_path.exists():
+        return "no log"
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ") and line[1:].strip()]
+    if errors:
+        return f"nothing ran: {errors[-1][:160]}"
+    last = next((line for line in reversed(lines) if line), "empty log")
+    return f"nothing ran: {last[:160]}"
+
+
 def stage(checkout: Path, out: Path) -> Tuple[Path, List[str]]:
     """A working directory with the checkout's tests, and the paths to append for the checkout's
     ``megatron`` packages other than ``core`` (``training``, ``legacy``, ``rl``: the tests' conftest
@@ -211,12 +223,17 @@ def main(argv=None) -> int:
             both_ran = set(stock) & set(ext)
             stock = {t: s for t, s in stock.items() if t in both_ran}
             ext = {t: s for t, s in ext.items() if t in both_ran}
-        return test_file, stock, ext, time.time() - start, stock_cut or ext_cut
+        notes = ["cut at the timeout"] if stock_cut or ext_cut else []
+        for tag, outcome in (("stock", stock), ("megatron_ext", ext)):
+            if not outcome:
+                log = args.out / f"{tag}-{test_file.replace('/', '_')}.log"
+                notes.append(f"{tag}: {nothing_ran_reason(log)}")
+        return test_file, stock, ext, time.time() - start, "; ".join(notes)
 
     rows, regressions = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(both, range(len(files)), files))
-    for test_file, stock, ext, seconds, cut in results:
+    for test_file, stock, ext, seconds, note in results:
         passed_stock = {t for t, s in stock.items() if s == "passed"}
         lost = sorted(t for t in passed_stock if ext.get(t) != "passed")
         regressions += [(t, ext.get(t, "not run")) for t in lost]
@@ -230,7 +247,7 @@ def main(argv=None) -> int:
                 len(ext),
                 len(lost),
                 seconds,
-                "cut at the timeout" if cut else "",
+                note.replace("|", "/"),
             )
         )
     print(
