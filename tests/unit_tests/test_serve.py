@@ -329,11 +329,27 @@ def test_preflight_reports_port_before_checkpoint(tmp_path):
         (dict(world_size=2), "data-parallel serving is not supported"),
         (dict(block_size_tokens=0), "--block-size-tokens 0: must be >= 1"),
         (dict(gpu_memory_fraction=1.5), "--gpu-memory-fraction 1.5"),
+        (
+            dict(cuda_graph_impl="local", num_experts=4),
+            "needs --moe-pad-experts-for-cuda-graph-inference",
+        ),
     ],
 )
 def test_preflight_layout(overrides, message):
     with pytest.raises(ServeConfigError, match=message):
         serve.preflight(model_namespace(random_weights=True, **overrides), tokenizer_vocab=256)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(cuda_graph_impl="local", num_experts=4, moe_pad_experts_for_cuda_graph_inference=True),
+        dict(cuda_graph_impl="local", num_experts=None),
+        dict(cuda_graph_impl="none", num_experts=4),
+    ],
+)
+def test_preflight_takes_moe_graphs_with_padding_and_either_alone(overrides):
+    serve.preflight(model_namespace(random_weights=True, **overrides), tokenizer_vocab=256)
 
 
 @pytest.mark.skipif(
