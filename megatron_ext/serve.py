@@ -227,16 +227,23 @@ def _check_layout(args: argparse.Namespace) -> None:
     for flag, size in unsupported.items():
         if size != 1:
             raise ServeConfigError(f"{flag} {size}: served with 1 only (tensor parallel only)")
-    if (
-        getattr(args, "cuda_graph_impl", "none") == "local"
-        and getattr(args, "num_experts", None)
-        and not getattr(args, "moe_pad_experts_for_cuda_graph_inference", False)
-    ):
-        raise ServeConfigError(
-            "--cuda-graph-impl local with MoE layers needs --moe-pad-experts-for-cuda-graph-"
-            "inference: without it megatron-core's MoE layers read their tokens per expert back "
-            "to the host, which a CUDA graph capture cannot do"
-        )
+    if getattr(args, "cuda_graph_impl", "none") == "local" and getattr(args, "num_experts", None):
+        # megatron-core's MoE layers read their tokens per expert back to the host (which a
+        # capture cannot do) with the allgather dispatcher always, and with alltoall unless its
+        # inference padding gives them fixed shapes.
+        if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+            raise ServeConfigError(
+                "--cuda-graph-impl local with MoE layers and --moe-token-dispatcher-type "
+                "allgather: that dispatcher reads its tokens per expert back to the host in every "
+                "step, which a CUDA graph capture cannot do; use alltoall with "
+                "--moe-pad-experts-for-cuda-graph-inference, or no CUDA graphs"
+            )
+        if not getattr(args, "moe_pad_experts_for_cuda_graph_inference", False):
+            raise ServeConfigError(
+                "--cuda-graph-impl local with MoE layers needs --moe-pad-experts-for-cuda-graph-"
+                "inference: without it megatron-core's MoE layers read their tokens per expert "
+                "back to the host, which a CUDA graph capture cannot do"
+            )
     if args.world_size != args.tensor_model_parallel_size:
         raise ServeConfigError(
             f"{args.world_size} processes for --tensor-model-parallel-size "

@@ -330,8 +330,17 @@ def test_preflight_reports_port_before_checkpoint(tmp_path):
         (dict(block_size_tokens=0), "--block-size-tokens 0: must be >= 1"),
         (dict(gpu_memory_fraction=1.5), "--gpu-memory-fraction 1.5"),
         (
-            dict(cuda_graph_impl="local", num_experts=4),
+            dict(cuda_graph_impl="local", num_experts=4, moe_token_dispatcher_type="alltoall"),
             "needs --moe-pad-experts-for-cuda-graph-inference",
+        ),
+        (
+            dict(
+                cuda_graph_impl="local",
+                num_experts=4,
+                moe_token_dispatcher_type="allgather",
+                moe_pad_experts_for_cuda_graph_inference=True,
+            ),
+            "dispatcher reads its tokens per expert back to the host",
         ),
     ],
 )
@@ -343,9 +352,14 @@ def test_preflight_layout(overrides, message):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(cuda_graph_impl="local", num_experts=4, moe_pad_experts_for_cuda_graph_inference=True),
+        dict(
+            cuda_graph_impl="local",
+            num_experts=4,
+            moe_token_dispatcher_type="alltoall",
+            moe_pad_experts_for_cuda_graph_inference=True,
+        ),
         dict(cuda_graph_impl="local", num_experts=None),
-        dict(cuda_graph_impl="none", num_experts=4),
+        dict(cuda_graph_impl="none", num_experts=4, moe_token_dispatcher_type="allgather"),
     ],
 )
 def test_preflight_takes_moe_graphs_with_padding_and_either_alone(overrides):

@@ -199,15 +199,15 @@ def test_dynamic_config_problems_name_a_capacity_factor(capacity):
 def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, monkeypatch):
     """megatron-core's per-layer CUDA graphs (``cuda_graph_impl="local"``, captured in the
     engine's warm-up, replayed in decode-only steps) around MLA and MoE layers: the same greedy
-    tokens as the eager engine, log-probs within fp32 rounding. Its MoE layers read the tokens
-    per expert back to the host unless ``moe_pad_experts_for_cuda_graph_inference`` gives them
-    fixed shapes in graphed steps (megatron-core asks for it only with expert parallelism, but
-    a capture needs it at expert parallel 1 as well)."""
+    tokens as the eager engine, log-probs within fp32 rounding. megatron-core's allgather token
+    dispatcher reads the tokens per expert back to the host in every step, so a captured MoE
+    layer needs the alltoall dispatcher with ``moe_pad_experts_for_cuda_graph_inference`` (fixed
+    shapes in graphed steps; megatron-core asks for it only with expert parallelism, but a
+    capture needs it at expert parallel 1 as well); both runs use that dispatcher."""
     # megatron-core keeps the MoE layers it pads in a process-wide list made once: a model built
     # by an earlier test would be the one padded.
     monkeypatch.setattr(inference_utils, "moe_layer_cache", None)
-    requests = requests_for(LENGTHS, NEW_TOKENS, TINY_MLA_MOE_SIZES["vocab_size"])
-    runs = eager_and_graphed_runs(
-        stack, sizes=TINY_MLA_MOE_SIZES, requests=requests, cache=CACHE, moe=True
-    )
+    sizes = tiny_mla_moe_sizes(moe_token_dispatcher_type="alltoall")
+    requests = requests_for(LENGTHS, NEW_TOKENS, sizes["vocab_size"])
+    runs = eager_and_graphed_runs(stack, sizes=sizes, requests=requests, cache=CACHE, moe=True)
     assert_graphed_as_eager(runs)
