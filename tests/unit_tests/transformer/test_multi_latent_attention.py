@@ -119,13 +119,20 @@ def forward_backward(module, hidden, params, seed=3):
 
 
 def assert_bitwise(a, b):
+    """``b`` (megatron_ext's output, input gradient and parameter gradients) holds ``a``'s
+    (megatron-core's) bits; a failure names the tensor and where megatron_ext's bits moved."""
     out_a, dx_a, g_a = a
     out_b, dx_b, g_b = b
-    assert torch.equal(out_a, out_b), "outputs differ"
-    assert torch.equal(dx_a, dx_b), "input gradients differ"
+    reference = "megatron-core"
+    assert_bitwise_equal(out_b, out_a, "megatron_ext's output vs megatron-core's", None, reference)
+    assert_bitwise_equal(
+        dx_b, dx_a, "megatron_ext's input gradient vs megatron-core's", None, reference
+    )
     assert g_a.keys() == g_b.keys()
     for name in g_a:
-        assert torch.equal(g_a[name], g_b[name]), f"gradient of {name} differs"
+        assert_bitwise_equal(
+            g_b[name], g_a[name], f"megatron_ext's gradient of {name} vs megatron-core's"
+        )
 
 
 @pytest.fixture(autouse=True)
