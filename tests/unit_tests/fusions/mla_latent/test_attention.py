@@ -868,3 +868,38 @@ def test_gpu_direct_launches_equal_jit_launches_bitwise(splits, monkeypatch):
     for i, step in enumerate(steps):
         fresh_launches()  # a specialisation's first call: Triton's JIT
         assert torch.equal(run(step).view(torch.int16), direct[i].view(torch.int16)), i
+
+
+@pytest.mark.parametrize("first", [0, 3])
+@pytest.mark.parametrize("max_query_len", [None, 1, 8])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_step_of_padding_only_writes_zeros_inside_its_output(first, max_query_len, splits):
+    """No request, only padding tokens (a CUDA-graph step padded from zero requests, or any
+    ``block_table`` with zero rows): every token of ``out`` is zero and nothing outside ``out``
+    is written, with query tiles of one token or several (the tiles before the first request's
+    must not be read as tiles past the last)."""
+    tokens, heads, latent, rope, guard_rows = 6, 2, 16, 16, 24
+    query = torch.randn(tokens, heads, latent + rope, device=DEVICE)
+    cache = torch.randn(2, 16, latent + rope, device=DEVICE)
+    block_table = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    cu_query_lengths = torch.tensor([first], dtype=torch.int32, device=DEVICE)
+    kv_lengths = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    buffer = torch.full((guard_rows + tokens + guard_rows, heads, latent), 7.0, device=DEVICE)
+    out = buffer[guard_rows : guard_rows + tokens]
+    result = mla_paged_latent_attention(
+        query,
+        cache,
+        block_table,
+        cu_query_lengths,
+        kv_lengths,
+        SCALE,
+        rope_dim=rope,
+        max_query_len=max_query_len,
+        num_kv_splits=splits,
+        out=out,
+    )
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(out, torch.zeros_like(out))
+    before, after = buffer[:guard_rows], buffer[guard_rows + tokens :]
+    assert torch.equal(before, torch.full_like(before, 7.0)), "wrote before out"
+    assert torch.equal(after, torch.full_like(after, 7.0)), "wrote past out"
