@@ -35,12 +35,16 @@ def _is_bool(value: Any) -> bool:
 
 
 def as_int(name: str, value: Any) -> int:
-    """``value`` as an int (Python or numpy integers; not a bool, float, str or None).
+    """``value`` as an int (Python or numpy integers; not a bool, float, str, None or tensor).
+
+    A tensor of one integer converts to an index, but it is no count or id: it hashes by
+    identity (megatron-core's engine keys its requests by id) and megatron-core computes with
+    the value as given (on a GPU, every comparison would read it back).
 
     Raises:
         TypeError: naming ``name`` and the value.
     """
-    if not _is_bool(value):
+    if not (_is_bool(value) or isinstance(value, Tensor)):
         try:
             return operator.index(value)
         except TypeError:
@@ -125,12 +129,15 @@ def prompt_token_ids(
         Tensor: ``tokens`` itself when it is int64, else an int64 copy on the same device.
 
     Raises:
-        TypeError: for something other than a 1-D tensor of real numbers (a bool tensor too).
+        TypeError: for something other than a 1-D tensor of real numbers (a bool tensor too, and
+            a meta tensor).
         ValueError: for an empty prompt, and an id that is not integral, not finite, or outside
             the vocabulary (the message names the first such id and its position).
     """
     if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         raise TypeError(f"{name} must be a 1-D tensor of token ids, got {describe(tokens)}")
+    if tokens.is_meta:
+        raise TypeError(f"{name} is a meta tensor: it holds no token ids")
     if tokens.dtype == torch.bool or tokens.is_complex():
         raise TypeError(f"{name} must hold integer token ids, got {describe(tokens)}")
     if tokens.numel() == 0:

@@ -20,6 +20,7 @@ from megatron_ext.inference.contexts.request_checks import (
     check_generation_length,
     check_log_prob_options,
     check_metadata_value,
+    describe,
     prompt_token_ids,
 )
 from megatron_ext.inference.contexts.sampling_registry import (
@@ -365,7 +366,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
             check_row_count(
                 "chunk_length", chunk, 1, remaining, "the request's remaining prompt tokens"
             )
-        to_generate = req.sampling_params.num_tokens_to_generate
+        # A numpy integer is accepted where the request enters (as_int); megatron-core computes
+        # num_tokens_total's conversion with it too.
+        to_generate = as_int("num_tokens_to_generate", req.sampling_params.num_tokens_to_generate)
         done = int(getattr(req, "finished_chunk_token_count", 0) or 0)
         check_row_count(
             "num_tokens_to_generate",
@@ -514,8 +517,12 @@ def _as_int64_prompt(req: Any, remaining: Tensor) -> None:
 
 
 def _request_id_list(request_ids: Any) -> List[int]:
-    if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
-        raise TypeError(
-            f"request_ids must be an iterable of ints, got {type(request_ids).__name__}"
-        )
+    if (
+        isinstance(request_ids, (str, bytes))
+        or not hasattr(request_ids, "__iter__")
+        or (isinstance(request_ids, Tensor) and request_ids.dim() != 1)
+    ):
+        raise TypeError(f"request_ids must be an iterable of ints, got {describe(request_ids)}")
+    if isinstance(request_ids, Tensor):  # its elements are tensors, which as_int refuses
+        request_ids = request_ids.tolist()
     return [as_int(f"request_ids[{i}]", rid) for i, rid in enumerate(request_ids)]
