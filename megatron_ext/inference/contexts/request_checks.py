@@ -22,6 +22,7 @@ __all__ = [
     "check_log_prob_options",
     "check_metadata_value",
     "check_sampling_ranges",
+    "check_stop_words",
     "describe",
     "prompt_token_ids",
 ]
@@ -266,3 +267,29 @@ def check_log_prob_options(sampling_params: Any, last_token_logits_only: bool) -
             "this context cannot give: it materializes only last-token logits "
             "(materialize_only_last_token_logits); set skip_prompt_log_probs=True"
         )
+
+
+def check_stop_words(sampling_params: Any) -> None:
+    """Refuse stop words that are not a list of strings: megatron-core's engine tokenizes each
+    element after it has registered the request (a str would stop at each of its characters;
+    anything else raises in the tokenizer, leaving the request registered).
+
+    Args:
+        sampling_params: the request's ``SamplingParams``.
+
+    Raises:
+        TypeError: for ``stop_words`` other than None or a list or tuple of str, naming the
+            first element that is no str.
+    """
+    stop_words = getattr(sampling_params, "stop_words", None)
+    if stop_words is None:
+        return
+    if not isinstance(stop_words, (list, tuple)):
+        raise TypeError(
+            f"stop_words must be a list of str, got {type(stop_words).__name__} ({stop_words!r})"
+        )
+    for position, word in enumerate(stop_words):
+        if not isinstance(word, str):
+            raise TypeError(
+                f"stop_words[{position}] must be a str, got {type(word).__name__} ({word!r})"
+            )

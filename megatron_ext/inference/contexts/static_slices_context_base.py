@@ -20,6 +20,7 @@ from megatron_ext.inference.contexts.request_checks import (
     check_generation_length,
     check_log_prob_options,
     check_metadata_value,
+    check_stop_words,
     describe,
     prompt_token_ids,
 )
@@ -317,8 +318,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         Checked: :meth:`check_request`; the prompt (:func:`prompt_token_ids`: a non-empty 1-D
         tensor of integral ids in ``[0, vocab_size)``); the generation length
         (:func:`check_generation_length`: 0 only where megatron-core's engine honours it); the
-        log-prob options megatron-core's engine asserts on (:func:`check_log_prob_options`); and
-        that no request the engine holds has the same id.
+        log-prob options megatron-core's engine asserts on (:func:`check_log_prob_options`); the
+        stop words' types (:func:`check_stop_words`); and that no request the engine holds has
+        the same id.
 
         Args:
             req: a ``DynamicInferenceRequest``, as megatron-core's engine builds it.
@@ -345,6 +347,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         if last_token_logits_only is None:
             last_token_logits_only = self.materializes_only_last_token_logits
         check_log_prob_options(params, last_token_logits_only)
+        check_stop_words(params)
         return tokens
 
     def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> Tensor:

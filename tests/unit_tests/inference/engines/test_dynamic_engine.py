@@ -110,7 +110,9 @@ def _params(num_tokens_to_generate: int = 6, **overrides) -> SamplingParams:
 # name -> (prompt, sampling overrides, what the failure message must say). Each one used to make
 # the engine's steps raise from then on (the prompt ids: an IndexError in the embedding on the
 # CPU, a device-side assert on a GPU), meet a bare assert in megatron-core's add_request, or
-# generate although the value means nothing.
+# generate although the value means nothing. Stop words: megatron-core tokenizes each element
+# after it has registered the request (a str's characters, each one a stop word; an int raised
+# in the tokenizer, the request left registered with a future never done).
 BAD_REQUESTS = {
     "token_id_negative": ([3, -1, 4], {}, "ValueError: prompt_tokens[1] is -1: token ids must"),
     "token_id_vocab": (
@@ -156,6 +158,16 @@ BAD_REQUESTS = {
         "TypeError: num_tokens_total must be an int, got Tensor",
     ),
     "top_k_tensor": ([3, 4], dict(top_k=torch.tensor(1)), "TypeError: top_k must be an int"),
+    "stop_words_str": (
+        [3, 4],
+        dict(stop_words="stop"),
+        "TypeError: stop_words must be a list of str, got str ('stop')",
+    ),
+    "stop_words_ints": (
+        [3, 4],
+        dict(stop_words=[1, 2]),
+        "TypeError: stop_words[0] must be a str, got int (1)",
+    ),
     "prompt_2-D": (
         [[3, 4]],
         {},
