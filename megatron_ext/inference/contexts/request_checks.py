@@ -22,6 +22,7 @@ __all__ = [
     "check_log_prob_options",
     "check_metadata_value",
     "check_sampling_ranges",
+    "check_stop_words",
     "describe",
     "prompt_token_ids",
 ]
@@ -35,12 +36,16 @@ def _is_bool(value: Any) -> bool:
 
 
 def as_int(name: str, value: Any) -> int:
-    """``value`` as an int (Python or numpy integers; not a bool, float, str or None).
+    """``value`` as an int (Python or numpy integers; not a bool, float, str, None or tensor).
+
+    A tensor of one integer converts to an index, but it is no count or id: it hashes by
+    identity (megatron-core's engine keys its requests by id) and megatron-core computes with
+    the value as given (on a GPU, every comparison would read it back).
 
     Raises:
         TypeError: naming ``name`` and the value.
     """
-    if not _is_bool(value):
+    if not (_is_bool(value) or isinstance(value, Tensor)):
         try:
             return operator.index(value)
         except TypeError:
@@ -125,12 +130,15 @@ def prompt_token_ids(
         Tensor: ``tokens`` itself when it is int64, else an int64 copy on the same device.
 
     Raises:
-        TypeError: for something other than a 1-D tensor of real numbers (a bool tensor too).
+        TypeError: for something other than a 1-D tensor of real numbers (a bool tensor too, and
+            a meta tensor).
         ValueError: for an empty prompt, and an id that is not integral, not finite, or outside
             the vocabulary (the message names the first such id and its position).
     """
     if not isinstance(tokens, Tensor) or tokens.dim() != 1:
         raise TypeError(f"{name} must be a 1-D tensor of token ids, got {describe(tokens)}")
+    if tokens.is_meta:
+        raise TypeError(f"{name} is a meta tensor: it holds no token ids")
     if tokens.dtype == torch.bool or tokens.is_complex():
         raise TypeError(f"{name} must hold integer token ids, got {describe(tokens)}")
     if tokens.numel() == 0:
@@ -259,3 +267,29 @@ def check_log_prob_options(sampling_params: Any, last_token_logits_only: bool) -
             "this context cannot give: it materializes only last-token logits "
             "(materialize_only_last_token_logits); set skip_prompt_log_probs=True"
         )
+
+
+def check_stop_words(sampling_params: Any) -> None:
+    """Refuse stop words that are not a list of strings: megatron-core's engine tokenizes each
+    element after it has registered the request (a str would stop at each of its characters;
+    anything else raises in the tokenizer, leaving the request registered).
+
+    Args:
+        sampling_params: the request's ``SamplingParams``.
+
+    Raises:
+        TypeError: for ``stop_words`` other than None or a list or tuple of str, naming the
+            first element that is no str.
+    """
+    stop_words = getattr(sampling_params, "stop_words", None)
+    if stop_words is None:
+        return
+    if not isinstance(stop_words, (list, tuple)):
+        raise TypeError(
+            f"stop_words must be a list of str, got {type(stop_words).__name__} ({stop_words!r})"
+        )
+    for position, word in enumerate(stop_words):
+        if not isinstance(word, str):
+            raise TypeError(
+                f"stop_words[{position}] must be a str, got {type(word).__name__} ({word!r})"
+            )

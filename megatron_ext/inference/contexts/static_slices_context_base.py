@@ -20,6 +20,8 @@ from megatron_ext.inference.contexts.request_checks import (
     check_generation_length,
     check_log_prob_options,
     check_metadata_value,
+    check_stop_words,
+    describe,
     prompt_token_ids,
 )
 from megatron_ext.inference.contexts.sampling_registry import (
@@ -316,8 +318,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         Checked: :meth:`check_request`; the prompt (:func:`prompt_token_ids`: a non-empty 1-D
         tensor of integral ids in ``[0, vocab_size)``); the generation length
         (:func:`check_generation_length`: 0 only where megatron-core's engine honours it); the
-        log-prob options megatron-core's engine asserts on (:func:`check_log_prob_options`); and
-        that no request the engine holds has the same id.
+        log-prob options megatron-core's engine asserts on (:func:`check_log_prob_options`); the
+        stop words' types (:func:`check_stop_words`); and that no request the engine holds has
+        the same id.
 
         Args:
             req: a ``DynamicInferenceRequest``, as megatron-core's engine builds it.
@@ -344,6 +347,7 @@ class StaticSlicesContextBase(DynamicInferenceContext):
         if last_token_logits_only is None:
             last_token_logits_only = self.materializes_only_last_token_logits
         check_log_prob_options(params, last_token_logits_only)
+        check_stop_words(params)
         return tokens
 
     def _check_added_tokens(self, req: Any, args: Tuple, kwargs: Dict[str, Any]) -> Tensor:
@@ -365,7 +369,9 @@ class StaticSlicesContextBase(DynamicInferenceContext):
             check_row_count(
                 "chunk_length", chunk, 1, remaining, "the request's remaining prompt tokens"
             )
-        to_generate = req.sampling_params.num_tokens_to_generate
+        # A numpy integer is accepted where the request enters (as_int); megatron-core computes
+        # num_tokens_total's conversion with it too.
+        to_generate = as_int("num_tokens_to_generate", req.sampling_params.num_tokens_to_generate)
         done = int(getattr(req, "finished_chunk_token_count", 0) or 0)
         check_row_count(
             "num_tokens_to_generate",
@@ -514,8 +520,12 @@ def _as_int64_prompt(req: Any, remaining: Tensor) -> None:
 
 
 def _request_id_list(request_ids: Any) -> List[int]:
-    if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__iter__"):
-        raise TypeError(
-            f"request_ids must be an iterable of ints, got {type(request_ids).__name__}"
-        )
+    if (
+        isinstance(request_ids, (str, bytes))
+        or not hasattr(request_ids, "__iter__")
+        or (isinstance(request_ids, Tensor) and request_ids.dim() != 1)
+    ):
+        raise TypeError(f"request_ids must be an iterable of ints, got {describe(request_ids)}")
+    if isinstance(request_ids, Tensor):  # its elements are tensors, which as_int refuses
+        request_ids = request_ids.tolist()
     return [as_int(f"request_ids[{i}]", rid) for i, rid in enumerate(request_ids)]

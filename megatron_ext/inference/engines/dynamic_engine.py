@@ -37,6 +37,7 @@ from megatron.core.inference.contexts.dynamic_context import ContextOverflowErro
 from megatron.core.inference.inference_request import DynamicInferenceRequestRecord, Status
 from megatron.core.inference.sampling_params import SamplingParams
 
+from megatron_ext.inference.contexts.request_checks import prompt_token_ids
 from megatron_ext.inference.contexts.static_slices_context_base import StaticSlicesContextBase
 
 __all__ = [
@@ -153,6 +154,18 @@ def _refusal(engine: Any, request: Any) -> Tuple[Optional[str], Any]:
     return None, tokens
 
 
+def _readable_prompt(engine: Any, request: Any) -> bool:
+    """Whether megatron-core can count ``request``'s prompt and turn it back into text: ids the
+    entry checks accept (a tokenizer raises on an id it does not know)."""
+    try:
+        prompt_token_ids(
+            "prompt_tokens", request.prompt_tokens, model_vocab_size(engine.controller)
+        )
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _is_resumed(engine: Any, request: Any) -> bool:
     """Whether ``request`` is the engine's own request, added again when the engine resumes
     (checked when it first entered; its prompt now holds its generated tokens too)."""
@@ -206,13 +219,21 @@ def checked_add_request(original: Callable) -> Callable:
         # registers it and routes a FAILED request to the failed ones, not the queue. It asserts
         # on some of the very options refused here before it reads the status, and computes with
         # the counts, so it runs with neutral sampling parameters; the request keeps its own.
-        params = request.sampling_params
+        params, prompt_tokens = request.sampling_params, request.prompt_tokens
         neutral = SamplingParams(num_tokens_to_generate=1, termination_id=-1)
         request.sampling_params = neutral  # not megatron-core state: the caller's request
+        if not _readable_prompt(self, request):
+            # megatron-core counts the prompt (len) as it registers the request, and its
+            # bookkeeping detokenizes a failed request's prompt unless it has its text: it counts
+            # an empty prompt here, and the request's text stays empty unless it came with one.
+            if request.prompt is None:
+                request.prompt = ""  # not megatron-core state: the caller's request
+            request.prompt_tokens = torch.empty(0, dtype=torch.int64)  # likewise
         try:
             return original(self, request)
         finally:
-            request.sampling_params = params  # not megatron-core state: put back
+            # not megatron-core state: put back
+            request.sampling_params, request.prompt_tokens = params, prompt_tokens
 
     return _add_request
 

@@ -1090,6 +1090,20 @@ def test_numpy_ids_and_parameters_are_accepted():
     assert _as_list(ctx.request_ids[:1]) == [7] and 7 in ctx._sampling_registry
 
 
+def test_release_takes_a_tensor_of_ids():
+    """The engine's finished ids come as a tensor: its elements are tensors, which no id check
+    takes (a tensor hashes by identity), so the tensor is read as a list."""
+    ctx = make_context()
+    rng = random.Random(0)
+    ctx.add_request(make_request(0, 3, rng, top_k=1))
+    ctx.add_request(make_request(1, 3, rng, top_k=5))
+    finish_every_request(ctx, keep=[0])
+    ctx.release_request_sampling_state(torch.tensor([1, 9], dtype=torch.int32))
+    assert ctx.sampling_requirements() == SamplingRequirements(greedy=True, max_top_k=1)
+    with pytest.raises(TypeError, match="request_ids must be an iterable of ints, got a 0-D"):
+        ctx.release_request_sampling_state(torch.tensor(9))
+
+
 @pytest.mark.parametrize(
     "ids,error,match",
     [

@@ -9,8 +9,9 @@ are not finite are in text_generation_controllers/test_text_generation_controlle
 
 import functools
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple, Union
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.inference.inference_request import DynamicInferenceRequest, Status
@@ -109,7 +110,9 @@ def _params(num_tokens_to_generate: int = 6, **overrides) -> SamplingParams:
 # name -> (prompt, sampling overrides, what the failure message must say). Each one used to make
 # the engine's steps raise from then on (the prompt ids: an IndexError in the embedding on the
 # CPU, a device-side assert on a GPU), meet a bare assert in megatron-core's add_request, or
-# generate although the value means nothing.
+# generate although the value means nothing. Stop words: megatron-core tokenizes each element
+# after it has registered the request (a str's characters, each one a stop word; an int raised
+# in the tokenizer, the request left registered with a future never done).
 BAD_REQUESTS = {
     "token_id_negative": ([3, -1, 4], {}, "ValueError: prompt_tokens[1] is -1: token ids must"),
     "token_id_vocab": (
@@ -144,6 +147,32 @@ BAD_REQUESTS = {
     "temperature_inf": ([3, 4], dict(temperature=float("inf")), "temperature must be finite"),
     "temperature_-1": ([3, 4], dict(temperature=-1.0), "temperature must be finite and >= 0"),
     "temperature_nan": ([3, 4], dict(temperature=float("nan")), "temperature must be finite"),
+    "num_tokens_tensor": (
+        [3, 4],
+        dict(num_tokens_to_generate=torch.tensor(3)),
+        "TypeError: num_tokens_to_generate must be an int, got Tensor",
+    ),
+    "num_tokens_total_tensor": (
+        [3, 4],
+        dict(num_tokens_to_generate=None, num_tokens_total=torch.tensor(8)),
+        "TypeError: num_tokens_total must be an int, got Tensor",
+    ),
+    "top_k_tensor": ([3, 4], dict(top_k=torch.tensor(1)), "TypeError: top_k must be an int"),
+    "stop_words_str": (
+        [3, 4],
+        dict(stop_words="stop"),
+        "TypeError: stop_words must be a list of str, got str ('stop')",
+    ),
+    "stop_words_ints": (
+        [3, 4],
+        dict(stop_words=[1, 2]),
+        "TypeError: stop_words[0] must be a str, got int (1)",
+    ),
+    "prompt_2-D": (
+        [[3, 4]],
+        {},
+        "TypeError: prompt_tokens must be a 1-D tensor of token ids, got a 2-D torch.int64 tensor",
+    ),
 }
 if not ZERO_TOKENS_TO_GENERATE_HONOURED:
     BAD_REQUESTS["num_tokens_0"] = (
@@ -177,11 +206,15 @@ def _stack():
     return build_synthetic_stack(extension=True, max_requests=16, vocab_size=VOCAB)
 
 
-def _serve(bad: Optional[Tuple[int, List[int], SamplingParams]] = None, refused: bool = True):
+def _serve(
+    bad: Union[None, Tuple[int, List[int], SamplingParams], DynamicInferenceRequest] = None,
+    refused: bool = True,
+):
     """The GOOD requests through megatron-core's engine (flag applied); after their first step,
-    the ``bad`` request (id, prompt, params), if any. Returns the finished records by id and the
-    bad request's future; checks that adding it changed nothing in the context and that the
-    context is back to its fresh state at the end."""
+    the ``bad`` request (id, prompt, params; or a built request, added as the engine adds it),
+    if any. Returns the finished records by id and the bad request's future; checks that adding
+    it changed nothing in the context and that the context is back to its fresh state at the
+    end."""
     with inference_flag():
         stack = _stack()
         engine, context = build_engine(stack), stack.context
@@ -191,11 +224,15 @@ def _serve(bad: Optional[Tuple[int, List[int], SamplingParams]] = None, refused:
         future = None
         if bad is not None:
             before = _context_state(context)
-            future = engine.add_request(*bad)
+            if isinstance(bad, DynamicInferenceRequest):
+                bad_id, future = bad.request_id, engine._add_request(bad)
+            else:
+                bad_id, future = bad[0], engine.add_request(*bad)
             assert _context_state(context) == before
             # A refused request never reaches the scheduler.
-            assert (bad[0] not in engine.waiting_request_ids) == refused
-        wanted = set(GOOD) | ({bad[0]} if bad is not None and bad[0] not in GOOD else set())
+            assert (bad_id not in engine.waiting_request_ids) == refused
+        bad_id = None if bad is None else bad_id
+        wanted = set(GOOD) | ({bad_id} if bad_id is not None and bad_id not in GOOD else set())
         records = step_until_done(engine, wanted)
         assert _context_state(context) == fresh
     return records, future
@@ -246,6 +283,90 @@ def test_zero_tokens_to_generate_is_megatron_cores_prompt_only_request_where_hon
         assert completed(records[BAD_ID]) and records[BAD_ID].generated_tokens == []
     else:
         assert "num_tokens_to_generate must be >= 1, got 0" in failure_reason(records[BAD_ID])
+    _assert_good_ones_unchanged(records)
+
+
+# name -> (the request's prompt_tokens, what the failure message must say). A request built
+# by hand (as megatron-core's own tests and servers build them) reaches the engine's
+# _add_request with whatever its prompt is: megatron-core counts the prompt there (len) after it
+# has registered the request, and turns a failed request's ids back into text in the step's
+# bookkeeping, so such a prompt used to raise there (the request left registered, or every good
+# request finishing in that step lost with it).
+BAD_PROMPTS = {
+    "0-D": (lambda: torch.tensor(3), "prompt_tokens must be a 1-D tensor of token ids, got a 0-D"),
+    "None": (lambda: None, "prompt_tokens must be a 1-D tensor of token ids, got NoneType"),
+    "list": (lambda: [3, 4], "prompt_tokens must be a 1-D tensor of token ids, got list"),
+    "2-D": (lambda: torch.tensor([[3, 4]]), "1-D tensor of token ids, got a 2-D torch.int64"),
+    "nan": (lambda: torch.tensor([3.0, float("nan")]), "prompt_tokens[1] is nan"),
+    "complex": (lambda: torch.tensor([3 + 0j]), "prompt_tokens must hold integer token ids"),
+    "meta": (lambda: torch.tensor([3, 4], device="meta"), "prompt_tokens is a meta tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PROMPTS))
+def test_a_request_built_with_a_bad_prompt_fails_alone(case):
+    """The request fails with the reason, keeps the prompt it came with, and the others finish
+    as without it."""
+    tokens, reason = BAD_PROMPTS[case]
+    request = DynamicInferenceRequest(
+        request_id=BAD_ID, prompt_tokens=tokens(), sampling_params=_params()
+    )
+    records, future = _serve(request)
+    assert reason in failure_reason(records[BAD_ID])
+    assert records[BAD_ID].generated_tokens == []
+    assert future.done() and future.result().merge().status == Status.FAILED
+    _assert_good_ones_unchanged(records)
+
+
+def test_refused_prompt_ids_are_never_turned_back_into_text(monkeypatch):
+    """megatron-core detokenizes a finished request's prompt in the step's bookkeeping; a real
+    tokenizer raises on an id it does not know (a negative one, one past its vocabulary). The
+    refused request's ids are not handed to it, so the step serves the others."""
+    from megatron_ext.testing.synthetic import SyntheticTokenizer
+
+    detokenize = SyntheticTokenizer.detokenize
+
+    def strict(self, tokens, **kwargs):
+        if any(not 0 <= int(token) < self.vocab_size for token in tokens):
+            raise OverflowError("out of range integral type conversion attempted")
+        return detokenize(self, tokens, **kwargs)
+
+    monkeypatch.setattr(SyntheticTokenizer, "detokenize", strict)
+    for prompt in ([3, -1, 4], [VOCAB]):
+        records, _ = _serve((BAD_ID, prompt, _params()))
+        assert "token ids must be in [0, 64)" in failure_reason(records[BAD_ID])
+        _assert_good_ones_unchanged(records)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_tokens_to_generate=np.int64(3)),
+        dict(num_tokens_to_generate=None, num_tokens_total=np.int32(5)),
+    ],
+    ids=["num_tokens_to_generate", "num_tokens_total"],
+)
+def test_numpy_generation_lengths_are_served(overrides):
+    """The entry accepts numpy integers, as it does for the other counts; the context, where the
+    engine schedules the request, used to refuse them, raising in every step from then on."""
+    records, _ = _serve((BAD_ID, [3, 4], _params(**overrides)), refused=False)
+    assert completed(records[BAD_ID]) and len(records[BAD_ID].generated_tokens) == 3
+    _assert_good_ones_unchanged(records)
+
+
+def test_a_tensor_request_id_fails_alone():
+    """A 0-D tensor converts to an index but hashes by identity: the engine, which keys its
+    requests by id, used to lose the request (a KeyError in every step from then on)."""
+    with inference_flag():
+        stack = _stack()
+        engine = build_engine(stack)
+        add_to_engine(engine, {k: (p, _params(n)) for k, (p, n) in GOOD.items()})
+        engine.step_modern()
+        request_id = torch.tensor(BAD_ID)
+        future = engine.add_request(request_id, [3, 4], _params())
+        records = step_until_done(engine, set(GOOD) | {request_id})
+    assert "TypeError: request_id must be an int, got Tensor" in failure_reason(records[request_id])
+    assert future.done()
     _assert_good_ones_unchanged(records)
 
 
