@@ -117,18 +117,21 @@ def _check(
         ("top_k", top_k),
         ("noise", noise),
     )
-    for name, tensor in inputs + (("out", out),):
+    for name, tensor in inputs:
         if not isinstance(tensor, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(tensor).__name__}")
-    device = values.device
-    for name, tensor in inputs[1:] + (("out", out),):
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device}, values on {device}")
+    # Before out's checks: without a caller's out, none is allocated for inputs of other ranks.
     if values.dim() != 2 or indices.shape != values.shape or noise.shape != values.shape:
         raise ValueError(
             "values, indices and noise must be [rows, cap] alike, got "
             f"{tuple(values.shape)}, {tuple(indices.shape)}, {tuple(noise.shape)}"
         )
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a Tensor, got {type(out).__name__}")
+    device = values.device
+    for name, tensor in inputs[1:] + (("out", out),):
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, values on {device}")
     rows, cap = values.shape
     for name, tensor in (("temperature", temperature), ("top_k", top_k), ("out", out)):
         if tensor.shape != (rows,):

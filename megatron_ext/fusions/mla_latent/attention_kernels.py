@@ -348,11 +348,7 @@ def _latent_attention_kernel(
             # below cu_query_lengths[0]) write their own tokens, never the ones before out's.
             after = (request == num_requests) & (tile_start >= 0)
             pad_tokens = tl.where(after, tokens, own)
-            pad = (
-                head_ok
-                & (pad_tokens >= 0)
-                & (pad_tokens < tl.where(after, num_tokens, cu_first))
-            )
+            pad = head_ok & (pad_tokens >= 0) & (pad_tokens < tl.where(after, num_tokens, cu_first))
             _fill_rows(
                 out_ptr, pad_tokens, heads, out_stride_t, out_stride_h, pad, 0.0, ROWS, LATENT_DIM
             )

@@ -40,10 +40,12 @@ from megatron_ext.fusions.tensor_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_device,
+    check_disjoint,
     check_int,
     check_no_self_overlap,
     check_runnable,
     check_tensor,
+    span_bytes,
 )
 
 # What the device check's message calls the kernels.
@@ -300,7 +302,48 @@ def check_query(name: str, x, rope: QueryRope, in_place: bool = True) -> Checked
         )
     if in_place:
         check_no_self_overlap(name, x)
-    return _check_sequences(name, x, layout, rope, "cu_seqlens_q")
+    checked = _check_sequences(name, x, layout, rope, "cu_seqlens_q")
+    if in_place:
+        check_in_place_disjoint(name, x, rope)
+    return checked
+
+
+def check_in_place_disjoint(name: str, x: torch.Tensor, rope: QueryRope) -> None:
+    """Raise ValueError if the query an in-place kernel rotates shares memory with a tensor the
+    kernel reads (cos, sin, cu_seqlens, position_ids): its programs would read what others
+    write, an answer that depends on the schedule. Checked on every call (the layout cannot
+    tell; a cached layout compares the data pointers with its :attr:`RopePlan.read_spans`).
+
+    Args:
+        name: what the message calls ``x``.
+        x: the tensor the kernel writes in place.
+        rope: the call's argument record.
+
+    Raises:
+        ValueError: naming the tensor ``x`` meets.
+    """
+    read = (
+        ("cos", rope.cos),
+        ("sin", rope.sin),
+        ("cu_seqlens_q", rope.cu_seqlens),
+        ("position_ids", rope.position_ids),
+    )
+    check_disjoint(name, x, read)
+
+
+def read_spans_of(x: torch.Tensor, rope: QueryRope) -> Tuple[int, ...]:
+    """The byte spans (:func:`~megatron_ext.fusions.tensor_checks.span_bytes`) of an in-place
+    query and of the tensors its kernel reads, in the order cos, sin, cu_seqlens, position_ids.
+
+    Args:
+        x: the query rotated in place.
+        rope: the call's argument record.
+
+    Returns:
+        Tuple[int, ...]: five spans (0 for an absent or empty tensor).
+    """
+    read = (x, rope.cos, rope.sin, rope.cu_seqlens, rope.position_ids)
+    return tuple(span_bytes(t) for t in read)
 
 
 def _check_key_value_dims(rope: KeyValueRope, *tensors: Tuple[str, Any]) -> None:
@@ -371,6 +414,9 @@ class RopePlan(LaunchPlan):
         options: Triton compile options of the launch (FP fusion off for an unfused pairing).
         launch: the configured launch (:func:`megatron_ext.fusions.mla_rope.launch.configure`),
             called with the pointers; None until configured.
+        read_spans: for an in-place kernel, the byte spans of the tensor it writes and of cos,
+            sin, cu_seqlens and position_ids (:func:`read_spans_of`), so that a cached call
+            tests them for shared memory with data pointers only; empty otherwise.
     """
 
     kernel: Any
@@ -383,6 +429,7 @@ class RopePlan(LaunchPlan):
     contiguous_inputs: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     launch: Optional[LaunchPlan] = None
+    read_spans: Tuple[int, ...] = ()
 
     def __post_init__(self):
         names = internals.triton_kernel_arg_names(self.kernel)
@@ -482,7 +529,8 @@ def plan_query(kernel, x, rope: QueryRope, name: str = "t") -> RopePlan:
         REMOVE_INTERLEAVING=rope.remove_interleaving,
     )
     if not copy:
-        return RopePlan(kernel, layout.rows, layout.head_num, 1 + _TABLE_POINTERS, args, True)
+        plan = RopePlan(kernel, layout.rows, layout.head_num, 1 + _TABLE_POINTERS, args, True)
+        return dataclasses.replace(plan, read_spans=read_spans_of(x, rope))
     args.update(
         stride_out_row=layout.head_num * layout.head_dim,
         stride_out_h=layout.head_dim,

@@ -332,6 +332,18 @@ def run(kernel, x, y, rope, name: str = "t") -> List[torch.Tensor]:
     if not hit:
         plan = checks.plan(kernel, x, y, rope, name)
         plan = plan.with_pairing(pairing_for(plan, x, y, rope))
+    elif plan.read_spans:
+        # An in-place kernel: whether x shares memory with a tensor it reads, which the layout
+        # cannot tell, from the data pointers and the layout's spans (the check names it).
+        # tensor_checks.spans_meet's test, inline: a cached call stays within this file.
+        span, *spans = plan.read_spans
+        low = x.data_ptr()
+        high = low + span
+        for read, read_span in zip((cos, sin, cu, pos), spans):
+            if read_span:
+                start = read.data_ptr()
+                if start < high and low < start + read_span:
+                    checks.check_in_place_disjoint(name, x, rope)
     if plan.contiguous_inputs:
         x, y = x.contiguous(), y.contiguous()
     if pos is not None and not pos.is_contiguous():  # indexed by flat row

@@ -165,6 +165,13 @@ def _bad_inputs():
         indices=wide.long(),
         noise=wide,
     ), ValueError, "candidate count"
+    # Without out: the error names the inputs' shapes, not the out the function would allocate.
+    yield "1-d values, no out", dict(
+        good, values=values[0], indices=indices[0], noise=noise[0]
+    ), ValueError, "alike"
+    yield "3-d values, no out", dict(
+        good, values=values[None], indices=indices[None], noise=noise[None]
+    ), ValueError, "alike"
     yield "out inside indices", dict(good, out=indices[0, :4]), ValueError, "out overlaps indices"
     yield "out dtype", dict(good, out=torch.zeros(4, dtype=torch.int32, device=DEVICE)), (
         TypeError

@@ -69,6 +69,51 @@ def test_self_aliasing_query_is_refused_by_the_drop_in(no_launch):
         rope.fused_apply_mla_rope_for_q(t, cos, sin, 8, 16)
 
 
+def _query_inside_a_read_tensor(what):
+    """A [4, 1, 3, 24] query whose memory ``what`` (cos, sin, position_ids or cu_seqlens) shares;
+    returns the call's keyword arguments."""
+    memory = torch.randn(4 * 3 * 24, device=DEVICE)
+    t = memory.view(4, 1, 3, 24)
+    cos, sin = _tables()
+    kwargs = dict(t=t, cos=cos, sin=sin, qk_head_dim=8, emb_dim=16)
+    if what in ("cos", "sin"):
+        kwargs[what] = memory[: 8 * 16].view(8, 16)
+    elif what == "position_ids":
+        kwargs["position_ids"] = memory.view(torch.int32)[:4].view(4, 1)
+    else:
+        kwargs["t"] = t.view(4, 3, 24)
+        kwargs["cu_seqlens_q"] = memory.view(torch.int32)[:2]
+    return kwargs
+
+
+@pytest.mark.parametrize("what", ["cos", "sin", "position_ids", "cu_seqlens_q"])
+def test_query_sharing_memory_with_a_tensor_it_reads_is_refused_before_launch(what, no_launch):
+    """The in-place query kernel would read what it rotates (a schedule-dependent answer): a
+    query that shares memory with cos, sin, position_ids or cu_seqlens_q is refused, unchanged."""
+    kwargs = _query_inside_a_read_tensor(what)
+    before = kwargs["t"].clone()
+    with pytest.raises(ValueError, match=f"t overlaps {what}"):
+        rope.mla_rope_q_fwd_(**kwargs)
+    assert torch.equal(kwargs["t"], before)
+
+
+@pytest.mark.parametrize("what", ["cos", "position_ids"])
+def test_query_sharing_memory_with_a_read_tensor_is_refused_after_a_good_call_of_its_layout(
+    what,
+):
+    """A cached call layout still refuses a query that shares memory with a tensor it reads
+    (the layout cannot tell), before the query is changed."""
+    rope.clear_autotune_cache()
+    bad = _query_inside_a_read_tensor(what)
+    good = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in bad.items()}
+    rope.mla_rope_q_fwd_(**good)
+    before = bad["t"].clone()
+    with pytest.raises(ValueError, match=f"t overlaps {what}"):
+        rope.fused_apply_mla_rope_for_q(**bad)
+    assert torch.equal(bad["t"], before)
+    rope.clear_autotune_cache()
+
+
 @pytest.mark.parametrize(
     "shape,strides",
     [
