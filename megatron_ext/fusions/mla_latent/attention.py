@@ -72,6 +72,9 @@ def mla_paged_latent_attention(
     block id lies outside the cache is skipped. A token that attends to a row holding NaN or
     inf gets NaN; rows it does not attend to never affect it.
 
+    Inference only: ``out`` carries no autograd history, so no gradient reaches ``query``,
+    ``query_rope`` or the cache through it, whatever their ``requires_grad``.
+
     In megatron-core's ``DynamicInferenceContext`` terms: ``kv_cache`` is
     ``memory_buffer[layer]`` (``key_value_cache(layer)[0]``), ``block_table``,
     ``cu_query_lengths`` and ``kv_lengths`` the attention metadata's ``block_table``,

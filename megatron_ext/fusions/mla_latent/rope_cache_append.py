@@ -222,7 +222,8 @@ def fused_mla_rope_cache_append(
         sin (Tensor): like ``cos``.
         positions (Tensor): [tokens] int32/int64.
         kv_cache (Tensor): [num_blocks, block_size, latent_dim + rope_dim] in kv_latent's dtype;
-            unit last stride. Written in place.
+            unit last stride. Written in place, outside autograd (the cache is inference
+            state: its version counter does not move and no gradient flows through it).
         block_idx (Tensor): [tokens] int32/int64 cache block of each token.
         block_offset (Tensor): [tokens] int32/int64 row of each token within its block.
 
