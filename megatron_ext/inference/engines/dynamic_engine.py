@@ -228,12 +228,13 @@ def checked_add_request(original: Callable) -> Callable:
             # an empty prompt here, and the request's text stays empty unless it came with one.
             if request.prompt is None:
                 request.prompt = ""  # not megatron-core state: the caller's request
-            request.prompt_tokens = torch.empty(0, dtype=torch.int64)  # likewise
+            empty = torch.empty(0, dtype=torch.int64)
+            request.prompt_tokens = empty  # not megatron-core state: likewise
         try:
             return original(self, request)
         finally:
-            # not megatron-core state: put back
-            request.sampling_params, request.prompt_tokens = params, prompt_tokens
+            request.sampling_params = params  # not megatron-core state: put back
+            request.prompt_tokens = prompt_tokens  # not megatron-core state: put back
 
     return _add_request
 
