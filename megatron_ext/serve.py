@@ -484,7 +484,7 @@ async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: An
         stop.set()
 
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal)
     # torchrun (and a terminal) signals each rank's whole process group, megatron-core's
     # coordinator process among it; a coordinator that died with the signal would leave

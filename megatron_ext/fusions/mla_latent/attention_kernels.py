@@ -345,10 +345,11 @@ def _latent_attention_kernel(
         if NUM_SPLITS == 1:
             # Past the last request, or one of the tiles before request 0's first: with no
             # request at all both hold, and the tiles before the first (tile_start < 0, tokens
-            # below cu_query_lengths[0]) write their own tokens, never the ones before out's.
+            # below cu_query_lengths[0]) write their own tokens (>= 0), never the ones before
+            # out's; a tile past the last request starts at or after its end (>= 0 too).
             after = (request == num_requests) & (tile_start >= 0)
             pad_tokens = tl.where(after, tokens, own)
-            pad = head_ok & (pad_tokens >= 0) & (pad_tokens < tl.where(after, num_tokens, cu_first))
+            pad = head_ok & (pad_tokens < tl.where(after, num_tokens, cu_first))
             _fill_rows(
                 out_ptr, pad_tokens, heads, out_stride_t, out_stride_h, pad, 0.0, ROWS, LATENT_DIM
             )
