@@ -97,7 +97,7 @@ def test_query_sharing_memory_with_a_tensor_it_reads_is_refused_before_launch(wh
     assert torch.equal(kwargs["t"], before)
 
 
-@pytest.mark.parametrize("what", ["cos", "position_ids"])
+@pytest.mark.parametrize("what", ["cos", "sin", "position_ids", "cu_seqlens_q"])
 def test_query_sharing_memory_with_a_read_tensor_is_refused_after_a_good_call_of_its_layout(
     what,
 ):
