@@ -195,6 +195,23 @@ def test_dynamic_config_problems_name_a_capacity_factor(capacity):
     assert bool(refused) == (capacity is not None and capacity >= 0), problems
 
 
+def forget_megatron_cores_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty megatron-core's process-wide list of the MoE layers it pads for graphed steps.
+
+    megatron-core makes the list once, from the first model a controller steps (0.19 walks the
+    model in every step's set-up, eager ones included), and pads only the layers on it: a second
+    model in the same process would keep the first one's list, its dispatchers left unpadded while
+    the shared config says padded (0.19 then fails an assertion in the alltoall dispatcher's
+    preprocess during capture).
+
+    Args:
+        monkeypatch: restores megatron-core's list when the test ends.
+    """
+    monkeypatch.setattr(inference_utils, "moe_layer_cache", None)
+    # 0.19 only: set once per process together with the list.
+    monkeypatch.setattr(inference_utils, "_moe_metadata_sync_initialized", False, raising=False)
+
+
 @pytest.mark.gpu
 def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, monkeypatch):
     """megatron-core's per-layer CUDA graphs (``cuda_graph_impl="local"``, captured in the
@@ -204,10 +221,14 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, mo
     layer needs the alltoall dispatcher with ``moe_pad_experts_for_cuda_graph_inference`` (fixed
     shapes in graphed steps; megatron-core asks for it only with expert parallelism, but a
     capture needs it at expert parallel 1 as well); both runs use that dispatcher."""
-    # megatron-core keeps the MoE layers it pads in a process-wide list made once: a model built
-    # by an earlier test would be the one padded.
-    monkeypatch.setattr(inference_utils, "moe_layer_cache", None)
     sizes = tiny_mla_moe_sizes(moe_token_dispatcher_type="alltoall")
     requests = requests_for(LENGTHS, NEW_TOKENS, sizes["vocab_size"])
-    runs = eager_and_graphed_runs(stack, sizes=sizes, requests=requests, cache=CACHE, moe=True)
+    runs = eager_and_graphed_runs(
+        stack,
+        sizes=sizes,
+        requests=requests,
+        cache=CACHE,
+        moe=True,
+        before=lambda impl: forget_megatron_cores_moe_layers(monkeypatch),
+    )
     assert_graphed_as_eager(runs)
