@@ -75,16 +75,39 @@ def outcomes(log_path: Path) -> Dict[str, str]:
     return result
 
 
+def _last_error(lines: List[str]) -> str:
+    """The last ``E`` line of a pytest log's lines ("" if none)."""
+    errors = [line[1:].strip() for line in lines if line.startswith("E ") and line[1:].strip()]
+    return errors[-1][:160] if errors else ""
+
+
 def nothing_ran_reason(log_path: Path) -> str:
     """Why a run's log names no test outcome: its collection error, or its last line."""
     if not log_path.exists():
         return "no log"
     lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
-    errors = [line[1:].strip() for line in lines if line.startswith("E ") and line[1:].strip()]
-    if errors:
-        return f"nothing ran: {errors[-1][:160]}"
+    error = _last_error(lines)
+    if error:
+        return f"nothing ran: {error}"
     last = next((line for line in reversed(lines) if line), "empty log")
     return f"nothing ran: {last[:160]}"
+
+
+def all_errored_reason(log_path: Path, outcome: Dict[str, str]) -> str:
+    """Why every test of a run errored (a fixture of the checkout's conftest that needs a package
+    not installed, say), or "" where one did not: the run compared nothing.
+
+    Args:
+        log_path: the run's ``-v`` log.
+        outcome: its outcomes (:func:`outcomes`).
+
+    Returns:
+        str: the note, or "".
+    """
+    if not outcome or set(outcome.values()) != {"error"}:
+        return ""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
+    return f"every test errored: {_last_error(lines) or 'no E line'}"
 
 
 def stage(checkout: Path, out: Path) -> Tuple[Path, List[str]]:
@@ -225,9 +248,10 @@ def main(argv=None) -> int:
             ext = {t: s for t, s in ext.items() if t in both_ran}
         notes = ["cut at the timeout"] if stock_cut or ext_cut else []
         for tag, outcome in (("stock", stock), ("megatron_ext", ext)):
-            if not outcome:
-                log = args.out / f"{tag}-{test_file.replace('/', '_')}.log"
-                notes.append(f"{tag}: {nothing_ran_reason(log)}")
+            log = args.out / f"{tag}-{test_file.replace('/', '_')}.log"
+            reason = all_errored_reason(log, outcome) if outcome else nothing_ran_reason(log)
+            if reason:
+                notes.append(f"{tag}: {reason}")
         return test_file, stock, ext, time.time() - start, "; ".join(notes)
 
     rows, regressions = [], []

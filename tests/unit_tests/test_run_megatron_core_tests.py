@@ -37,3 +37,24 @@ def test_a_run_with_no_outcome_says_why(tmp_path):
     log.write_text("collected 0 items\n\n=== no tests ran in 0.5s ===\n")
     assert script.nothing_ran_reason(log) == "nothing ran: === no tests ran in 0.5s ==="
     assert script.nothing_ran_reason(tmp_path / "missing.log") == "no log"
+
+
+def test_a_run_whose_every_test_errored_says_why(tmp_path):
+    """Tests that all error in a fixture (megatron-core 0.16.1's conftest asks Transformer
+    Engine's version in an autouse fixture) compared nothing: the note says so, with the error;
+    one passing test among them leaves no note."""
+    script = load_script("run_megatron_core_tests")
+    log = tmp_path / "run.log"
+    log.write_text(
+        "tests/a.py::test_one ERROR\n"
+        "tests/a.py::test_two ERROR\n"
+        "E           TypeError: '>=' not supported between instances of 'NoneType' and 'Version'\n"
+    )
+    outcome = script.outcomes(log)
+    assert outcome == {"tests/a.py::test_one": "error", "tests/a.py::test_two": "error"}
+    assert script.all_errored_reason(log, outcome) == (
+        "every test errored: TypeError: '>=' not supported between instances of 'NoneType' and "
+        "'Version'"
+    )
+    assert script.all_errored_reason(log, dict(outcome, **{"tests/a.py::t3": "passed"})) == ""
+    assert script.all_errored_reason(log, {}) == ""
