@@ -453,12 +453,27 @@ def _copy_into(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def _progress(row: Dict[str, Any]) -> str:
+    """One row's line as it finishes: ours, and beside it every contender timed in the row (a run
+    cut short still shows each finished row's comparison, not only the last table)."""
     ours = row["ours"]["gpu_us"]
+    if row["section"] == "rope_append":
+        return f"ours {ours:.2f} us, megatron-core {row['mcore']['gpu_us']:.2f} us"
     if row["section"] == "decode":
-        return f"ours {ours:.1f} us, {row['ours_pct_ceiling']:.1f}% of the copy ceiling"
-    if row["section"] == "prefill":
-        return f"ours {ours:.1f} us, {row['ours_tflops']:.1f} TFLOP/s"
-    return f"ours {ours:.2f} us, megatron-core {row['mcore']['gpu_us']:.2f} us"
+        line = f"ours {ours:.1f} us, {row['ours_pct_ceiling']:.1f}% of the copy ceiling"
+    else:
+        line = f"ours {ours:.1f} us, {row['ours_tflops']:.1f} TFLOP/s"
+    peer = row.get("flashinfer")
+    if isinstance(peer, dict) and "gpu_us" in peer:
+        line += (
+            f"; FlashInfer {peer['gpu_us']:.1f} us (ours / FlashInfer {ours / peer['gpu_us']:.2f}x)"
+        )
+    elif isinstance(peer, dict) and "error" in peer:
+        line += f"; FlashInfer {peer['error'][:80]}"
+    for name in FORM_CONTENDERS:
+        entry = row.get("forms", {}).get(name)
+        if isinstance(entry, dict) and "gpu_us" in entry:
+            line += f"; {name} form {entry['gpu_us']:.1f} us"
+    return line
 
 
 def row_jobs(

@@ -158,6 +158,14 @@ def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_pa
     assert all(r["copy"]["gpu_us"] > 0 for r in result["rows"] if r["section"] == "rope_append")
     assert result["rows"][2]["decode_only"] and not result["rows"][4]["decode_only"]
     printed = capsys.readouterr().out
+    # Each row's progress line carries its comparison (a run cut short keeps it).
+    for row in (decode, prefill):
+        ratio = row["ours"]["gpu_us"] / row["flashinfer"]["gpu_us"]
+        assert (
+            f"FlashInfer {row['flashinfer']['gpu_us']:.1f} us (ours / FlashInfer {ratio:.2f}x)"
+            in printed
+        )
+    assert f"mha form {prefill['forms']['mha']['gpu_us']:.1f} us" in printed
     if importlib.util.find_spec("matplotlib") is not None:  # the bench extra; not the test one
         assert (tmp_path / "mla_serving.png").stat().st_size > 0
     else:
