@@ -6,13 +6,17 @@ unfused path.
 
     python -m megatron_ext.bench mla-serving [--quick] [--out DIR]
         [--rows decode prefill rope_append] [--batch ...] [--context ...] [--heads ...]
+        [--served-shapes] [--shape B C H ...]
 
 On a GPU, in bf16, over megatron-core's paged latent cache ([blocks, 64, 512 + 64], one row per
 token shared by the heads; pages shuffled so that no request's are contiguous):
 
 * ``decode``: :func:`~megatron_ext.fusions.mla_latent.attention.mla_paged_latent_attention`
-  for batch {1, 16, 64, 128} x context {1k, 4k, 16k, 32k} x heads {16, 128} (``--quick``: batch
-  {1, 64, 128} x context {4k, 32k}). Bytes: the minimum a call must move, each attended cache row
+  for batch {1, 16, 64, 128, 256} x context {1k, 4k, 16k, 32k} x heads {16, 32, 64, 128}
+  (``--quick``: batch {1, 64, 128} x context {4k, 32k} x heads {16, 128}); ``--served-shapes``
+  and ``--shape B C H`` run those steps instead
+  (:data:`~megatron_ext.bench.mla_serving_cases.SERVED_DECODE_SHAPES`: the batches and contexts
+  each head count is served at). Bytes: the minimum a call must move, each attended cache row
   once plus the query and the output (:func:`~megatron_ext.bench.mla_serving_cases.step_bytes`);
   the kernel reads the rows once per tile of 16 heads, which the L2 may or may not absorb, so the
   share of the copy ceiling is that of the minimum.
@@ -128,21 +132,46 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "--context", nargs="+", type=int, help="decode contexts in tokens (overrides the grid)"
     )
     parser.add_argument("--heads", nargs="+", type=int, help="decode and prefill head counts")
+    parser.add_argument(
+        "--served-shapes",
+        action="store_true",
+        help="decode rows at the batches and contexts each head count is served at, not the grid",
+    )
+    parser.add_argument(
+        "--shape",
+        nargs=3,
+        type=int,
+        action="append",
+        metavar=("B", "C", "H"),
+        help="a decode row of batch B, context C, H heads (repeatable; replaces the grid)",
+    )
     args = parser.parse_args(argv)
     for name in ("batch", "context", "heads"):
         values = getattr(args, name)
         if values is not None and min(values) < 1:
             parser.error(f"--{name} values must be >= 1, got {values}")
+    for shape in args.shape or ():
+        if min(shape) < 1:
+            parser.error(f"--shape values must be >= 1, got {shape}")
+    grid = [name for name in ("batch", "context") if getattr(args, name) is not None]
+    if grid and (args.shape or args.served_shapes):
+        parser.error(f"--{grid[0]} sets the grid; --shape and --served-shapes replace it")
     return args
 
 
 def decode_grid(args: argparse.Namespace) -> List[Tuple[int, int, int]]:
-    """(batch, context, heads) of the decode rows, in the order they run."""
+    """(batch, context, heads) of the decode rows, in the order they run: the ``--shape`` rows
+    and the served shapes (those of ``--heads`` where given) where asked for, else the grid."""
+    shapes = [tuple(shape) for shape in args.shape or ()]
+    if args.served_shapes:
+        shapes += [s for s in cases.SERVED_DECODE_SHAPES if not args.heads or s[2] in args.heads]
+    if shapes:
+        return shapes
     batches = args.batch or (cases.QUICK_DECODE_BATCHES if args.quick else cases.DECODE_BATCHES)
     contexts = args.context or (
         cases.QUICK_DECODE_CONTEXTS if args.quick else cases.DECODE_CONTEXTS
     )
-    heads = args.heads or cases.DECODE_HEADS
+    heads = args.heads or (cases.QUICK_DECODE_HEADS if args.quick else cases.DECODE_HEADS)
     return [(b, c, h) for h in heads for b in batches for c in contexts]
 
 

@@ -30,11 +30,23 @@ BLOCK_SIZE = 64
 # 1 for DeepSeek-V3 (mscale == mscale_all_dim).
 SOFTMAX_SCALE = (128 + ROPE) ** -0.5
 
-DECODE_BATCHES = (1, 16, 64, 128)
+DECODE_BATCHES = (1, 16, 64, 128, 256)
 DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
-DECODE_HEADS = (16, 128)
+# Heads per GPU as DeepSeek-style models are served: 16 (tensor parallel 8), 32 and 64 (TP 4 and
+# 2), 128 (data-parallel attention).
+DECODE_HEADS = (16, 32, 64, 128)
 QUICK_DECODE_BATCHES = (1, 64, 128)
 QUICK_DECODE_CONTEXTS = (4096, 32768)
+QUICK_DECODE_HEADS = (16, 128)
+# (batch, context, heads) of decode steps as servers run them at each head count, off the grid.
+SERVED_DECODE_SHAPES: Tuple[Tuple[int, int, int], ...] = (
+    (48, 6144, 16),
+    (256, 2048, 16),
+    (128, 1024, 32),
+    (64, 4096, 64),
+    (32, 8192, 128),
+    (96, 3072, 128),
+)
 
 # Prefill, chunked-prefill and mixed steps: (cached before the step, new tokens) per request,
 # decodes first as megatron-core orders a step's requests.

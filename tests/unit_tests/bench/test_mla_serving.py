@@ -47,14 +47,39 @@ def test_bad_arguments_are_refused(argv, capsys):
 
 def test_decode_grid_full_quick_and_overridden():
     full = mla_serving.decode_grid(mla_serving.parse_args([]))
-    assert len(full) == 4 * 4 * 2 and (128, 32768, 128) in full and (1, 1024, 16) in full
+    assert len(full) == 5 * 4 * 4 and (256, 32768, 128) in full and (1, 1024, 16) in full
+    assert sorted({h for _, _, h in full}) == [16, 32, 64, 128]
     quick = mla_serving.decode_grid(mla_serving.parse_args(["--quick"]))
     assert sorted({b for b, _, _ in quick}) == [1, 64, 128]
+    assert sorted({h for _, _, h in quick}) == [16, 128]
     assert sorted({c for _, c, _ in quick}) == [4096, 32768] and len(quick) == 12
     chosen = mla_serving.decode_grid(
         mla_serving.parse_args(["--batch", "16", "--context", "4096", "--heads", "128"])
     )
     assert chosen == [(16, 4096, 128)]
+
+
+def test_served_shapes_and_single_shapes_replace_the_grid():
+    served = mla_serving.decode_grid(mla_serving.parse_args(["--served-shapes"]))
+    assert served == list(cases.SERVED_DECODE_SHAPES)
+    assert sorted({h for _, _, h in served}) == [16, 32, 64, 128]
+    args = ["--served-shapes", "--heads", "32", "64", "--shape", "3", "100", "40"]
+    assert mla_serving.decode_grid(mla_serving.parse_args(args)) == [
+        (3, 100, 40),
+        (128, 1024, 32),
+        (64, 4096, 64),
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--shape", "0", "1024", "16"], ["--shape", "1", "2"], ["--batch", "4", "--served-shapes"]],
+)
+def test_bad_shapes_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        mla_serving.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "--" in capsys.readouterr().err
 
 
 def test_copies_exceed_the_l2_for_small_calls_only():
