@@ -1,13 +1,15 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """The decode step's host profile (megatron_ext.bench.mla_engine_host_profile): owners over
-made-up pstats data, a real cProfile of a small function tree and the printed profile."""
+made-up pstats data, a real cProfile of a small function tree, the printed profile and the
+command-line option."""
 
 import os
 
 import pytest
 import torch
 
+from megatron_ext.bench import mla_engine
 from megatron_ext.bench import mla_engine_host_profile as host_lib
 
 ROOTS = {
@@ -225,3 +227,9 @@ def test_decode_steps_under_cprofile_with_the_tests_directory_as_the_plugin():
     unit.start = lambda prompts: None
     assert host_lib.profile_host_decode_steps(unit, [[1]], 2, lambda: None, roots) == {"steps": 0}
 
+
+def test_the_host_profile_option():
+    assert mla_engine.parse_args(["--host-profile-steps", "4"]).host_profile_steps == 4
+    assert mla_engine.parse_args([]).host_profile_steps == 0
+    with pytest.raises(SystemExit):
+        mla_engine.parse_args(["--host-profile-steps", "-1"])
