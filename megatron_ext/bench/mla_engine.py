@@ -5,7 +5,7 @@ with its CUDA graphs, against the same model through megatron-core's static batc
 
     python -m megatron_ext.bench mla-engine [--quick] [--models dsv3_shard small]
         [--requests 256 1024] [--rounds N] [--prompt P] [--generate G] [--no-eager]
-        [--profile-steps N] [--server-loop] [--out DIR]
+        [--profile-steps N] [--host-profile-steps N] [--server-loop] [--out DIR]
 
 Engines, per model and request count (bf16, random weights from one seed, random prompt tokens,
 greedy):
@@ -61,15 +61,18 @@ and FLOPs / rate, ``of bound`` the bound over the step time.
 
 ``--profile-steps N``: N decode steps of the graphed engine under ``torch.profiler``, its top
 kernels by time per step and share of the GPU time, and GPU time against wall time
-(:mod:`megatron_ext.bench.mla_engine_profile`). ``--server-loop``: each dynamic engine also
-serves the batch through megatron-core's own loop (``run_engine``, else ``generate()``) to
-completion, ``--rounds`` times; generated tokens/s end to end and the host share of one more loop
-under the profiler (:mod:`megatron_ext.bench.mla_engine_server`), beside the stepped rounds'
-end-to-end figure.
+(:mod:`megatron_ext.bench.mla_engine_profile`). ``--host-profile-steps N``: N decode steps of the
+graphed engine under ``cProfile``, where the host time goes: self time per owner (megatron_ext,
+megatron.core, torch, triton, other), the waits on the GPU apart, the top functions by self time and
+megatron_ext's by cumulative time (:mod:`megatron_ext.bench.mla_engine_host_profile`).
+``--server-loop``: each dynamic engine also serves the batch through megatron-core's own loop
+(``run_engine``, else ``generate()``) to completion, ``--rounds`` times; generated tokens/s end to
+end and the host share of one more loop under the profiler
+(:mod:`megatron_ext.bench.mla_engine_server`), beside the stepped rounds' end-to-end figure.
 
 Printed last: the verdicts (``>= 2x static at 256 requests: met/missed by X`` per model, the
-graphed rows' host share, the device rates and rooflines, the server loops), the table and the
-kernel breakdowns; ``mla_engine.json`` goes to ``--out``. A configuration
+graphed rows' host share, the device rates and rooflines, the server loops), the table, the
+kernel breakdowns and the host profiles; ``mla_engine.json`` goes to ``--out``. A configuration
 that raises is reported with its traceback and the others still run (exit status 1).
 
 Without a GPU it says so and times nothing: on a tiny MLA model (fp32, Triton interpreter) the
@@ -88,6 +91,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.bench import mla_engine_report as report_lib
+from megatron_ext.bench.mla_engine_host_profile import host_profile_lines
 from megatron_ext.bench.mla_engine_profile import breakdown_lines
 from megatron_ext.bench.mla_roofline import decode_step_cost, device_ceilings, roofline
 from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
@@ -553,7 +557,8 @@ def measure_config(
         models: :func:`build_models`' pair.
 
     Returns:
-        Dict[str, Any]: ``rows`` (one per engine), ``comparisons`` (per-round ratios of each
+        Dict[str, Any]: ``rows`` (one per engine; with ``args.host_profile_steps``, the
+        profiled engine's row carries ``host_profile``), ``comparisons`` (per-round ratios of each
         dynamic engine over the static one, and graphed over eager) and ``dropped`` (an engine
         left out after failing its warm-up, with the error).
     """
@@ -647,6 +652,13 @@ def measure_config(
         breakdown = profile_decode_steps(units[profiled], prompts, args.profile_steps)
         profiles.append({"model": model_name, "requests": requests, "engine": profiled})
         profiles[-1]["breakdown"] = breakdown
+    # The graphed engine's; the eager one's where there is none (a run without a GPU: the tests).
+    hosted = profiled or ("dynamic-eager" if "dynamic-eager" in units else None)
+    if getattr(args, "host_profile_steps", 0) and hosted:
+        from megatron_ext.bench.mla_engine_host_profile import profile_host_decode_steps
+
+        host = profile_host_decode_steps(units[hosted], prompts, args.host_profile_steps, _sync)
+        next(row for row in rows if row["engine"] == hosted)["host_profile"] = host
     if getattr(args, "server_loop", False):
         server = [
             server_loop_row(model_name, name, units[name], prompts, args, turns)
@@ -889,6 +901,17 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "share of the GPU time, and the step's GPU time against its wall time (host share)",
     )
     parser.add_argument(
+        "--host-profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed rounds, run N decode steps of the graphed engine (at most one "
+        "batch's) under cProfile and print where the host time goes: self time per step per "
+        "owner (megatron_ext, megatron.core, torch, triton, python/other), the waits on the GPU "
+        "(.item(), synchronize) apart, the top functions by self time and megatron_ext's by "
+        "cumulative time",
+    )
+    parser.add_argument(
         "--server-loop",
         action="store_true",
         help="also run each dynamic engine as a server does: every request added, then "
@@ -921,6 +944,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error("--requests values must be >= 1")
     if args.profile_steps < 0:
         parser.error("--profile-steps must be >= 0")
+    if args.host_profile_steps < 0:
+        parser.error("--host-profile-steps must be >= 0")
     args.engines = [e for e in report_lib.ENGINES if not (args.no_eager and e == "dynamic-eager")]
     return args
 
@@ -1035,6 +1060,11 @@ def bench_gpu(args: argparse.Namespace) -> int:
             print("\n".join(breakdown_lines(title, entry["breakdown"])))
         else:
             print(f"kernels per decode step ({title}): the profiler saw no GPU work")
+    for row in report["rows"]:
+        if "host_profile" in row:
+            title = f"{row['model']}, {row['requests']} requests, {row['engine']}"
+            lines = host_profile_lines(title, row["host_profile"], row["decode_step_ms"])
+            print("\n".join(lines))
     return 1 if report["failed"] else 0
 
 

@@ -189,6 +189,7 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
         engines=engines,
         server_loop=True,
         prefill_forms=["off", "force"],
+        host_profile_steps=2,
     )
     from megatron_ext.transformer import mla_prefill
 
@@ -226,6 +227,17 @@ def test_tiny_configuration_runs_end_to_end_on_the_cpu(monkeypatch):
     assert mha_modes and set(mha_modes) == {"force"}  # the MHA form ran in force mode only
     assert mla_prefill.MODE == "off"  # put back
     assert rows["static"]["static_cache_gib"] > 0
+    # The host profile: the eager engine's (no graphed engine without a GPU), both decode steps.
+    profile = rows["dynamic-eager"]["host_profile"]
+    assert profile["steps"] == 2 and "host_profile" not in rows["static"]
+    assert sum(profile["owners"].values()) == pytest.approx(profile["profiled_ms_per_step"])
+    assert profile["owners"]["megatron.core"] > 0 and profile["owners"]["torch"] > 0
+    assert profile["owners"]["triton"] > 0  # Triton's interpreter runs the kernels here
+    assert profile["owners"]["megatron_ext"] > profile["bench_ms_per_step"] > 0
+    assert profile["top_cumulative"] and all(
+        r["owner"] == "megatron_ext" and not r["function"].startswith("megatron_ext/bench/")
+        for r in profile["top_cumulative"]
+    )
     [comparison] = result["comparisons"]
     assert (comparison["candidate"], comparison["baseline"]) == ("dynamic-eager", "static")
     assert len(comparison["rounds"]) == 2 and min(comparison["rounds"]) > 0
