@@ -235,6 +235,9 @@ def backend_for(device: torch.device, dtype: torch.dtype, mode: str = "auto") ->
     }
     if BACKEND in BACKENDS:
         return BACKEND if available[BACKEND] else None
+    # cuDNN first as measured through torch 2.11's SDPA; the ragged entry's fixed cost per call
+    # differs between torch releases (some build its cuDNN graph on every call without keeping
+    # it), which the benchmark's MHA-form rows time on the installed release.
     for backend in ("cudnn", "te"):
         if available[backend]:
             return backend

@@ -215,7 +215,9 @@ def decompressed_keys_values(
 
     Returns:
         Tuple[Tensor, Tensor]: keys [rows, heads, qk + rope] (``[k_nope | k_pe]``) and values
-        [rows, heads, v] (a view).
+        [rows, heads, v], both packed: ragged attention kernels address a sequence's rows from
+        the cumulative lengths times the packed row size in some releases (a strided view of the
+        decompressed rows would be read at the wrong places there).
     """
     blocks, block_size, width = kv_cache.shape
     latent_dim = width - rope_dim
@@ -227,7 +229,7 @@ def decompressed_keys_values(
     kv = rows[:, :latent_dim] @ kv_up_weight.t()  # the decompression GEMM
     kv = kv.view(rows.shape[0], heads, kv_up_weight.shape[0] // heads)
     k_pe = rows[:, None, latent_dim:].expand(-1, heads, rope_dim)
-    return torch.cat([kv[..., :qk_dim], k_pe], dim=-1), kv[..., qk_dim:]
+    return torch.cat([kv[..., :qk_dim], k_pe], dim=-1), kv[..., qk_dim:].contiguous()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,13 +362,19 @@ def varlen_attention(
         out, lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
     requests = bucket(len(q_lens), minimum=1) if len(q_lens) > 1 else 1
-    cu = _to_device(
-        np.concatenate([_cumulative(q_lens, requests), _cumulative(k_lens, requests)]), q.device
-    )
+    # Both offset arrays in one copy, the keys' starting on 16 bytes as the queries' does: the
+    # fused kernels may hand them to cuDNN as ragged offsets, whose descriptors assume it.
+    k_start = -(-(requests + 1) // 4) * 4
+    offsets = np.zeros(k_start + requests + 1, dtype=np.int64)
+    offsets[: requests + 1] = _cumulative(q_lens, requests)
+    offsets[k_start:] = _cumulative(k_lens, requests)
+    cu = _to_device(offsets, q.device)
     ragged = Ragged(
         cu[: requests + 1],
-        cu[requests + 1 :],
-        bucket(int(q_lens.max(initial=1)), minimum=1),
+        cu[k_start:],
+        # At least 2: newer cuDNN releases take a single-query ragged call for a decode and
+        # refuse it on some GPUs; the maximum only has to bound the lengths.
+        bucket(int(q_lens.max(initial=1)), minimum=2),
         bucket(int(k_lens.max(initial=1)), minimum=1),
     )
     if backend == "te":
