@@ -92,34 +92,54 @@ def _latent_calls() -> Dict[str, float]:
     return results
 
 
+# Rounds of one tree whose medians differ by more than this share of their median: the machine
+# was not quiet (another process on its CPUs or GPU), and the row's ratio is not a measurement.
+NOISY_SPREAD = 0.10
+
+
+def _spread(values: Sequence[float]) -> float:
+    """(largest - smallest) / median of one tree's per-round medians (0 for one round)."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def summarise(runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, object]]:
-    """Per call: the median host us of each tree over its runs and new / old.
+    """Per call: the median host us of each tree over its runs, new / old, and how far each
+    tree's rounds disagree.
 
     Args:
         runs: ``{"old": [measurements per round], "new": [...]}``, each a {call: us} dict.
 
     Returns:
-        List[Dict[str, object]]: rows of ``call``, ``old``, ``new``, ``ratio``, in the order the
-        calls were measured.
+        List[Dict[str, object]]: rows of ``call``, ``old``, ``new``, ``ratio`` and ``spread`` (the
+        larger of the two trees' :func:`_spread`), in the order the calls were measured.
     """
     rows = []
     for call in runs["new"][0]:
-        old = statistics.median(run[call] for run in runs["old"] if call in run)
-        new = statistics.median(run[call] for run in runs["new"])
-        rows.append({"call": call, "old": old, "new": new, "ratio": new / old})
+        olds = [run[call] for run in runs["old"] if call in run]
+        news = [run[call] for run in runs["new"]]
+        old, new = statistics.median(olds), statistics.median(news)
+        spread = max(_spread(olds), _spread(news))
+        rows.append({"call": call, "old": old, "new": new, "ratio": new / old, "spread": spread})
     return rows
 
 
 def print_table(rows: Sequence[Dict[str, object]]) -> None:
-    """The table, then the worst row (the largest new / old)."""
+    """The table (a row whose rounds disagree by more than :data:`NOISY_SPREAD` marked), then
+    the worst row (the largest new / old)."""
     width = max(len(str(row["call"])) for row in rows)
-    print(f"{'call':<{width}} | old us | new us | new/old")
+    print(f"{'call':<{width}} | old us | new us | new/old | rounds differ by")
     for row in rows:
+        noisy = "  (noisy: rerun on a quiet machine)" if row["spread"] > NOISY_SPREAD else ""
         print(
-            f"{row['call']:<{width}} | {row['old']:6.1f} | {row['new']:6.1f} | {row['ratio']:.2f}"
+            f"{row['call']:<{width}} | {row['old']:6.1f} | {row['new']:6.1f} | "
+            f"{row['ratio']:7.2f} | {row['spread']:.0%}{noisy}"
         )
     worst = max(rows, key=lambda row: row["ratio"])
     print(f"worst row: {worst['call']}: new / old = {worst['ratio']:.2f}")
+    noisy = sum(row["spread"] > NOISY_SPREAD for row in rows)
+    if noisy:
+        limit = f"{NOISY_SPREAD:.0%}"
+        print(f"{noisy} of {len(rows)} rows noisy: their rounds differ by more than {limit}")
 
 
 def _measure(tree: Path) -> Dict[str, float]:
@@ -157,6 +177,9 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for name in ("old", "new"):
             runs[name].append(_measure(getattr(args, name).resolve()))
+    # What else loaded the CPUs while the rounds ran (host time is CPU time).
+    load = os.getloadavg()[0]
+    print(f"load average over the last minute: {load:.1f} on {os.cpu_count()} CPUs")
     print_table(summarise(runs))
     return 0
 

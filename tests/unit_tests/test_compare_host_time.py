@@ -19,8 +19,24 @@ def test_medians_per_call_and_the_worst_row(capsys):
     assert [row["call"] for row in rows] == ["a", "b"]
     assert (rows[0]["old"], rows[0]["new"]) == (11.0, 9.5)
     assert rows[1]["ratio"] == pytest.approx(22.0 / 20.0)
+    # a's new rounds (9, 9.5, 30) differ by 221% of their median; b's old ones (18-30) by 60%.
+    assert rows[0]["spread"] == pytest.approx(21.0 / 9.5)
+    assert rows[1]["spread"] == pytest.approx(12.0 / 20.0)
     script.print_table(rows)
-    assert "worst row: b: new / old = 1.10" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "worst row: b: new / old = 1.10" in printed
+    assert printed.count("(noisy: rerun on a quiet machine)") == 2
+    assert "2 of 2 rows noisy" in printed
+
+
+def test_rounds_that_agree_are_not_marked_noisy(capsys):
+    script = load_script("compare_host_time")
+    runs = {"old": [{"a": 10.0}, {"a": 10.5}], "new": [{"a": 11.0}, {"a": 11.5}]}
+    (row,) = script.summarise(runs)
+    assert row["spread"] == pytest.approx(0.5 / 10.25)  # the old rounds, the wider
+    script.print_table([row])
+    printed = capsys.readouterr().out
+    assert "noisy" not in printed and "| 5%" in printed
 
 
 @pytest.mark.skipif(
