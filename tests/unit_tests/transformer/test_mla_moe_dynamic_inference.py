@@ -32,6 +32,7 @@ On the CPU the model uses the allgather token dispatcher (alltoall asks for CUDA
 0.16 without Transformer Engine the router's GEMM needs the ``stack`` fixture's binding (below).
 """
 
+import dataclasses
 import importlib.util
 from types import SimpleNamespace
 from typing import Any, Dict
@@ -42,14 +43,17 @@ from megatron.core.inference import utils as inference_utils
 
 from megatron_ext import apply_megatron_ext, undo_megatron_ext
 from megatron_ext.flags import MegatronExtConfigError
+from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine, teacher_forced_errors
 from megatron_ext.testing.small_mla_moe_gpt import (
     TINY_MLA_MOE_SIZES,
     build_dynamic_mla_moe_model,
     tiny_mla_moe_sizes,
 )
+from megatron_ext.testing.synthetic import run_engine
 from megatron_ext.transformer import mla_dynamic_inference
 from tests.unit_tests.transformer.test_mla_dynamic_inference import (
     DEVICE,
+    MAX_TOKENS,
     assert_graphed_as_eager,
     eager_and_graphed_runs,
     generate_and_check,
@@ -232,3 +236,60 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, mo
         before=lambda impl: forget_megatron_cores_moe_layers(monkeypatch),
     )
     assert_graphed_as_eager(runs)
+
+
+def _te_moe_model(config: Any, sizes: Dict[str, Any]) -> Any:
+    """The MoE + MLA GPT from megatron-core's own Transformer Engine decoder block spec (dense
+    first layer, then MoE layers with TE's grouped experts), bf16, seeded; built by megatron-core's
+    builder, so the flag's patch decides the attention class."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    torch.manual_seed(1234)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=True),
+        vocab_size=sizes["vocab_size"],
+        max_sequence_length=sizes["max_sequence_length"],
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device=DEVICE, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.gpu
+def test_gpu_te_moe_generation_matches_its_training_forward(stack):
+    """With Transformer Engine's MoE layers (grouped GEMM experts, TE linears and norms) the
+    dynamic path's logits match the same weights' training forward (TE, no latent caching, flags
+    undone) within the bf16 bound of the dense TE-spec test: a float64 copy cannot be made of TE's
+    modules."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine's MoE layers need TE")
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    sizes = tiny_mla_moe_sizes()
+    local = _build(sizes)
+    config = dataclasses.replace(local.config, moe_grouped_gemm=True)
+    model = _te_moe_model(config, sizes)
+    assert type(model.decoder.layers[0].self_attention).__name__ == "ExtMLASelfAttention"
+    assert all(
+        isinstance(layer.experts, TEGroupedMLP) for layer in _moe_layers(model.decoder)
+    ), "expected TE's grouped experts"
+    undo_megatron_ext()
+    reference = _te_moe_model(dataclasses.replace(config, cache_mla_latents=False), sizes)
+    reference.load_state_dict(model.state_dict())
+    apply_megatron_ext(
+        mla_rope_contiguous_load=True, inference_static_active_slices=True, config=config
+    )
+    requests = requests_for(LENGTHS, NEW_TOKENS, sizes["vocab_size"])
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=sizes["max_sequence_length"],
+        **CACHE,
+    )
+    outputs, _ = run_engine(engine, requests)
+    assert all(len(outputs[i]["generated_tokens"]) == NEW_TOKENS for i in outputs), outputs
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
