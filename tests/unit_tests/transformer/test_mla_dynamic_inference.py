@@ -152,6 +152,34 @@ def generate_and_check(
     return dict(stats=stats, kinds=kinds, result=result, steps=wrapper.steps)
 
 
+def served_errors(
+    model: Any,
+    reference: Any,
+    sizes: Dict[str, Any],
+    requests: List[Tuple[List[int], Any]],
+    **engine_sizes: Any,
+) -> Tuple[Dict[str, Any], Dict[int, Any], Dict[str, Any]]:
+    """Generate through the engine, then run ``reference`` teacher-forced over the served
+    sequences (for a model a float64 copy cannot be made of, or a check with its own bound).
+
+    Returns:
+        Tuple: :func:`teacher_forced_errors`' result, the engine's outputs, its counters (with the
+        most requests paused at once, as the wrapper saw them).
+    """
+    engine, _, wrapper = build_mla_dynamic_engine(
+        model,
+        max_requests=8,
+        max_tokens=MAX_TOKENS,
+        max_sequence_length=sizes["max_sequence_length"],
+        **engine_sizes,
+    )
+    outputs, stats = run_engine(engine, requests)
+    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
+    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    stats = dict(stats, max_paused=max(stats["max_paused"], wrapper.max_paused))
+    return result, outputs, stats
+
+
 # ------------------------------------------------------------------------------- generation
 
 
@@ -654,19 +682,9 @@ def test_gpu_deepseek_like_generation_matches_float64(stack, dtype):
         seen = generate_and_check(model, DEEPSEEK_LIKE, requests, 2**-10, **PAUSING_CACHE)
         assert seen["stats"]["evicted"] > 0 and seen["stats"]["max_paused"] > 0, seen["stats"]
         return
-    engine, _, wrapper = build_mla_dynamic_engine(
-        model,
-        max_requests=8,
-        max_tokens=MAX_TOKENS,
-        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
-        **PAUSING_CACHE,
-    )
-    outputs, stats = run_engine(engine, requests)
-    paused = max(stats["max_paused"], wrapper.max_paused)
-    assert stats["evicted"] > 0 and paused > 0, (stats, paused)
-    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
     reference = small_mla_gpt.float64_copy(model, device=DEVICE, **DEEPSEEK_LIKE)
-    result = teacher_forced_errors(wrapper.rows, reference, sequences)
+    result, _, stats = served_errors(model, reference, DEEPSEEK_LIKE, requests, **PAUSING_CACHE)
+    assert stats["evicted"] > 0 and stats["max_paused"] > 0, stats
     bound = result["largest_abs_logit"] / 16
     assert result["max_abs_error"] <= bound, result
     close_calls = [m for m in result["argmax_mismatches"] if m[3] > 2 * result["max_abs_error"]]
@@ -978,17 +996,9 @@ def test_gpu_te_spec_generation_matches_its_training_forward(stack, down_proj_fu
         mla_rope_contiguous_load=True, inference_static_active_slices=True, config=local.config
     )
     requests = requests_for([9, 70, 17], 8, DEEPSEEK_LIKE["vocab_size"])
-    engine, _, wrapper = build_mla_dynamic_engine(
-        model,
-        max_requests=8,
-        max_tokens=MAX_TOKENS,
-        max_sequence_length=DEEPSEEK_LIKE["max_sequence_length"],
-        block_size_tokens=16,
-        kv_blocks=64,
+    result, _, _ = served_errors(
+        model, reference, DEEPSEEK_LIKE, requests, block_size_tokens=16, kv_blocks=64
     )
-    outputs, _ = run_engine(engine, requests)
-    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
-    result = teacher_forced_errors(wrapper.rows, reference, sequences)
     assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
 
 

@@ -43,21 +43,19 @@ from megatron.core.inference import utils as inference_utils
 
 from megatron_ext import apply_megatron_ext, undo_megatron_ext
 from megatron_ext.flags import MegatronExtConfigError
-from megatron_ext.testing.mla_dynamic_engine import build_mla_dynamic_engine, teacher_forced_errors
 from megatron_ext.testing.small_mla_moe_gpt import (
     TINY_MLA_MOE_SIZES,
     build_dynamic_mla_moe_model,
     tiny_mla_moe_sizes,
 )
-from megatron_ext.testing.synthetic import run_engine
 from megatron_ext.transformer import mla_dynamic_inference
 from tests.unit_tests.transformer.test_mla_dynamic_inference import (
     DEVICE,
-    MAX_TOKENS,
     assert_graphed_as_eager,
     eager_and_graphed_runs,
     generate_and_check,
     requests_for,
+    served_errors,
 )
 from tests.unit_tests.transformer.test_mla_dynamic_inference import stack as mla_stack
 
@@ -281,15 +279,6 @@ def test_gpu_te_moe_generation_matches_its_training_forward(stack):
         mla_rope_contiguous_load=True, inference_static_active_slices=True, config=config
     )
     requests = requests_for(LENGTHS, NEW_TOKENS, sizes["vocab_size"])
-    engine, _, wrapper = build_mla_dynamic_engine(
-        model,
-        max_requests=8,
-        max_tokens=MAX_TOKENS,
-        max_sequence_length=sizes["max_sequence_length"],
-        **CACHE,
-    )
-    outputs, _ = run_engine(engine, requests)
+    result, outputs, _ = served_errors(model, reference, sizes, requests, **CACHE)
     assert all(len(outputs[i]["generated_tokens"]) == NEW_TOKENS for i in outputs), outputs
-    sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
-    result = teacher_forced_errors(wrapper.rows, reference, sequences)
     assert result["max_abs_error"] <= result["largest_abs_logit"] / 16, result
