@@ -91,7 +91,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_ext.bench import mla_engine_report as report_lib
-from megatron_ext.bench.mla_engine_host_profile import host_profile_lines
+from megatron_ext.bench.mla_engine_host_profile import (
+    host_profile_lines,
+    profile_host_decode_steps,
+)
 from megatron_ext.bench.mla_engine_profile import breakdown_lines
 from megatron_ext.bench.mla_roofline import decode_step_cost, device_ceilings, roofline
 from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
@@ -655,8 +658,6 @@ def measure_config(
     # The graphed engine's; the eager one's where there is none (a run without a GPU: the tests).
     hosted = profiled or ("dynamic-eager" if "dynamic-eager" in units else None)
     if getattr(args, "host_profile_steps", 0) and hosted:
-        from megatron_ext.bench.mla_engine_host_profile import profile_host_decode_steps
-
         host = profile_host_decode_steps(units[hosted], prompts, args.host_profile_steps, _sync)
         next(row for row in rows if row["engine"] == hosted)["host_profile"] = host
     if getattr(args, "server_loop", False):
