@@ -5,7 +5,8 @@ with its CUDA graphs, against the same model through megatron-core's static batc
 
     python -m megatron_ext.bench mla-engine [--quick] [--models dsv3_shard small]
         [--requests 256 1024] [--rounds N] [--prompt P] [--generate G] [--no-eager]
-        [--profile-steps N] [--host-profile-steps N] [--server-loop] [--out DIR]
+        [--profile-steps N] [--host-profile-steps N] [--server-loop] [--graph-scope block]
+        [--out DIR]
 
 Engines, per model and request count (bf16, random weights from one seed, random prompt tokens,
 greedy):
@@ -15,7 +16,9 @@ greedy):
   engine captures its per-layer graphs on construction, for the full batch and its mixed-step
   shapes, and replays them in decode steps), served the documented way: ``mla_rope_contiguous_load``
   and ``inference_static_active_slices`` (static active slices and the graph-safe sampling region,
-  replayed from megatron_ext's own CUDA graphs).
+  replayed from megatron_ext's own CUDA graphs). ``--graph-scope block`` (megatron-core 0.19):
+  one graph per decoder block (``inference_cuda_graph_scope="block"``) instead of one per layer,
+  so that a decode step replays one graph instead of walking the layers' Python.
 * ``dynamic-eager``: the same model and flags, a context without CUDA graphs (``--no-eager``
   leaves it out).
 * ``static``: megatron-core's static batching (``StaticInferenceContext``, one prefill forward,
@@ -72,7 +75,9 @@ end and the host share of one more loop under the profiler
 
 Printed last: the verdicts (``>= 2x static at 256 requests: met/missed by X`` per model, the
 graphed rows' host share, the device rates and rooflines, the server loops), the table, the
-kernel breakdowns and the host profiles; ``mla_engine.json`` goes to ``--out``. A configuration
+kernel breakdowns and the host profiles; ``mla_engine.json`` goes to ``--out``
+(``mla_engine_block.json`` with ``--graph-scope block``, so that the two runs' reports stand side
+by side). A configuration
 that raises is reported with its traceback and the others still run (exit status 1).
 
 Without a GPU it says so and times nothing: on a tiny MLA model (fp32, Triton interpreter) the
@@ -99,9 +104,11 @@ from megatron_ext.bench.mla_engine_profile import breakdown_lines
 from megatron_ext.bench.mla_roofline import decode_step_cost, device_ceilings, roofline
 from megatron_ext.testing.mla_dynamic_engine import TINY_MLA_SIZES
 from megatron_ext.transformer.mla_prefill import MODES as MHA_FORM_MODES
+from megatron_ext.utils import is_megatron_core_min_version
 
 __all__ = [
     "ENGINE_MODELS",
+    "GRAPH_SCOPES",
     "MAX_PREFILL_TOKENS",
     "STATIC_CACHE_BUDGET",
     "DynamicUnit",
@@ -109,9 +116,11 @@ __all__ = [
     "build_models",
     "check_cpu",
     "engine_row",
+    "graph_config",
     "main",
     "measure_config",
     "parse_args",
+    "report_path",
     "server_loop_row",
     "static_batch",
     "static_cache_bytes",
@@ -160,6 +169,10 @@ STATIC_CACHE_BUDGET = 40 << 30
 # 32768 tokens. One step for all 1024 x 128 prompt tokens (34 GiB) ran out of memory on
 # megatron-core 0.19.2 beside its CUDA graph pools (52 GiB at 1024 requests); serving chunks too.
 MAX_PREFILL_TOKENS = 32768
+# What one of megatron-core's inference CUDA graphs holds: a transformer layer (both lines), or
+# the whole decoder block (0.19's inference_cuda_graph_scope="block"), which a decode step
+# replays without running the layers' Python.
+GRAPH_SCOPES = ("layer", "block")
 
 
 def static_cache_bytes(sizes: Dict[str, Any], batch: int, tokens: int, itemsize: int = 2) -> int:
@@ -200,7 +213,9 @@ def static_batch(
     return batch
 
 
-def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
+def build_models(
+    name: str, dtype: torch.dtype, device: str, graph_scope: str = "layer"
+) -> Tuple[Any, Any]:
     """The model of :data:`ENGINE_MODELS` for each path, with the same weights.
 
     The dynamic path's model has a latent cache (``cache_mla_latents``), both flags applied for
@@ -211,6 +226,8 @@ def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
         name: a key of :data:`ENGINE_MODELS`.
         dtype: parameter dtype.
         device: where the models live.
+        graph_scope: what one of megatron-core's inference CUDA graphs holds on a GPU, one of
+            :data:`GRAPH_SCOPES` (``block`` needs megatron-core 0.19).
 
     Returns:
         Tuple[GPTModel, GPTModel]: the dynamic and the static path's model, in eval mode.
@@ -222,7 +239,7 @@ def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
     from megatron_ext.testing.small_mla_gpt import build_small_mla_gpt
 
     sizes = ENGINE_MODELS[name]
-    overrides = dict(cuda_graph_impl="local") if device == "cuda" else None
+    overrides = graph_config(graph_scope) if device == "cuda" else None
     # Static first, so that both flags are applied last, for the dynamic model's config. Its
     # weights come from the dynamic model's: skipping the initialisation halves the build
     # (seconds per 1e9 parameters on the CPU).
@@ -249,6 +266,32 @@ def build_models(name: str, dtype: torch.dtype, device: str) -> Tuple[Any, Any]:
     if stray:
         raise RuntimeError(f"the two paths' models differ in parameters {stray}")
     return dynamic, static
+
+
+def graph_config(graph_scope: str) -> Dict[str, Any]:
+    """The model config's fields for megatron-core's inference CUDA graphs of ``graph_scope``.
+
+    Args:
+        graph_scope: one of :data:`GRAPH_SCOPES`.
+
+    Returns:
+        Dict[str, Any]: ``cuda_graph_impl="local"``, and for ``block``
+        ``inference_cuda_graph_scope="block"`` (a field megatron-core 0.16 does not have: its
+        graphs are per layer).
+
+    Raises:
+        ValueError: for a scope not in :data:`GRAPH_SCOPES`, or ``block`` on megatron-core 0.16.
+    """
+    if graph_scope not in GRAPH_SCOPES:
+        raise ValueError(f"graph_scope={graph_scope!r}: expected one of {GRAPH_SCOPES}")
+    if graph_scope == "layer":
+        return dict(cuda_graph_impl="local")
+    if not is_megatron_core_min_version("0.19.0"):
+        raise ValueError(
+            "graph_scope='block' needs megatron-core 0.19 (its inference_cuda_graph_scope); "
+            "0.16 captures one graph per layer"
+        )
+    return dict(cuda_graph_impl="local", inference_cuda_graph_scope="block")
 
 
 def _sync() -> None:
@@ -634,6 +677,8 @@ def measure_config(
         row["controller_class"] = (
             type(unit.engine.controller).__name__ if row["engine"] != "static" else None
         )
+        if row["engine"] == "dynamic-graphed":
+            row["graph_scope"] = getattr(args, "graph_scope", "layer")
         if row["engine"] in forms:
             row["prefill_ms_by_form"] = forms[row["engine"]]
     pairs = [(name, "static") for name in units if name != "static"]
@@ -932,7 +977,21 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "in the same process; without it the prefill runs in the mode the environment sets "
         "(MEGATRON_EXT_MLA_MHA_FORM)",
     )
+    parser.add_argument(
+        "--graph-scope",
+        choices=GRAPH_SCOPES,
+        default="layer",
+        help="what one of megatron-core's CUDA graphs holds in the graphed engine: a layer "
+        "(default; both megatron-core lines) or the whole decoder block (megatron-core 0.19's "
+        "inference_cuda_graph_scope='block': a decode step replays one graph instead of one per "
+        "layer)",
+    )
     args = parser.parse_args(argv)
+    if args.graph_scope == "block" and not is_megatron_core_min_version("0.19.0"):
+        parser.error(
+            "--graph-scope block needs megatron-core 0.19 (inference_cuda_graph_scope); 0.16 "
+            "captures one graph per layer"
+        )
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
     if args.generate is None:
@@ -949,6 +1008,21 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.error("--host-profile-steps must be >= 0")
     args.engines = [e for e in report_lib.ENGINES if not (args.no_eager and e == "dynamic-eager")]
     return args
+
+
+def report_path(args: argparse.Namespace) -> str:
+    """Where the run's JSON goes (``--out`` made if missing): ``mla_engine.json``, with the graph
+    scope in the name when it is not the default, so that a run per scope keeps both reports.
+
+    Args:
+        args: :func:`parse_args`' namespace, with ``out`` set.
+
+    Returns:
+        str: the file's path.
+    """
+    os.makedirs(args.out, exist_ok=True)
+    suffix = "" if args.graph_scope == "layer" else f"_{args.graph_scope}"
+    return os.path.join(args.out, f"mla_engine{suffix}.json")
 
 
 def bench_gpu(args: argparse.Namespace) -> int:
@@ -971,6 +1045,7 @@ def bench_gpu(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(),
         "megatron_core": package_info.__version__,
         "torch": torch.__version__,
+        "graph_scope": args.graph_scope,
         # Which form the prefill steps (prefill ms: the batch's time to first token) ran in.
         "mha_form": {
             "mode": mla_prefill.MODE,
@@ -997,7 +1072,7 @@ def bench_gpu(args: argparse.Namespace) -> int:
     for model_name in args.models:
         try:
             began = time.perf_counter()
-            models = build_models(model_name, torch.bfloat16, "cuda")
+            models = build_models(model_name, torch.bfloat16, "cuda", args.graph_scope)
             print(f"{model_name}: models built in {time.perf_counter() - began:.0f} s")
         except Exception:  # noqa: BLE001 - reported; the other models still run
             report["failed"].append({"model": model_name, "error": traceback.format_exc()})
@@ -1033,11 +1108,11 @@ def bench_gpu(args: argparse.Namespace) -> int:
         undo_megatron_ext()
         _release_graphs()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mla_engine.json"), "w") as f:
+        with open(report_path(args), "w") as f:
             json.dump(report, f, indent=2)
     # The suite's summary (scripts/run_gpu_suite.sh) prints what follows this header.
     print("=== table: MLA decode through the engines (bf16)")
+    print(f"graphed engine: megatron-core's CUDA graphs, one per {args.graph_scope}")
     form = report["mha_form"]
     print(
         f"prefill attention: MHA form {form['mode']} (backend {form['backend']}; environment "
@@ -1087,8 +1162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         result = check_cpu()
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "mla_engine.json"), "w") as f:
+            with open(report_path(args), "w") as f:
                 json.dump({"cuda": False, "cpu_check": result}, f, indent=2)
         verdict = "the same" if result["identical_tokens"] else "DIFFERENT"
         print(

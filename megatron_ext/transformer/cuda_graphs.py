@@ -1,7 +1,7 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""megatron-core's per-layer CUDA graphs (``cuda_graph_impl="local"``) around the inference
-contexts the ``--inference-static-active-slices`` flag builds."""
+"""megatron-core's CUDA graphs (``cuda_graph_impl="local"``, per layer or, on 0.19, per block)
+around the inference contexts the ``--inference-static-active-slices`` flag builds."""
 
 from typing import Any, Callable
 

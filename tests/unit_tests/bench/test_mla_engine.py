@@ -167,6 +167,59 @@ def test_quick_defaults_and_refusals():
             mla_engine.parse_args(bad)
 
 
+def test_graph_scope_option_and_its_config(monkeypatch, tmp_path):
+    assert mla_engine.parse_args([]).graph_scope == "layer"
+    assert mla_engine.graph_config("layer") == dict(cuda_graph_impl="local")
+    with pytest.raises(ValueError, match="graph_scope='all'"):
+        mla_engine.graph_config("all")
+    for newer, accepted in ((False, False), (True, True)):
+        monkeypatch.setattr(mla_engine, "is_megatron_core_min_version", lambda v, n=newer: n)
+        if accepted:
+            assert mla_engine.parse_args(["--graph-scope", "block"]).graph_scope == "block"
+            assert mla_engine.graph_config("block") == dict(
+                cuda_graph_impl="local", inference_cuda_graph_scope="block"
+            )
+        else:
+            with pytest.raises(SystemExit):
+                mla_engine.parse_args(["--graph-scope", "block"])
+            with pytest.raises(ValueError, match="needs megatron-core 0.19"):
+                mla_engine.graph_config("block")
+    # One report per scope in the same directory: a block run keeps the layer run's.
+    paths = {
+        scope: mla_engine.report_path(
+            argparse.Namespace(out=str(tmp_path / "r"), graph_scope=scope)
+        )
+        for scope in mla_engine.GRAPH_SCOPES
+    }
+    assert paths == {
+        "layer": str(tmp_path / "r" / "mla_engine.json"),
+        "block": str(tmp_path / "r" / "mla_engine_block.json"),
+    }
+    assert (tmp_path / "r").is_dir()
+
+
+@pytest.mark.skipif(
+    not mla_engine.is_megatron_core_min_version("0.19.0"),
+    reason="inference_cuda_graph_scope is megatron-core 0.19's (0.16 graphs per layer)",
+)
+def test_block_scope_fields_are_megatron_cores():
+    """megatron-core 0.19's config takes the block scope's fields as spelled here (a string it
+    turns into its enum; capture and replay are the GPU tests')."""
+    from megatron.core.transformer.enums import InferenceCudaGraphScope
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        use_cpu_initialization=True,
+        **mla_engine.graph_config("block"),
+    )
+    assert config.cuda_graph_impl == "local"
+    assert config.inference_cuda_graph_scope == InferenceCudaGraphScope.block
+
+
 # --------------------------------------------------------------------------- end to end (CPU)
 
 
@@ -270,20 +323,27 @@ def test_cpu_run_says_so_and_checks_the_engines_agree(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_smoke_run_of_the_tiny_model(tmp_path, capsys):
-    """A --quick-like run of the tiny model: three engines, megatron-core's graphs captured, the
-    profiler's kernel times, the table and the JSON."""
+@pytest.mark.parametrize("scope", mla_engine.GRAPH_SCOPES)
+def test_gpu_smoke_run_of_the_tiny_model(tmp_path, capsys, scope):
+    """A --quick-like run of the tiny model: three engines, megatron-core's graphs captured (per
+    layer, or per block on 0.19), the profiler's kernel times, the table and the JSON."""
+    if scope == "block" and not mla_engine.is_megatron_core_min_version("0.19.0"):
+        pytest.skip("inference_cuda_graph_scope='block' is megatron-core 0.19's")
     argv = ["--models", "tiny", "--requests", "8", "--rounds", "2", "--prompt", "16"]
+    argv += ["--generate", "6", "--graph-scope", scope, "--out", str(tmp_path)]
     # The benchmark installs megatron-core's inference RNG tracker for its process; put back.
     with inference_rng_tracker():
-        assert mla_engine.main([*argv, "--generate", "6", "--out", str(tmp_path)]) == 0
+        assert mla_engine.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| model | requests | engine |" in printed
-    saved = json.loads((tmp_path / "mla_engine.json").read_text())
-    assert not saved["failed"] and not saved["dropped"]
+    assert f"megatron-core's CUDA graphs, one per {scope}" in printed
+    name = "mla_engine.json" if scope == "layer" else "mla_engine_block.json"
+    saved = json.loads((tmp_path / name).read_text())
+    assert not saved["failed"] and not saved["dropped"] and saved["graph_scope"] == scope
     rows = {row["engine"]: row for row in saved["rows"]}
     assert set(rows) == set(report_lib.ENGINES)
     graphed = rows["dynamic-graphed"]
+    assert graphed["graph_scope"] == scope
     assert graphed["graph_capture_s"] is not None and graphed["cuda_graph_shapes"] >= 1
     assert graphed["controller_class"].startswith("StaticSlices")
     assert graphed["kernel_ms_per_step"] > 0 and 0 <= graphed["host_share"] <= 1

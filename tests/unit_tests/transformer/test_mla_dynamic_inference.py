@@ -43,6 +43,7 @@ from megatron_ext.transformer.multi_latent_attention import (
     ExtFusedMLASelfAttention,
     ExtMLASelfAttention,
 )
+from megatron_ext.utils import is_megatron_core_min_version
 from tests.unit_tests.mcore_rng import inference_rng_tracker
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -744,6 +745,7 @@ def eager_and_graphed_runs(
     requests: Any = None,
     cache: Any = None,
     moe: bool = False,
+    graph_scope: str = "layer",
 ) -> Dict[str, Any]:
     """The engine's outputs without and with megatron-core's CUDA graphs (``cuda_graph_impl``
     "none" and "local"); ``before(impl)`` is called before each build.
@@ -757,6 +759,8 @@ def eager_and_graphed_runs(
         cache: the engine's cache sizes (default :data:`PAUSING_CACHE`).
         moe: MoE layers: the graphed engine gets megatron-core's
             ``moe_pad_experts_for_cuda_graph_inference``.
+        graph_scope: what one graph holds: ``layer``, or ``block`` (megatron-core 0.19's
+            ``inference_cuda_graph_scope``: the decoder block is the only graphed module).
 
     Returns:
         Dict[str, Any]: implementation -> request id -> the engine's output.
@@ -771,16 +775,23 @@ def eager_and_graphed_runs(
             # megatron-core's CUDA graphs refuse a training RNG tracker; inference scripts set up
             # an inference one, as here (the process-wide tracker is put back afterwards).
             stack.enter_context(inference_rng_tracker())
+        overrides = dict(sizes.get("config_overrides") or {}, cuda_graph_impl=impl)
+        if impl == "local" and graph_scope != "layer":
+            overrides["inference_cuda_graph_scope"] = graph_scope
         model = small_mla_gpt.build_small_mla_gpt(
             "on",
             dtype=torch.float32,
             device=DEVICE,
             cache_mla_latents=True,
-            **dict(
-                sizes,
-                config_overrides=dict(sizes.get("config_overrides") or {}, cuda_graph_impl=impl),
-            ),
+            **dict(sizes, config_overrides=overrides),
         )
+        if impl == "local":
+            # The scope asked for is the one built: under the block scope no layer has a graph
+            # manager of its own (the block always has one on 0.19, used by that scope only).
+            graphed = [hasattr(layer, "cudagraph_manager") for layer in model.decoder.layers]
+            by_block = graph_scope == "block"
+            assert all(g != by_block for g in graphed), (graph_scope, graphed)
+            assert hasattr(model.decoder, "cudagraph_manager") or not by_block
         apply_megatron_ext(
             mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
         )
@@ -807,6 +818,17 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack):
     in the engine's warm-up, replayed in decode-only steps) around the dynamic MLA path: the same
     greedy tokens as the eager engine, log-probs within fp32 rounding."""
     assert_graphed_as_eager(eager_and_graphed_runs(stack))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not is_megatron_core_min_version("0.19.0"),
+    reason="inference_cuda_graph_scope='block' is megatron-core 0.19's (0.16 graphs per layer)",
+)
+def test_gpu_engine_with_block_scoped_cuda_graphs_generates_as_eager(stack):
+    """megatron-core 0.19's block-scoped inference graphs (one graph for the whole decoder block,
+    no layer graphed on its own) around the dynamic MLA path: the eager engine's greedy tokens."""
+    assert_graphed_as_eager(eager_and_graphed_runs(stack, graph_scope="block"))
 
 
 def assert_graphed_as_eager(runs: Dict[str, Any]) -> None:
