@@ -32,6 +32,7 @@ results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
 """
 
 import math
+import threading
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -298,26 +299,36 @@ def _cudnn_varlen(
     return out, lse.float()
 
 
+# TE's attention modules by shape and scale: built once per process (threads serving one model
+# share them; the lock keeps one module per key).
 _TE_MODULES: Dict[Tuple, object] = {}
+_TE_MODULES_LOCK = threading.Lock()
+
+
+def _te_module(heads: int, qk: int, v_dim: int, scale: float, device: torch.device) -> object:
+    """Transformer Engine's ``DotProductAttention`` for THD, bottom-right causal, one per key."""
+    key = (heads, qk, v_dim, scale, device)
+    with _TE_MODULES_LOCK:
+        module = _TE_MODULES.get(key)
+        if module is None:
+            from transformer_engine.pytorch import DotProductAttention
+
+            module = DotProductAttention(
+                heads,
+                (qk, v_dim),
+                attention_dropout=0.0,
+                qkv_format="thd",
+                attn_mask_type="padding_causal_bottom_right",
+                softmax_scale=scale,
+            )
+            _TE_MODULES[key] = module
+    return module
 
 
 def _te_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, scale: float) -> Tensor:
     """Transformer Engine's fused attention, THD with cumulative lengths, bottom-right causal."""
     heads, qk, v_dim = q.shape[1], q.shape[2], v.shape[2]
-    key = (heads, qk, v_dim, scale, q.device)
-    module = _TE_MODULES.get(key)
-    if module is None:
-        from transformer_engine.pytorch import DotProductAttention
-
-        module = DotProductAttention(
-            heads,
-            (qk, v_dim),
-            attention_dropout=0.0,
-            qkv_format="thd",
-            attn_mask_type="padding_causal_bottom_right",
-            softmax_scale=scale,
-        )
-        _TE_MODULES[key] = module
+    module = _te_module(heads, qk, v_dim, scale, q.device)
     out = module(
         q,
         k,

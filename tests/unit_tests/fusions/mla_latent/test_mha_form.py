@@ -246,6 +246,59 @@ def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout
     assert len(seen) == 1 + has_prefix
 
 
+class _TEStandIn:
+    """A stand-in for Transformer Engine's ``DotProductAttention`` in THD (its 2.20 contract:
+    int32 cumulative lengths, ``[tokens, heads, dim]`` operands, ``[tokens, heads x v]`` out,
+    bottom-right causal; what it writes past ``cu_seqlens_q[-1]`` is not specified, NaN here)."""
+
+    built = []
+    seen = []
+
+    def __init__(self, heads, kv_channels, **kwargs):
+        self.heads, self.kv_channels, self.kwargs = heads, kv_channels, kwargs
+        self.built.append((heads, kv_channels, kwargs))
+
+    def __call__(self, q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv):
+        assert cu_seqlens_q.dtype == cu_seqlens_kv.dtype == torch.int32
+        assert self.kwargs["qkv_format"] == "thd" and self.kwargs["attention_dropout"] == 0.0
+        assert self.kwargs["attn_mask_type"] == "padding_causal_bottom_right"
+        assert q.shape[1:] == (self.heads, self.kv_channels[0]) and k.shape[1:] == q.shape[1:]
+        assert v.shape[1:] == (self.heads, self.kv_channels[1]) and v.is_contiguous()
+        q_lens, k_lens = np.diff(cu_seqlens_q.cpu().numpy()), np.diff(cu_seqlens_kv.cpu().numpy())
+        assert max_seqlen_q >= q_lens.max() and max_seqlen_kv >= k_lens.max()
+        self.seen.append((q.shape[0], k.shape[0], len(q_lens)))
+        out, _ = mha_form._torch_varlen(
+            q, k, v, q_lens, k_lens, "bottom_right", self.kwargs["softmax_scale"]
+        )
+        out[int(cu_seqlens_q[-1]) :] = float("nan")
+        return out.reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
+def test_transformer_engine_glue_with_a_stand_in_module(monkeypatch, requests):
+    """The Transformer Engine backend's packing and call, with a stand-in for TE's module: one
+    call per step over whole contexts, one module per shape and scale, padding tokens zero."""
+    import sys
+    import types
+
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.SimpleNamespace(DotProductAttention=_TEStandIn)
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
+    monkeypatch.setattr(mha_form, "_TE_MODULES", {})
+    monkeypatch.setattr(_TEStandIn, "built", [])
+    monkeypatch.setattr(_TEStandIn, "seen", [])
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=11)
+    for _ in range(2):
+        got = mla_paged_mha_attention(
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="te", **lengths
+        )
+        expected = reference(step, query, cache, weight, lengths)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    assert [b[:2] for b in _TEStandIn.built] == [(3, (32 + 16, 32))]  # built once, reused
+    assert len(_TEStandIn.seen) == 2  # one call per step, prefix and chunk together
+
+
 # ------------------------------------------------------------------------------- row budget
 
 # (cached tokens, new tokens): a chunk behind a long prefix; requests of different lengths; one
