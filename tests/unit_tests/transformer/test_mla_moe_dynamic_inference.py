@@ -49,6 +49,7 @@ from megatron_ext.testing.small_mla_moe_gpt import (
     tiny_mla_moe_sizes,
 )
 from megatron_ext.transformer import mla_dynamic_inference
+from megatron_ext.utils import is_megatron_core_min_version
 from tests.unit_tests.transformer.test_mla_dynamic_inference import (
     DEVICE,
     assert_graphed_as_eager,
@@ -215,14 +216,20 @@ def forget_megatron_cores_moe_layers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, monkeypatch):
-    """megatron-core's per-layer CUDA graphs (``cuda_graph_impl="local"``, captured in the
-    engine's warm-up, replayed in decode-only steps) around MLA and MoE layers: the same greedy
+@pytest.mark.parametrize("graph_scope", ["layer", "block"])
+def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(
+    stack, monkeypatch, graph_scope
+):
+    """megatron-core's CUDA graphs (``cuda_graph_impl="local"``, per layer or, on 0.19, per
+    decoder block; captured in the engine's warm-up, replayed in decode-only steps) around MLA
+    and MoE layers: the same greedy
     tokens as the eager engine, log-probs within fp32 rounding. megatron-core's allgather token
     dispatcher reads the tokens per expert back to the host in every step, so a captured MoE
     layer needs the alltoall dispatcher with ``moe_pad_experts_for_cuda_graph_inference`` (fixed
     shapes in graphed steps; megatron-core asks for it only with expert parallelism, but a
     capture needs it at expert parallel 1 as well); both runs use that dispatcher."""
+    if graph_scope == "block" and not is_megatron_core_min_version("0.19.0"):
+        pytest.skip("inference_cuda_graph_scope='block' is megatron-core 0.19's")
     sizes = tiny_mla_moe_sizes(moe_token_dispatcher_type="alltoall")
     requests = requests_for(LENGTHS, NEW_TOKENS, sizes["vocab_size"])
     runs = eager_and_graphed_runs(
@@ -232,6 +239,7 @@ def test_gpu_engine_with_megatron_cores_cuda_graphs_generates_as_eager(stack, mo
         cache=CACHE,
         moe=True,
         before=lambda impl: forget_megatron_cores_moe_layers(monkeypatch),
+        graph_scope=graph_scope,
     )
     assert_graphed_as_eager(runs)
 
