@@ -287,7 +287,8 @@ PATCHES: Dict[str, Tuple[Any, ...]] = {
             mcore_cuda_graphs,
             "_check_supported_type",
             accept_context_subclasses,
-            "megatron-core's per-layer CUDA graphs (cuda_graph_impl='local') compare an "
+            "megatron-core's CUDA graphs (cuda_graph_impl='local', per layer or per block) "
+            "compare an "
             "argument's exact type, so they refused the context this flag builds (a "
             "DynamicInferenceContext subclass); they take it as they take megatron-core's",
             wraps=True,

@@ -176,7 +176,8 @@ def build_mla_dynamic_engine(
             field on 0.19, the inference wrapper config's on 0.16 (needs ``megatron_wrapper``).
 
     Raises:
-        ValueError: for the MoE padding on 0.16 without ``megatron_wrapper``.
+        ValueError: for the MoE padding on 0.16 without ``megatron_wrapper``; on 0.19 for a
+            config whose ``params_dtype`` is not the weights' dtype.
 
     Returns:
         Tuple[DynamicInferenceEngine, context, wrapper]: the objects.
@@ -201,6 +202,13 @@ def build_mla_dynamic_engine(
                 "its inference wrapper: pass megatron_wrapper=True"
             )
     dtype = next(model.parameters()).dtype
+    if UPSTREAM_HAS_ACTIVE_SLICES and config.params_dtype != dtype:
+        # 0.19's context allocates the cache in the config's dtype; the attention would refuse
+        # the first step's rows with a message about the cache, not the model.
+        raise ValueError(
+            f"the model's config says params_dtype={config.params_dtype} but its weights are "
+            f"{dtype}: megatron-core 0.19 allocates the latent cache in the config's dtype"
+        )
     row = config.kv_lora_rank + config.qk_pos_emb_head_dim
     block_bytes = dtype.itemsize * config.num_layers * block_size_tokens * row
     sizes = dict(

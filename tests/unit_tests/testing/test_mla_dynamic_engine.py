@@ -8,6 +8,7 @@ import torch
 from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext import undo_megatron_ext
+from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.testing import small_mla_gpt
 from megatron_ext.testing.mla_dynamic_engine import (
     TINY_MLA_SIZES,
@@ -92,3 +93,27 @@ def test_recording_wrapper_generates_as_megatron_cores(generation):
     for request_id, ours in outputs.items():
         assert theirs[request_id]["generated_tokens"] == ours["generated_tokens"], request_id
         assert theirs[request_id]["generated_log_probs"] == ours["generated_log_probs"], request_id
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_HAS_ACTIVE_SLICES,
+    reason="megatron-core 0.16's context takes the dtype it is given (the weights')",
+)
+def test_config_dtype_other_than_the_weights_is_refused_on_0_19():
+    """megatron-core 0.19 allocates the latent cache in the config's params_dtype: a model cast
+    after it was built (fp32 config, bf16 weights) is refused before the context is made."""
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        model = build_dynamic_mla_model(TINY_MLA_SIZES, torch.float32, DEVICE).to(torch.bfloat16)
+        try:
+            with pytest.raises(ValueError, match="params_dtype=torch.float32 but its weights"):
+                build_mla_dynamic_engine(
+                    model,
+                    max_requests=4,
+                    max_tokens=64,
+                    max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
+                    block_size_tokens=16,
+                    kv_blocks=16,
+                )
+        finally:
+            undo_megatron_ext()

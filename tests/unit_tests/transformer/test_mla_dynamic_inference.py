@@ -806,10 +806,45 @@ def eager_and_graphed_runs(
             **(PAUSING_CACHE if cache is None else cache),
         )
         if impl == "local":
-            assert getattr(engine, "capture_stats", None) is not None, "no CUDA graph was captured"
-        runs[impl], _ = run_engine(engine, requests)
+            from megatron.core.transformer.transformer_block import TransformerBlock
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            with replayed_graph_owners() as owners:
+                runs[impl], _ = run_engine(engine, requests)
+            # Graphs were replayed, by modules of the scope asked for only (the engine's capture
+            # statistics exist whether or not anything was captured).
+            owner = TransformerBlock if graph_scope == "block" else TransformerLayer
+            assert owners and all(issubclass(cls, owner) for cls in owners), owners
+        else:
+            runs[impl], _ = run_engine(engine, requests)
         undo_megatron_ext()
     return runs
+
+
+@contextlib.contextmanager
+def replayed_graph_owners() -> Any:
+    """Count megatron-core's CUDA graph replays inside the block by the class of the module whose
+    graph was replayed.
+
+    Yields:
+        Dict[type, int]: module class -> replays, filled as the block runs.
+    """
+    from megatron.core.transformer import cuda_graphs as mcore_cuda_graphs
+
+    runner = mcore_cuda_graphs._CudaGraphRunner
+    replay = runner.replay_graph_capture
+    owners: Dict[type, int] = {}
+
+    def counting_replay(self, *args, **kwargs):
+        owner = type(self.base_module)
+        owners[owner] = owners.get(owner, 0) + 1
+        return replay(self, *args, **kwargs)
+
+    runner.replay_graph_capture = counting_replay
+    try:
+        yield owners
+    finally:
+        runner.replay_graph_capture = replay
 
 
 @pytest.mark.gpu
