@@ -19,6 +19,14 @@ from megatron_ext.testing.mla_dynamic_engine import (
 from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel, run_engine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The context sizes every engine here is built with.
+ENGINE_SIZES = dict(
+    max_requests=4,
+    max_tokens=64,
+    max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
+    block_size_tokens=16,
+    kv_blocks=16,
+)
 
 
 @pytest.fixture
@@ -29,11 +37,7 @@ def generation():
         model = build_dynamic_mla_model(TINY_MLA_SIZES, torch.float32, DEVICE)
         engine, _, wrapper = build_mla_dynamic_engine(
             model,
-            max_requests=4,
-            max_tokens=64,
-            max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
-            block_size_tokens=16,
-            kv_blocks=16,
+            **ENGINE_SIZES,
         )
         params = dict(
             num_tokens_to_generate=3,
@@ -81,11 +85,7 @@ def test_recording_wrapper_generates_as_megatron_cores(generation):
     with cpu_torch_compat():
         engine, _, wrapper = build_mla_dynamic_engine(
             model,
-            max_requests=4,
-            max_tokens=64,
-            max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
-            block_size_tokens=16,
-            kv_blocks=16,
+            **ENGINE_SIZES,
             megatron_wrapper=True,
         )
         assert type(wrapper).__name__ == "GPTInferenceWrapper"
@@ -109,11 +109,7 @@ def test_config_dtype_other_than_the_weights_is_refused_on_0_19():
             with pytest.raises(ValueError, match="params_dtype=torch.float32 but its weights"):
                 build_mla_dynamic_engine(
                     model,
-                    max_requests=4,
-                    max_tokens=64,
-                    max_sequence_length=TINY_MLA_SIZES["max_sequence_length"],
-                    block_size_tokens=16,
-                    kv_blocks=16,
+                    **ENGINE_SIZES,
                 )
         finally:
             undo_megatron_ext()
