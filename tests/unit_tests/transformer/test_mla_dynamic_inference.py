@@ -775,6 +775,11 @@ def eager_and_graphed_runs(
             # megatron-core's CUDA graphs refuse a training RNG tracker; inference scripts set up
             # an inference one, as here (the process-wide tracker is put back afterwards).
             stack.enter_context(inference_rng_tracker())
+            # megatron-core keeps every captured runner in a process-wide record, where a later
+            # test's capture would look up "the previous layer's" runner; emptied at the end.
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+            stack.callback(delete_cuda_graphs)
         overrides = dict(sizes.get("config_overrides") or {}, cuda_graph_impl=impl)
         if impl == "local" and graph_scope != "layer":
             overrides["inference_cuda_graph_scope"] = graph_scope
