@@ -987,11 +987,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "layer)",
     )
     args = parser.parse_args(argv)
-    if args.graph_scope == "block" and not is_megatron_core_min_version("0.19.0"):
-        parser.error(
-            "--graph-scope block needs megatron-core 0.19 (inference_cuda_graph_scope); 0.16 "
-            "captures one graph per layer"
-        )
+    try:
+        graph_config(args.graph_scope)  # a scope the installed megatron-core has
+    except ValueError as error:
+        parser.error(f"--graph-scope {args.graph_scope}: {error}")
     if args.rounds is None:
         args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
     if args.generate is None:
