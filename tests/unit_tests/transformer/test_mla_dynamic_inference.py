@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -790,13 +791,6 @@ def eager_and_graphed_runs(
             cache_mla_latents=True,
             **dict(sizes, config_overrides=overrides),
         )
-        if impl == "local":
-            # The scope asked for is the one built: under the block scope no layer has a graph
-            # manager of its own (the block always has one on 0.19, used by that scope only).
-            graphed = [hasattr(layer, "cudagraph_manager") for layer in model.decoder.layers]
-            by_block = graph_scope == "block"
-            assert all(g != by_block for g in graphed), (graph_scope, graphed)
-            assert hasattr(model.decoder, "cudagraph_manager") or not by_block
         apply_megatron_ext(
             mla_rope_contiguous_load=True, inference_static_active_slices=True, config=model.config
         )
@@ -811,45 +805,27 @@ def eager_and_graphed_runs(
             **(PAUSING_CACHE if cache is None else cache),
         )
         if impl == "local":
+            from megatron.core.transformer import cuda_graphs as mcore_cuda_graphs
             from megatron.core.transformer.transformer_block import TransformerBlock
             from megatron.core.transformer.transformer_layer import TransformerLayer
 
-            with replayed_graph_owners() as owners:
+            runner = mcore_cuda_graphs._CudaGraphRunner
+            with mock.patch.object(
+                runner,
+                "replay_graph_capture",
+                autospec=True,
+                side_effect=runner.replay_graph_capture,
+            ) as replays:
                 runs[impl], _ = run_engine(engine, requests)
             # Graphs were replayed, by modules of the scope asked for only (the engine's capture
             # statistics exist whether or not anything was captured).
+            owners = {type(call.args[0].base_module) for call in replays.call_args_list}
             owner = TransformerBlock if graph_scope == "block" else TransformerLayer
             assert owners and all(issubclass(cls, owner) for cls in owners), owners
         else:
             runs[impl], _ = run_engine(engine, requests)
         undo_megatron_ext()
     return runs
-
-
-@contextlib.contextmanager
-def replayed_graph_owners() -> Any:
-    """Count megatron-core's CUDA graph replays inside the block by the class of the module whose
-    graph was replayed.
-
-    Yields:
-        Dict[type, int]: module class -> replays, filled as the block runs.
-    """
-    from megatron.core.transformer import cuda_graphs as mcore_cuda_graphs
-
-    runner = mcore_cuda_graphs._CudaGraphRunner
-    replay = runner.replay_graph_capture
-    owners: Dict[type, int] = {}
-
-    def counting_replay(self, *args, **kwargs):
-        owner = type(self.base_module)
-        owners[owner] = owners.get(owner, 0) + 1
-        return replay(self, *args, **kwargs)
-
-    runner.replay_graph_capture = counting_replay
-    try:
-        yield owners
-    finally:
-        runner.replay_graph_capture = replay
 
 
 @pytest.mark.gpu
