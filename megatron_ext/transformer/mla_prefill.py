@@ -16,9 +16,10 @@ When the MHA form runs (each rule decided in one function):
   cost model decides) or ``force`` (every request of every prefill step in
   the MHA form, the tests' switch; the plain-torch backend where no fused one runs);
 * the backend, :func:`backend_for` (override ``MEGATRON_EXT_MLA_MHA_BACKEND``): on CUDA in bf16 or
-  fp16, torch's cuDNN ragged attention where torch has it and cuDNN's SDPA is enabled on an sm80+
-  device, else Transformer Engine's fused attention where TE is installed; otherwise (CPU, fp32,
-  the Triton interpreter) none in ``auto`` mode, so CPU runs stay absorbed;
+  fp16, torch's cuDNN ragged attention where torch has it, cuDNN's SDPA is enabled and a check
+  call on the (sm90+) device runs and agrees with plain torch, else Transformer Engine's fused
+  attention where TE is installed; otherwise (CPU, fp32, the Triton interpreter) none in
+  ``auto`` mode, so CPU runs stay absorbed;
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
   (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
   host. megatron-core 0.16 captures decode-only steps (and, with
@@ -37,6 +38,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import warnings
 import weakref
 from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
@@ -183,19 +185,33 @@ def absorbed_request_count(
 
 
 _DEVICE_SUPPORT: dict = {}
+_DEVICE_SUPPORT_LOCK = threading.Lock()
 _TE_PRESENT: list = []
 
 
 def _cudnn_sdpa_usable(device: torch.device) -> bool:
+    """Whether torch's ragged cuDNN attention runs the MHA form on ``device``: decided once per
+    device (sm90 and newer, as torch's own nested-tensor rule for it, and a check call that
+    must run and agree with plain torch), then whether cuDNN SDPA is enabled now."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    usable = _DEVICE_SUPPORT.get(index)
-    if usable is None:
-        usable = (
-            internals.cudnn_attention_forward is not None
-            and torch.backends.cudnn.is_available()
-            and torch.cuda.get_device_capability(index) >= (8, 0)
-        )
-        _DEVICE_SUPPORT[index] = usable
+    with _DEVICE_SUPPORT_LOCK:
+        usable = _DEVICE_SUPPORT.get(index)
+        if usable is None:
+            usable = (
+                internals.cudnn_attention_forward is not None
+                and torch.backends.cudnn.is_available()
+                and torch.cuda.get_device_capability(index) >= (9, 0)
+            )
+            if usable:
+                problem = mha_form.cudnn_ragged_check(torch.device("cuda", index))
+                if problem is not None:
+                    warnings.warn(
+                        f"megatron_ext: the MHA form does not use cuDNN on cuda:{index}: "
+                        f"{problem}",
+                        stacklevel=2,
+                    )
+                    usable = False
+            _DEVICE_SUPPORT[index] = usable
     # Whether cuDNN SDPA is enabled can change at run time (torch.backends.cuda settings).
     return usable and torch.backends.cuda.cudnn_sdp_enabled()
 

@@ -22,7 +22,9 @@ results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
   causal mask (square, so top-left is bottom-right) and its cached prefix in a second, unmasked
   call; the two are merged by their log-sum-exps (per chunk: the new rows' square diagonal
   blocks masked, every other block unmasked). Sizes are rounded up to buckets
-  (:func:`bucket`) because cuDNN builds one execution plan per shape.
+  (:func:`bucket`) because cuDNN builds one execution plan per shape (the request count only
+  where cuDNN takes zero-length sequences: :func:`empty_sequences_supported`). Whether torch's
+  release and the GPU run it at all is checked once per device (:func:`cudnn_ragged_check`).
 * ``te``: Transformer Engine's fused attention, packed (THD) with cumulative lengths and its
   bottom-right causal mask, one call over each request's whole context (it returns no
   log-sum-exp to merge, so the row budget does not apply to it).
@@ -31,6 +33,7 @@ results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
   reference and the tests' stand-ins for the two fused backends.
 """
 
+import functools
 import math
 import threading
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
@@ -54,7 +57,9 @@ __all__ = [
     "SPLIT_BACKENDS",
     "bucket",
     "check_mha_call",
+    "cudnn_ragged_check",
     "decompressed_keys_values",
+    "empty_sequences_supported",
     "mla_paged_mha_attention",
     "varlen_attention",
 ]
@@ -274,6 +279,18 @@ def _torch_varlen(
     return out, lse
 
 
+@functools.lru_cache(maxsize=None)
+def empty_sequences_supported() -> bool:
+    """Whether the loaded cuDNN takes zero-length packed sequences, which round a fused call's
+    request count up to a bucket (from cuDNN 9.25; earlier releases may return NaN rows for them).
+
+    Returns:
+        bool: True from cuDNN 9.25 on; False without cuDNN.
+    """
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return version is not None and version >= 92500
+
+
 class Ragged(NamedTuple):
     """A fused backend's packed-sequence metadata: cumulative query and key lengths (int32, on
     the device) and their bucketed maxima."""
@@ -372,7 +389,9 @@ def varlen_attention(
     if backend in ("torch", "torch-bottom-right"):
         out, lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
-    requests = bucket(len(q_lens), minimum=1) if len(q_lens) > 1 else 1
+    requests = max(len(q_lens), 1)
+    if requests > 1 and empty_sequences_supported():
+        requests = bucket(requests, minimum=1)
     # Both offset arrays in one copy, the keys' starting on 16 bytes as the queries' does: the
     # fused kernels may hand them to cuDNN as ragged offsets, whose descriptors assume it.
     k_start = -(-(requests + 1) // 4) * 4
@@ -399,6 +418,50 @@ def varlen_attention(
             lse = lse.masked_fill(mask[:, None], -math.inf)
             out = out.masked_fill(mask[:, None, None], 0.0)
     return out, lse
+
+
+def cudnn_ragged_check(device: torch.device) -> Optional[str]:
+    """Why torch's ragged cuDNN attention cannot run the ``cudnn`` backend on ``device``, or None.
+
+    Two small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
+    DeepSeek-V3's widths, nine short sequences: a causal call of square blocks and an unmasked
+    one), compared with the plain-torch backend. torch releases and GPUs differ in what the
+    operator takes (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
+    GPUs before Hopper have no ragged cuDNN attention), and a refusal mid-step, or a result
+    that disagrees, must not reach a user's step. Not graph-safe (it allocates and compares
+    on the host): call it outside capture, once per device.
+
+    Args:
+        device: where to run the two calls.
+
+    Returns:
+        Optional[str]: None where both calls ran and agreed; otherwise what went wrong.
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    q_lens = np.array([1, 2, 3] * 3, dtype=np.int64)
+    tokens = int(q_lens.sum())
+
+    def randn(rows: int, width: int) -> Tensor:
+        return torch.randn(rows, 2, width, generator=gen, device=device).to(torch.bfloat16)
+
+    q = randn(tokens, 192)
+    for causal, k_lens in (("top_left", q_lens), (None, q_lens + 2)):
+        k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
+        try:
+            out, lse = varlen_attention("cudnn", q, k, v, (q_lens, k_lens), causal, 0.1, True)
+        except RuntimeError as error:
+            return f"torch's ragged cuDNN attention refused a {causal or 'unmasked'} call: {error}"
+        want, want_lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, 0.1)
+        gap = (out.float() - want.float()).abs().max().item()
+        lse_gap = (lse - want_lse).abs().max().item()
+        # bf16 outputs of O(1) values: a wrong mask or layout moves them by O(0.1) or more.
+        if not (gap <= 2e-2 and lse_gap <= 1e-2):
+            return (
+                f"torch's ragged cuDNN attention disagreed with plain torch on a "
+                f"{causal or 'unmasked'} call (output off by {gap:.3g}, log-sum-exp by "
+                f"{lse_gap:.3g})"
+            )
+    return None
 
 
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:

@@ -12,6 +12,7 @@ CUDA graphs around it.
 """
 
 import os
+import warnings
 from typing import Any, List
 
 import numpy as np
@@ -242,6 +243,39 @@ def test_backend_rule(monkeypatch):
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "te"
     monkeypatch.setattr(mla_prefill, "_te_present", lambda: False)
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize(
+    "capability, problem, usable",
+    [((9, 0), None, True), ((9, 0), "it refused", False), ((8, 0), None, False)],
+    ids=["hopper", "hopper_check_fails", "ampere"],
+)
+def test_cudnn_is_used_on_sm90_and_up_where_its_check_passes(
+    monkeypatch, capability, problem, usable
+):
+    """Decided once per device: sm90 and newer, then the check call; a failed check warns."""
+    checked = []
+
+    def check(device):
+        checked.append(device)
+        return problem
+
+    monkeypatch.setattr(mla_prefill, "_DEVICE_SUPPORT", {})
+    monkeypatch.setattr(mla_prefill.internals, "cudnn_attention_forward", object())
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(mla_prefill.mha_form, "cudnn_ragged_check", check)
+    device = torch.device("cuda", 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mla_prefill._cudnn_sdpa_usable(device) is usable
+        assert mla_prefill._cudnn_sdpa_usable(device) is usable
+    assert checked == ([torch.device("cuda", 3)] if capability >= (9, 0) else [])
+    messages = [str(w.message) for w in caught]
+    assert messages == (
+        [f"megatron_ext: the MHA form does not use cuDNN on cuda:3: {problem}"] if problem else []
+    )
 
 
 def test_capturing_stream_counts_as_graphed(monkeypatch):

@@ -30,6 +30,9 @@ CPU_BACKENDS = ("torch", "torch-bottom-right")
 PREFILL = [(0, 37), (0, 1), (0, 16)]
 CHUNKED = [(21, 11), (32, 5), (3, 30)]
 MIXED = [(40, 1), (0, 19), (17, 9), (0, 1), (63, 1), (5, 3)]
+# Nine requests: a fused call's request count is rounded up to 10 where cuDNN takes zero-length
+# sequences.
+NINE = [(7 * i, 2 + 3 * i) for i in range(9)]
 
 
 def mha_step(requests, heads, *, qk_dim=32, v_dim=32, seed=0, dtype=torch.float32, **sizes):
@@ -244,6 +247,72 @@ def test_cudnn_glue_with_a_stand_in_operator(monkeypatch, requests, stats_layout
     _assert_buckets(seen)
     has_prefix = any(cached for cached, _ in requests)
     assert len(seen) == 1 + has_prefix
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_the_request_count_is_bucketed_only_where_cudnn_takes_empty_sequences(
+    monkeypatch, supported
+):
+    seen = []
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", _cudnn_stand_in(seen))
+    monkeypatch.setattr(mha_form, "empty_sequences_supported", lambda: supported)
+    step, query, cache, weight, lengths = mha_step(NINE, 2, seed=8)
+    got = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="cudnn", **lengths
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    # Two calls: the cached prefixes (8 requests have one) and the new tokens' diagonal (9).
+    assert sorted(entries for _, _, entries, _, _ in seen) == ([8, 10] if supported else [8, 9])
+
+
+def test_empty_sequences_need_cudnn_9_25(monkeypatch):
+    mha_form.empty_sequences_supported.cache_clear()
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    try:
+        for version, supported in ((92401, False), (92500, True), (None, False)):
+            monkeypatch.setattr(torch.backends.cudnn, "version", lambda v=version: v)
+            mha_form.empty_sequences_supported.cache_clear()
+            assert mha_form.empty_sequences_supported() is supported, version
+    finally:
+        mha_form.empty_sequences_supported.cache_clear()
+
+
+def _refusing_operator(*args, **kwargs):
+    raise RuntimeError("cuDNN varlen attention requires cuDNN >= 9.24 for short queries")
+
+
+def _unmasked_operator(*args, scale):
+    """Takes every call as unmasked (``is_causal`` is the 11th argument): a causal call comes out
+    wrong."""
+    return _cudnn_stand_in([])(*args[:10], False, *args[11:], scale=scale)
+
+
+def _scrambled_stats_operator(*args, **kwargs):
+    """Right outputs, the log-sum-exp's rows in the wrong order (a misread stats layout)."""
+    out, lse = _cudnn_stand_in([])(*args, **kwargs)
+    return out, lse.flip(0)
+
+
+@pytest.mark.parametrize(
+    "operator, problem",
+    [
+        (_cudnn_stand_in([]), None),
+        (_refusing_operator, "refused a top_left call: cuDNN varlen attention requires"),
+        (_unmasked_operator, "disagreed with plain torch on a top_left call"),
+        (_scrambled_stats_operator, "disagreed with plain torch on a top_left call"),
+    ],
+    ids=["faithful", "refusing", "unmasked", "scrambled_stats"],
+)
+def test_cudnn_ragged_check(monkeypatch, operator, problem):
+    """The once-per-device check passes an operator of the assumed contract and names what is
+    wrong with one that refuses the call or answers differently."""
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", operator)
+    found = mha_form.cudnn_ragged_check(torch.device("cpu"))
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found, found
 
 
 class _TEStandIn:
@@ -513,8 +582,8 @@ def _gpu_backends():
 @pytest.mark.parametrize("backend", ["cudnn", "te"])
 @pytest.mark.parametrize(
     "requests",
-    [PREFILL, CHUNKED, MIXED, [(3072, 1024)], [(0, 1536), (0, 1536)]],
-    ids=["prefill", "chunked", "mixed", "chunk_behind_3k", "prefill_2x1536"],
+    [PREFILL, CHUNKED, MIXED, NINE, [(3072, 1024)], [(0, 1536), (0, 1536)]],
+    ids=["prefill", "chunked", "mixed", "nine", "chunk_behind_3k", "prefill_2x1536"],
 )
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
@@ -551,3 +620,14 @@ def test_gpu_cudnn_with_a_row_budget_matches_float64_in_bf16(requests, budget):
     got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **chunked)
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_ragged_check_passes_on_hopper():
+    """Where torch has the operator and the GPU is sm90+, the once-per-device check passes: the
+    backend rule picks cuDNN here."""
+    if internals.cudnn_attention_forward is None:
+        pytest.skip("this torch has no ragged cuDNN attention operator")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch runs ragged cuDNN attention on sm90 and newer only")
+    assert mha_form.cudnn_ragged_check(torch.device("cuda")) is None
