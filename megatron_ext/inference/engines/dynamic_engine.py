@@ -16,7 +16,8 @@ raise). While the inference flag is applied (:data:`megatron_ext.patches.PATCHES
 
 * ``_add_request``: fails a request the context refuses when it enters
   (``StaticSlicesContextBase.check_new_request``, with the vocabulary of the engine's controller
-  and the ids the engine holds), as megatron-core fails a request longer than the context
+  and the ids the engine holds; and stop words the controller's tokenizer must be able to
+  tokenize into at least one token), as megatron-core fails a request longer than the context
   (status ``FAILED``, a non-transient error event whose message is the reason), so it never
   reaches the scheduler and nothing is allocated for it. A request whose id another request in
   the engine holds is answered with a future that is already done (the engine's table is keyed
@@ -39,6 +40,10 @@ from megatron.core.inference.sampling_params import SamplingParams
 
 from megatron_ext.inference.contexts.request_checks import prompt_token_ids
 from megatron_ext.inference.contexts.static_slices_context_base import StaticSlicesContextBase
+from megatron_ext.utils import is_megatron_core_min_version
+
+# megatron-core 0.19's controller tokenizes with a static method that takes the tokenizer first.
+TOKENIZE_TAKES_TOKENIZER = is_megatron_core_min_version("0.19.0")
 
 __all__ = [
     "FAILED_REQUESTS_KEY",
@@ -139,6 +144,34 @@ def _last_token_logits_only(engine: Any) -> bool:
     return bool(value)
 
 
+def _tokenized(controller: Any, text: str) -> Any:
+    """``text`` tokenized as megatron-core's engine tokenizes a stop word: 0.19's
+    ``tokenize_prompt`` is a static method that takes the tokenizer, 0.16's a method."""
+    if TOKENIZE_TAKES_TOKENIZER:
+        return controller.tokenize_prompt(controller.tokenizer, text, add_BOS=False)
+    return controller.tokenize_prompt(text, add_BOS=False)
+
+
+def _stop_words_refusal(engine: Any, request: Any) -> Optional[str]:
+    """Why megatron-core could not use ``request``'s stop words (their types checked already),
+    or None. It tokenizes them only after registering the request, in the engine loop's task:
+    a word its tokenizer rejects would end that loop, and every request with it."""
+    for position, word in enumerate(getattr(request.sampling_params, "stop_words", None) or ()):
+        try:
+            ids = _tokenized(engine.controller, word)
+        except Exception as error:  # noqa: BLE001 (a tokenizer raises whatever it raises)
+            return (
+                f"ValueError: stop_words[{position}] ({word!r}) cannot be tokenized: "
+                f"{type(error).__name__}: {error}"
+            )
+        if len(ids) == 0:
+            return (
+                f"ValueError: stop_words[{position}] ({word!r}) tokenizes to no tokens: a stop "
+                "word must be at least one token"
+            )
+    return None
+
+
 def _refusal(engine: Any, request: Any) -> Tuple[Optional[str], Any]:
     """(The reason megatron_ext's context refuses ``request`` or None, the prompt as int64
     ids)."""
@@ -151,7 +184,7 @@ def _refusal(engine: Any, request: Any) -> Tuple[Optional[str], Any]:
         )
     except (TypeError, ValueError) as error:
         return f"{type(error).__name__}: {error}", None
-    return None, tokens
+    return _stop_words_refusal(engine, request), tokens
 
 
 def _readable_prompt(engine: Any, request: Any) -> bool:

@@ -168,6 +168,19 @@ BAD_REQUESTS = {
         dict(stop_words=[1, 2]),
         "TypeError: stop_words[0] must be a str, got int (1)",
     ),
+    # megatron-core tokenizes stop words in the engine loop's task after registering the
+    # request: the synthetic tokenizer (space-separated integers) rejects "hello" and makes no
+    # tokens of "".
+    "stop_words_untokenizable": (
+        [3, 4],
+        dict(stop_words=["7", "hello"]),
+        "ValueError: stop_words[1] ('hello') cannot be tokenized: ValueError: invalid literal",
+    ),
+    "stop_words_empty": (
+        [3, 4],
+        dict(stop_words=[" "]),
+        "ValueError: stop_words[0] (' ') tokenizes to no tokens",
+    ),
     "prompt_2-D": (
         [[3, 4]],
         {},
