@@ -252,7 +252,15 @@ def main(argv=None) -> int:
             reason = all_errored_reason(log, outcome) if outcome else nothing_ran_reason(log)
             if reason:
                 notes.append(f"{tag}: {reason}")
-        return test_file, stock, ext, time.time() - start, "; ".join(notes)
+        seconds = time.time() - start
+        # As each file ends: a run cut short by an outer timeout keeps the files done by then.
+        passed = lambda d: sum(v == "passed" for v in d.values())  # noqa: E731
+        print(
+            f"done {test_file}: stock {passed(stock)}/{len(stock)} passed, megatron_ext "
+            f"{passed(ext)}/{len(ext)} ({seconds:.0f} s)",
+            flush=True,
+        )
+        return test_file, stock, ext, seconds, "; ".join(notes)
 
     rows, regressions = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -17,13 +17,19 @@
 # --part-mib MiB each (for links or copy tools with a size limit) with DIR/parts/SHA256SUMS.
 #
 # install (the GPU machine) joins the parts, checks their checksum, refuses a torch other than the
-# one the extension was built for, installs the wheels into SITE_DIR (nothing else changes) and
-# imports transformer_engine.pytorch. Afterwards: export PYTHONPATH=SITE_DIR:$PYTHONPATH.
+# one the extension was built for (or one not built for CUDA 13) and a bundle whose TE packages
+# differ in version, installs the wheels into SITE_DIR with those of TE's imports the machine
+# lacks (nothing else changes) and imports transformer_engine.pytorch. Afterwards:
+# export PYTHONPATH=SITE_DIR:$PYTHONPATH.
 # Each step prints how long it took.
 set -euo pipefail
 
 die() { echo "transformer_engine_offline.sh: $*" >&2; exit 2; }
 now() { date +%s; }
+
+# The imports of transformer_engine.pytorch that torch does not bring, as pip names them (with
+# the lowest version the bundled pydantic takes where the machine's copy may be older).
+DEPS="einops onnx onnx-ir onnxscript protobuf ml-dtypes pyyaml typing-extensions>=4.16"
 
 prepare() {
   local out="" torch_version="" te_version="2.20.2" python="python3.12" part_mib=56 jobs venv=""
@@ -71,7 +77,13 @@ prepare() {
     --implementation cp "${platform[@]}" -d "$wheels" \
     "transformer-engine==$te_version" "transformer-engine-cu13==$te_version" \
     pydantic pydantic-core annotated-types typing-inspection nvdlfw-inspect \
-    "nvidia-cudnn-frontend>=1.29.0" importlib-metadata
+    "nvidia-cudnn-frontend>=1.29.0"
+  # What transformer_engine.pytorch imports beyond torch: installed there only where the machine
+  # lacks it (or has a typing_extensions too old for the bundled pydantic), so that the
+  # machine's own copies are not shadowed.
+  mkdir -p "$wheels/deps"
+  "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version "$py_tag" \
+    --implementation cp "${platform[@]}" -d "$wheels/deps" $DEPS
   # pydantic pins one pydantic-core release: take that one, not the newest.
   local core_pin
   core_pin=$(unzip -p "$wheels"/pydantic-[0-9]*.whl '*/METADATA' \
@@ -92,6 +104,7 @@ prepare() {
   tar -xzf "$src"/transformer_engine_torch-*.tar.gz -C "$src"
   (cd "$src/transformer_engine_torch-$te_version" \
     && NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 MAX_JOBS="$jobs" \
+      NVTE_NO_LOCAL_VERSION=1 \
       "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$wheels" .) \
     > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; die "prepare: build failed ($out/build.log)"; }
   echo "   built in $(( $(now) - t1 )) s"
@@ -122,24 +135,64 @@ install() {
   done
   [ -n "$parts" ] && [ -n "$target" ] || die "install: --parts DIR and --target SITE_DIR are required"
   [ -f "$parts/SHA256SUMS" ] || die "install: $parts/SHA256SUMS missing (copy it with the parts)"
-  local t0 work
+  parts=$(cd "$parts" && pwd)
+  local t0
   t0=$(now)
-  work=$(mktemp -d)
-  trap 'rm -rf "$work"' RETURN
-  cat "$parts"/part-* > "$work/bundle.tar"
-  (cd "$work" && sha256sum --quiet -c "$parts/SHA256SUMS") \
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT
+  cat "$parts"/part-* > "$WORK/bundle.tar"
+  (cd "$WORK" && sha256sum --quiet -c "$parts/SHA256SUMS") \
     || die "install: checksum mismatch: a part is missing or incomplete ($(ls "$parts" | wc -l) files)"
-  tar -xf "$work/bundle.tar" -C "$work"
+  tar -xf "$WORK/bundle.tar" -C "$WORK"
+  # TE's import asserts that its three packages carry one version.
+  local versions
+  versions=$(cd "$WORK/wheels" && ls transformer_engine-*.whl transformer_engine_cu13-*.whl \
+    transformer_engine_torch-*.whl 2>/dev/null | cut -d- -f2 | sort -u) \
+    || die "install: the bundle lacks one of TE's three wheels: prepare it again"
+  [ "$(echo "$versions" | wc -l)" = 1 ] \
+    || die "install: the bundle's TE packages differ in version ($(echo $versions)): prepare it again"
   local built_for have
-  built_for=$(sed -n 's/^torch=\([^ ]*\).*/\1/p' "$work/wheels/BUILT_FOR")
-  have=$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')
-  [ "$have" = "$built_for" ] \
-    || die "install: transformer_engine_torch was built for torch $built_for; this machine has $have"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$target" "$work"/wheels/*.whl
-  echo "installed in $(( $(now) - t0 )) s: $(cat "$work/wheels/BUILT_FOR")"
+  built_for=$(sed -n 's/^torch=\([^ ]*\).*/\1/p' "$WORK/wheels/BUILT_FOR")
+  have=$(python3 -c 'import torch; print(torch.__version__.split("+")[0], torch.version.cuda)') \
+    || die "install: python3 cannot import torch"
+  [ "${have%% *}" = "$built_for" ] \
+    || die "install: transformer_engine_torch was built for torch $built_for; this machine has ${have%% *}"
+  [ "$(echo "${have##* }" | cut -d. -f1)" = 13 ] \
+    || die "install: this torch is built for CUDA ${have##* }; the bundle is for CUDA 13"
+  local deps=()
+  if [ -d "$WORK/wheels/deps" ]; then
+    mapfile -t deps < <(python3 - "$WORK/wheels/deps" "$DEPS" <<'PY'
+import pathlib, re, sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def release(text):
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+folder, wanted = pathlib.Path(sys.argv[1]), sys.argv[2].split()
+for spec in wanted:
+    name, _, lowest = spec.partition(">=")
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        have = None
+    missing = have is None or bool(lowest) and release(have) < release(lowest)
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    for wheel in folder.glob("*.whl") if missing else ():
+        if wheel.name.lower().startswith(stem + "-"):
+            print(wheel)
+PY
+    )
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$target" \
+    "$WORK"/wheels/*.whl ${deps[@]+"${deps[@]}"}
+  echo "installed in $(( $(now) - t0 )) s: $(cat "$WORK/wheels/BUILT_FOR")" \
+    "(with the machine's missing imports: ${deps[*]##*/})"
   local t1
   t1=$(now)
-  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'PY'
+  PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" python3 - <<'PY' \
+    || die "install: transformer_engine.pytorch does not import from $target (above: why)"
 from importlib.metadata import version
 
 import torch  # noqa: F401  (first: TE's core library links against the NCCL torch loads)
