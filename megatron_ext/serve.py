@@ -15,7 +15,9 @@ OpenAI-compatible server (``MegatronAsyncLLM.serve``): ``POST /v1/completions``,
 
 What is wrong with the command line, the checkpoint or the machine (no checkpoint, model
 arguments that differ from the checkpoint's, a tokenizer of another vocabulary, a port in use, a
-cache that does not fit) is reported before the server starts, with exit status 2.
+cache that does not fit) is reported before the server starts, with exit status 2. Should
+megatron-core's engine loop end while serving (its frontends would keep taking requests that
+nothing answers), the server shuts down and exits with status 1.
 megatron-core 0.16 has no server: the command refuses at once there.
 """
 
@@ -59,8 +61,13 @@ __all__ = [
 PROG = "python -m megatron_ext.serve"
 # The first megatron-core release with MegatronAsyncLLM and its OpenAI-compatible server.
 SERVER_MIN_CORE = "0.19"
+EXIT_ENGINE_ENDED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+# How often the server looks whether megatron-core's engine loop still runs, and how long a
+# shutdown may take before what it started is ended.
+ENGINE_POLL_SECONDS = 0.5
+SHUTDOWN_TIMEOUT_SECONDS = 120.0
 # What serving MLA through megatron_ext's dynamic step needs, whatever the command line says
 # (Megatron-LM: --cache-mla-latents --no-rope-fusion and both megatron_ext flags); the optimizer
 # and RNG states of a training checkpoint are not needed to serve.
@@ -468,9 +475,46 @@ def stop_signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+class EngineEnded(RuntimeError):
+    """megatron-core's engine loop ended while the server was serving."""
+
+
+async def wait_for_stop_or_engine_end(
+    stop: asyncio.Event, engine: Any, poll: float = ENGINE_POLL_SECONDS
+) -> Optional[str]:
+    """Wait until ``stop`` is set or ``engine``'s loop task ends, whichever comes first.
+
+    megatron-core runs the engine loop on its own thread's event loop; when that task ends (an
+    exception in a step) its frontends keep accepting requests that nothing will answer, and
+    ``/health`` still answers 200. The server stops instead, so that a supervisor sees it.
+
+    Args:
+        stop: set by the stop signals.
+        engine: megatron-core's ``DynamicInferenceEngine`` (its ``engine_loop_task``).
+        poll: seconds between looks at the task.
+
+    Returns:
+        Optional[str]: None when ``stop`` was set; otherwise how the engine loop ended.
+    """
+    while not stop.is_set():
+        task = getattr(engine, "engine_loop_task", None)
+        if task is not None and task.done():
+            if task.cancelled():
+                return "its task was cancelled"
+            error = task.exception()
+            return "it returned" if error is None else f"{type(error).__name__}: {error}"
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll)
+    return None
+
+
 async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
     """Serve ``model`` until SIGINT or SIGTERM, then stop the frontends, the engine and the
-    coordinator. Tensor-parallel ranks other than 0 run the engine and stop with rank 0."""
+    coordinator. Tensor-parallel ranks other than 0 run the engine and stop with rank 0.
+
+    Raises:
+        EngineEnded: when megatron-core's engine loop ended while serving (after the shutdown).
+    """
     from megatron.core.inference.apis import MegatronAsyncLLM, ServeConfig
 
     config = inference_config(args, model)
@@ -515,12 +559,21 @@ async def serve_until_signal(args: argparse.Namespace, model: Any, tokenizer: An
             "SIGINT or SIGTERM stops it.",
             flush=True,
         )
-        await stop.wait()
-        print(f"{PROG}: stopping", flush=True)
+        ended = await wait_for_stop_or_engine_end(stop, llm.engine)
+        reason = "" if ended is None else f": the engine loop ended ({ended})"
+        print(f"{PROG}: stopping{reason}", flush=True)
+        if ended is not None:
+            raise EngineEnded(f"the engine stopped serving: {ended}")
     finally:
         if llm.is_primary_rank:
             coordinator = getattr(llm.engine, "inference_coordinator_process", None)
-            await llm.shutdown()
+            try:
+                await asyncio.wait_for(llm.shutdown(), SHUTDOWN_TIMEOUT_SECONDS)
+            except asyncio.TimeoutError:
+                print(
+                    f"{PROG}: the shutdown did not finish in {SHUTDOWN_TIMEOUT_SECONDS:.0f} s",
+                    flush=True,
+                )
             if coordinator is not None:
                 coordinator.join(timeout=30)
             # What megatron-core started and did not stop in time (a frontend a terminal's
@@ -549,6 +602,9 @@ def run(args: argparse.Namespace) -> int:
     except ServeConfigError as error:  # the cache size, known once the model is loaded
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except EngineEnded as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_ENGINE_ENDED
     except KeyboardInterrupt:  # SIGINT while the model was built or loaded: nothing serves yet
         print(f"{PROG}: interrupted before serving", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -566,8 +622,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv: arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        int: 0 after a clean stop, 2 for bad input found before serving, 130 when interrupted
-        before serving or by a second signal.
+        int: 0 after a clean stop, 1 when megatron-core's engine loop ended while serving, 2 for
+        bad input found before serving, 130 when interrupted before serving or by a second
+        signal.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     # megatron.training's validate_args refuses tensor parallel > 1 on GPUs before Blackwell

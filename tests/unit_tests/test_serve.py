@@ -5,6 +5,7 @@ bad input it reports before a model is built. None needs a GPU; what needs megat
 megatron-core 0.19 is skipped without them, with the reason."""
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -14,6 +15,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import types
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -485,3 +488,95 @@ def test_serving_needs_a_gpu_and_names_the_tests_cpu_launcher(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     refusal = serve.cpu_refusal()
     assert "no CUDA device" in refusal and "megatron_ext.testing.cpu_serve" in refusal
+
+
+class _LoopTask:
+    """A stand-in for the engine loop's task on megatron-core's loop thread."""
+
+    def __init__(self, error=None, cancelled=False, ends_after=0.0):
+        self.error, self._cancelled = error, cancelled
+        self.end = None if ends_after is None else time.monotonic() + ends_after
+
+    def done(self):
+        return self.end is not None and time.monotonic() >= self.end
+
+    def cancelled(self):
+        return self._cancelled
+
+    def exception(self):
+        return self.error
+
+
+@pytest.mark.parametrize(
+    "task, stop_after, expected",
+    [
+        (_LoopTask(ends_after=None), 0.2, None),
+        (_LoopTask(RuntimeError("boom"), ends_after=0.2), None, "RuntimeError: boom"),
+        (_LoopTask(cancelled=True), None, "its task was cancelled"),
+        (_LoopTask(), None, "it returned"),
+        (None, 0.1, None),
+    ],
+    ids=["stopped", "step_raised", "cancelled", "returned", "no_task_yet"],
+)
+def test_wait_for_stop_or_engine_end(task, stop_after, expected):
+    async def wait():
+        stop = asyncio.Event()
+        if stop_after is not None:
+            asyncio.get_running_loop().call_later(stop_after, stop.set)
+        engine = types.SimpleNamespace(engine_loop_task=task)
+        return await serve.wait_for_stop_or_engine_end(stop, engine, poll=0.02)
+
+    assert asyncio.run(asyncio.wait_for(wait(), 10)) == expected
+
+
+def test_an_engine_loop_that_ends_while_serving_stops_the_server(monkeypatch, capsys):
+    """megatron-core's frontends would keep taking requests that nothing answers: the server
+    shuts down what it started and the command exits with status 1, saying why."""
+    shut_down = []
+
+    class LLM:
+        is_primary_rank = True
+
+        def __init__(self, **kwargs):
+            self.engine = types.SimpleNamespace(
+                engine_loop_task=_LoopTask(ValueError("a step raised"), ends_after=0.2)
+            )
+            self.context = None
+
+        async def serve(self, config, blocking):
+            assert blocking is False
+
+        async def shutdown(self):
+            shut_down.append(True)
+
+    apis = types.ModuleType("megatron.core.inference.apis")
+    apis.MegatronAsyncLLM, apis.ServeConfig = LLM, lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "megatron.core.inference.apis", apis)
+    config = types.SimpleNamespace(buffer_size_gb=1.0, block_size_tokens=64)
+    monkeypatch.setattr(serve, "inference_config", lambda args, model: config)
+    monkeypatch.setattr(serve, "wait_until_healthy", lambda host, port, timeout: None)
+    monkeypatch.setattr(serve, "init_distributed", lambda args: None)
+    monkeypatch.setattr(serve, "build_model", lambda args: object())
+    # run() takes the tokenizer from megatron.training, which need not be installed here.
+    training = types.ModuleType("megatron.training")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_tokenizer = lambda: object()
+    training.global_vars = global_vars
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    args = argparse.Namespace(host="127.0.0.1", port=1, frontend_replicas=1, startup_timeout=1.0)
+
+    def too_long(signum, frame):
+        raise TimeoutError("the server kept waiting for a stop signal after its engine ended")
+
+    # A server that misses the end would wait for a signal forever: fail the test instead.
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(30)
+    try:
+        assert serve.run(args) == serve.EXIT_ENGINE_ENDED
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert shut_down == [True]
+    err = capsys.readouterr().err
+    assert "the engine stopped serving: ValueError: a step raised" in err
