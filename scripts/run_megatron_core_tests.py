@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "tests" / "conformance"
@@ -159,6 +159,7 @@ def run(
     noconftest: bool,
     port: int = 29500,
     workers: int = 1,
+    select: Optional[str] = None,
 ) -> Tuple[Dict[str, str], bool]:
     tag = "megatron_ext" if swapped else "stock"
     env = dict(os.environ)
@@ -182,6 +183,8 @@ def run(
         cmd += ["-p", "megatron_ext_swap"]
     if workers > 1:
         cmd += ["-n", str(workers), "-p", "worker_ports"]
+    if select:
+        cmd += ["-k", select]
     log = out / f"{tag}-{test_file.replace('/', '_')}.log"
     timed_out = False
     with open(log, "w") as f:
@@ -209,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=600, help="seconds per pytest process")
     parser.add_argument("--jobs", type=int, default=1, help="test files at a time")
     parser.add_argument("--workers", type=int, default=1, help="pytest-xdist workers per file")
+    parser.add_argument("-k", dest="select", help="only the tests pytest's -k EXPR selects")
     args = parser.parse_args(argv)
     checkout = args.megatron_lm.resolve()
     if not (checkout / "tests" / "unit_tests").is_dir():
@@ -239,8 +243,12 @@ def main(argv=None) -> int:
         stride = args.workers + 1
         ports = (29500 + 2 * index * stride, 29500 + (2 * index + 1) * stride)
         common = (args.out, args.timeout, bool(why))
-        stock, stock_cut = run(work, tail, test_file, False, *common, ports[0], args.workers)
-        ext, ext_cut = run(work, tail, test_file, True, *common, ports[1], args.workers)
+        stock, stock_cut = run(
+            work, tail, test_file, False, *common, ports[0], args.workers, args.select
+        )
+        ext, ext_cut = run(
+            work, tail, test_file, True, *common, ports[1], args.workers, args.select
+        )
         if stock_cut or ext_cut:
             # A run its timeout cut off: compare only the tests both runs finished.
             both_ran = set(stock) & set(ext)

@@ -241,10 +241,20 @@ def float64_copy(model: Any, **build_kwargs: Any) -> Any:
         build_kwargs: the sizes and seed ``model`` was built with (not ``mode``/``dtype``).
 
     Returns:
-        GPTModel: a float64 model holding ``model``'s weights (upcast exactly).
+        GPTModel: a float64 model holding ``model``'s weights (upcast exactly). The flags in
+        effect before the call are in effect after it.
     """
+    from megatron_ext import patches
+
     build_kwargs = dict(build_kwargs, dtype=torch.float32, cache_mla_latents=False)
-    reference = build_small_mla_gpt("off", **build_kwargs)
+    applied = [name for name in patches.EXTENSIONS if patches.is_applied(name)]
+    try:
+        reference = build_small_mla_gpt("off", **build_kwargs)
+    finally:
+        # Building the "off" model undoes the flags: put back what was in effect, so that an
+        # engine built after the reference still runs megatron_ext's context and controller.
+        for name in applied:
+            patches.apply_patches(name)
     reference.load_state_dict(model.state_dict())
     reference = reference.double()
     reference.config.params_dtype = torch.float64

@@ -81,3 +81,16 @@ def test_bad_requests_are_refused_before_any_forward(cpu_stack):
         small_mla_gpt.greedy_generate(model, prompts, 5)
     with pytest.raises(ValueError, match="at least one new token"):
         small_mla_gpt.greedy_generate(model, prompts, 0)
+
+
+def test_the_float64_copy_leaves_the_flags_as_they_were(cpu_stack):
+    """Building the reference (megatron-core's own MLA) must not undo the flags: an engine built
+    after it would otherwise run megatron-core's context and controller, not megatron_ext's."""
+    from megatron_ext import applied_megatron_ext
+
+    model = small_mla_gpt.build_small_mla_gpt("on", dtype=torch.float32, **SIZES)
+    before = applied_megatron_ext()
+    assert before["mla_rope_contiguous_load"]
+    reference = small_mla_gpt.float64_copy(model, **SIZES)
+    assert applied_megatron_ext() == before
+    assert next(reference.parameters()).dtype == torch.float64
