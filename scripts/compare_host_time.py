@@ -7,9 +7,10 @@ run on a GPU: the check that a change of the launch path costs no host time.
     git archive REV megatron_ext | tar -x -C /tmp/old
     python scripts/compare_host_time.py --old /tmp/old [--new .] [--rounds 3]
 
-Each round runs one measuring process per tree, old then new, each with its tree first on
-``PYTHONPATH``; a process times the RoPE drop-ins (``scripts/compare_rope_host_time.py``'s calls)
-and the paged latent attention and the RoPE + append at decode sizes, through import paths every
+Each round runs one measuring process per tree, old then new (all pinned to one CPU, ``--cpu``),
+each with its tree first on ``PYTHONPATH``; a process times the RoPE drop-ins
+(``scripts/compare_rope_host_time.py``'s calls) and the paged latent attention and the RoPE +
+append at decode sizes, through import paths every
 revision has (``megatron_ext.fusions.fused_mla_yarn_rope_apply``,
 ``megatron_ext.fusions.mla_paged_latent_attention``,
 ``megatron_ext.fusions.fused_mla_rope_cache_append``). Prints a table of the per-call medians over
@@ -142,15 +143,18 @@ def print_table(rows: Sequence[Dict[str, object]]) -> None:
         print(f"{noisy} of {len(rows)} rows noisy: their rounds differ by more than {limit}")
 
 
-def _measure(tree: Path) -> Dict[str, float]:
+def _measure(tree: Path, cpu: int) -> Dict[str, float]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
+    # Every measuring process on the same CPU: a process moved between cores (or started on a
+    # busier one) was the largest difference between rounds.
     proc = subprocess.run(
         [sys.executable, __file__, "--measure"],
         env=env,
         capture_output=True,
         text=True,
         check=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, {cpu})) if cpu >= 0 else None,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -161,6 +165,12 @@ def main(argv=None) -> int:
     parser.add_argument("--old", type=Path, help="the other revision's tree (holds megatron_ext)")
     parser.add_argument("--new", type=Path, default=SCRIPTS.parent, help="default: this checkout")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=(os.cpu_count() or 1) - 1,
+        help="the CPU every measuring process is pinned to (default: the last; -1: not pinned)",
+    )
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     import torch
@@ -176,7 +186,7 @@ def main(argv=None) -> int:
     runs: Dict[str, List[Dict[str, float]]] = {"old": [], "new": []}
     for _ in range(args.rounds):
         for name in ("old", "new"):
-            runs[name].append(_measure(getattr(args, name).resolve()))
+            runs[name].append(_measure(getattr(args, name).resolve(), args.cpu))
     # What else loaded the CPUs while the rounds ran (host time is CPU time).
     load = os.getloadavg()[0]
     print(f"load average over the last minute: {load:.1f} on {os.cpu_count()} CPUs")
