@@ -168,13 +168,15 @@ def served_errors(
         Tuple: :func:`teacher_forced_errors`' result, the engine's outputs, its counters (with the
         most requests paused at once, as the wrapper saw them).
     """
-    engine, _, wrapper = build_mla_dynamic_engine(
+    engine, context, wrapper = build_mla_dynamic_engine(
         model,
         max_requests=8,
         max_tokens=MAX_TOKENS,
         max_sequence_length=sizes["max_sequence_length"],
         **engine_sizes,
     )
+    # The flags' context, not megatron-core's: building a reference must not have undone them.
+    assert type(context).__name__ == "StaticSlicesInferenceContext", type(context)
     outputs, stats = run_engine(engine, requests)
     sequences = {i: requests[i][0] + outputs[i]["generated_tokens"] for i in outputs}
     result = teacher_forced_errors(wrapper.rows, reference, sequences)
