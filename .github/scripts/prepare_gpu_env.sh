@@ -169,7 +169,9 @@ fi
 te_site=""
 if [[ -n "$te_version" ]]; then
     torch_version=$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')
-    te_out="$te_cache/te-$te_version-torch-$torch_version-py$py_version"
+    # "-b2": bundles with TE's imports beside it and no local version on the extension; an
+    # older cached bundle would be refused by install.
+    te_out="$te_cache/te-$te_version-torch-$torch_version-py$py_version-b2"
     te_site="$venv/transformer-engine"
     echo "== Transformer Engine $te_version for torch $torch_version ($te_out)"
     if [[ ! -f "$te_out/parts/SHA256SUMS" ]]; then
