@@ -204,6 +204,11 @@ def run(
     return outcomes(log), timed_out
 
 
+def _passed(outcome: Dict[str, str]) -> int:
+    """How many of a run's tests passed (test id -> outcome)."""
+    return sum(state == "passed" for state in outcome.values())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", required=True, type=Path, help="Megatron-LM checkout")
@@ -262,10 +267,9 @@ def main(argv=None) -> int:
                 notes.append(f"{tag}: {reason}")
         seconds = time.time() - start
         # As each file ends: a run cut short by an outer timeout keeps the files done by then.
-        passed = lambda d: sum(v == "passed" for v in d.values())  # noqa: E731
         print(
-            f"done {test_file}: stock {passed(stock)}/{len(stock)} passed, megatron_ext "
-            f"{passed(ext)}/{len(ext)} ({seconds:.0f} s)",
+            f"done {test_file}: stock {_passed(stock)}/{len(stock)} passed, megatron_ext "
+            f"{_passed(ext)}/{len(ext)} ({seconds:.0f} s)",
             flush=True,
         )
         return test_file, stock, ext, seconds, "; ".join(notes)
@@ -277,13 +281,12 @@ def main(argv=None) -> int:
         passed_stock = {t for t, s in stock.items() if s == "passed"}
         lost = sorted(t for t in passed_stock if ext.get(t) != "passed")
         regressions += [(t, ext.get(t, "not run")) for t in lost]
-        count = lambda d, s: sum(v == s for v in d.values())  # noqa: E731
         rows.append(
             (
                 test_file,
-                count(stock, "passed"),
+                _passed(stock),
                 len(stock),
-                count(ext, "passed"),
+                _passed(ext),
                 len(ext),
                 len(lost),
                 seconds,
