@@ -189,29 +189,38 @@ _DEVICE_SUPPORT_LOCK = threading.Lock()
 _TE_PRESENT: list = []
 
 
+def _decide_cudnn_sdpa(index: int) -> bool:
+    """The once-per-device part of :func:`_cudnn_sdpa_usable`, under the lock (one check call
+    per device, however many threads step at once)."""
+    with _DEVICE_SUPPORT_LOCK:
+        usable = _DEVICE_SUPPORT.get(index)
+        if usable is not None:
+            return usable
+        usable = (
+            internals.cudnn_attention_forward is not None
+            and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(index) >= (9, 0)
+        )
+        if usable:
+            problem = mha_form.cudnn_ragged_check(torch.device("cuda", index))
+            if problem is not None:
+                warnings.warn(
+                    f"megatron_ext: the MHA form does not use cuDNN on cuda:{index}: {problem}",
+                    stacklevel=3,
+                )
+                usable = False
+        _DEVICE_SUPPORT[index] = usable
+        return usable
+
+
 def _cudnn_sdpa_usable(device: torch.device) -> bool:
     """Whether torch's ragged cuDNN attention runs the MHA form on ``device``: decided once per
     device (sm90 and newer, as torch's own nested-tensor rule for it, and a check call that
     must run and agree with plain torch), then whether cuDNN SDPA is enabled now."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with _DEVICE_SUPPORT_LOCK:
-        usable = _DEVICE_SUPPORT.get(index)
-        if usable is None:
-            usable = (
-                internals.cudnn_attention_forward is not None
-                and torch.backends.cudnn.is_available()
-                and torch.cuda.get_device_capability(index) >= (9, 0)
-            )
-            if usable:
-                problem = mha_form.cudnn_ragged_check(torch.device("cuda", index))
-                if problem is not None:
-                    warnings.warn(
-                        f"megatron_ext: the MHA form does not use cuDNN on cuda:{index}: "
-                        f"{problem}",
-                        stacklevel=2,
-                    )
-                    usable = False
-            _DEVICE_SUPPORT[index] = usable
+    usable = _DEVICE_SUPPORT.get(index)
+    if usable is None:
+        usable = _decide_cudnn_sdpa(index)
     # Whether cuDNN SDPA is enabled can change at run time (torch.backends.cuda settings).
     return usable and torch.backends.cuda.cudnn_sdp_enabled()
 

@@ -444,14 +444,14 @@ def cudnn_ragged_check(device: torch.device) -> Optional[str]:
     def randn(rows: int, width: int) -> Tensor:
         return torch.randn(rows, 2, width, generator=gen, device=device).to(torch.bfloat16)
 
-    q = randn(tokens, 192)
+    q, scale = randn(tokens, 192), 0.1
     for causal, k_lens in (("top_left", q_lens), (None, q_lens + 2)):
         k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
         try:
-            out, lse = varlen_attention("cudnn", q, k, v, (q_lens, k_lens), causal, 0.1, True)
+            out, lse = varlen_attention("cudnn", q, k, v, (q_lens, k_lens), causal, scale, True)
         except RuntimeError as error:
             return f"torch's ragged cuDNN attention refused a {causal or 'unmasked'} call: {error}"
-        want, want_lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, 0.1)
+        want, want_lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         gap = (out.float() - want.float()).abs().max().item()
         lse_gap = (lse - want_lse).abs().max().item()
         # bf16 outputs of O(1) values: a wrong mask or layout moves them by O(0.1) or more.
