@@ -168,8 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cpu",
         type=int,
-        default=(os.cpu_count() or 1) - 1,
-        help="the CPU every measuring process is pinned to (default: the last; -1: not pinned)",
+        default=max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else -1,
+        help="the CPU every measuring process is pinned to (default: the last this process may "
+        "use; -1: not pinned)",
     )
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

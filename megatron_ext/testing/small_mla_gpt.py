@@ -247,7 +247,7 @@ def float64_copy(model: Any, **build_kwargs: Any) -> Any:
     from megatron_ext import patches
 
     build_kwargs = dict(build_kwargs, dtype=torch.float32, cache_mla_latents=False)
-    applied = [name for name in patches.EXTENSIONS if patches.is_applied(name)]
+    applied = list(patches.applied_extensions())
     try:
         reference = build_small_mla_gpt("off", **build_kwargs)
     finally:
