@@ -18,7 +18,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_ext.fusions.mla_latent.tile_rules import LOG2E, MAX_BLOCK_SIZE, MAX_KV_SPLITS
+from megatron_ext.fusions.mla_latent.tile_rules import (
+    LOG2E,
+    MAX_BLOCK_SIZE,
+    MAX_KV_SPLITS,
+    ROW_OFFSET_LIMIT,
+)
 from megatron_ext.fusions.tensor_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -40,6 +45,7 @@ __all__ = [
     "check_attention_out_disjoint",
     "check_block_table",
     "check_cache_for_query",
+    "check_head_offsets",
     "check_paged_cache",
     "check_pow2",
     "check_query_rope",
@@ -183,6 +189,7 @@ def check_attention_call(
             f"1); got shape {tuple(query.shape)}"
         )
     check_unit_last_stride("query", query)
+    check_head_offsets("query", query)
     tokens, heads, width = query.shape
     check_int("rope_dim", rope_dim, 1)
     check_pow2("rope_dim", rope_dim)
@@ -220,6 +227,7 @@ def check_attention_call(
             f"out must have shape {(tokens, heads, latent_dim)}; got {tuple(out.shape)}"
         )
     check_unit_last_stride("out", out)
+    check_head_offsets("out", out)
     check_no_self_overlap("out", out)
     check_attention_out_disjoint(
         query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope
@@ -247,6 +255,27 @@ def check_query_rope(query: torch.Tensor, query_rope, rope_dim: int) -> None:
             f"rope_dim={rope_dim}); got shape {tuple(query_rope.shape)}"
         )
     check_unit_last_stride("query_rope", query_rope)
+    check_head_offsets("query_rope", query_rope)
+
+
+def check_head_offsets(name: str, x: torch.Tensor) -> None:
+    """Refuse a [tokens, heads, width] tensor whose last head starts 2**31 elements or more past
+    its first.
+
+    The attention kernels count a head's offset (head index times head stride) in 32 bits, as
+    every layout megatron-core produces needs (heads inside a token's row); a head-major view of a
+    long batch would wrap it and read or write another token's row.
+
+    Args:
+        name: the argument's name, for the message.
+        x: the tensor, 3-d.
+    """
+    if (x.shape[1] - 1) * x.stride(1) >= ROW_OFFSET_LIMIT:
+        raise ValueError(
+            f"{name}'s head stride {x.stride(1)} over its {x.shape[1]} heads puts the last head "
+            f"2**31 elements or more past the first, which the kernel's 32-bit head offsets "
+            f"cannot reach: give {name} with its heads inside each token's row (e.g. .contiguous())"
+        )
 
 
 def check_attention_out_disjoint(

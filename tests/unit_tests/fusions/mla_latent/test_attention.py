@@ -582,6 +582,18 @@ def _bad_inputs():
     yield "two-operand cache width", dict(
         two, kv_cache=cache[..., :40]
     ), ValueError, "kv_cache rows are 40 wide, query \\+ query_rope rows 32 \\+ 16"
+
+    # Heads 2**30 elements apart in a batch of no tokens (no memory): the last of three heads
+    # starts 2**31 elements past the first, past the kernel's 32-bit head offsets.
+    def far_heads(width):
+        return torch.empty(0, device=DEVICE).as_strided((0, 3, width), (width, 2**30, 1))
+
+    empty = dict(good, query=torch.zeros(0, 3, 48, device=DEVICE))
+    yield "query heads 2**31 apart", dict(empty, query=far_heads(48)), ValueError, "query's head"
+    yield "out heads 2**31 apart", dict(empty, out=far_heads(32)), ValueError, "out's head"
+    yield "query_rope heads 2**31 apart", dict(
+        empty, query=torch.zeros(0, 3, 32, device=DEVICE), query_rope=far_heads(16)
+    ), ValueError, "query_rope's head"
     rope_and_out = torch.zeros(q.shape[0], 2, 48, device=DEVICE)
     yield "out beside query_rope in one buffer", dict(
         two, query_rope=rope_and_out[..., :16], out=rope_and_out[..., 16:]
