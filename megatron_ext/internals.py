@@ -30,6 +30,10 @@ caller takes the safe path:
   attention with separate query/key and value head sizes, for the MHA form of MLA's prefill
   (:data:`cudnn_attention_forward`). Fallback: None (that backend is unavailable and the step
   takes another, ultimately the absorbed Triton kernel).
+- ``torch.ops.aten._flash_attention_forward``: FlashAttention-2's ragged attention (cumulative
+  sequence lengths, one head size for query, key and value, causal mask aligned bottom-right
+  where a sequence has more keys than queries), for the MHA form's ``flash`` backend
+  (:data:`flash_attention_forward`). Fallback: None (as for the cuDNN entry).
 - ``torch.Tensor._version``: a tensor's in-place write counter, which tells whether host copies
   of a step's lengths are still current (:data:`tensor_version`). Fallback: a value equal to no
   other, so nothing is reused.
@@ -517,6 +521,12 @@ def _aten_op(name: str):
 # used-KV length, which this operator does not take), so the MHA form attends a cached prefix in
 # a separate unmasked call. None where missing.
 cudnn_attention_forward = _aten_op("_cudnn_attention_forward")
+
+# torch's FlashAttention-2 over packed (THD) tensors: ``(query, key, value, cum_seq_q, cum_seq_k,
+# max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale)`` -> (output, logsumexp, ...).
+# Its causal mask is FlashAttention's, aligned bottom-right in each sequence; query, key and value
+# share one head size. Unlike the cuDNN entry it builds no execution plan per call.
+flash_attention_forward = _aten_op("_flash_attention_forward")
 
 
 class _NeverEqual:

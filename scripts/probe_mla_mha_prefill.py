@@ -183,6 +183,8 @@ def backends() -> List[str]:
     from megatron_ext import internals
 
     found = []
+    if internals.flash_attention_forward is not None:
+        found.append("flash")
     if internals.cudnn_attention_forward is not None:
         found.append("cudnn")
     try:

@@ -16,10 +16,11 @@ When the MHA form runs (each rule decided in one function):
   cost model decides) or ``force`` (every request of every prefill step in
   the MHA form, the tests' switch; the plain-torch backend where no fused one runs);
 * the backend, :func:`backend_for` (override ``MEGATRON_EXT_MLA_MHA_BACKEND``): on CUDA in bf16 or
-  fp16, torch's cuDNN ragged attention where torch has it, cuDNN's SDPA is enabled and a check
-  call on the (sm90+) device runs and agrees with plain torch, else Transformer Engine's fused
-  attention where TE is installed; otherwise (CPU, fp32, the Triton interpreter) none in
-  ``auto`` mode, so CPU runs stay absorbed;
+  fp16, torch's ragged FlashAttention where torch has it, its SDPA switch is on and a check call
+  on the (sm80+) device runs and agrees with plain torch, else Transformer Engine's fused
+  attention where TE is installed, else torch's ragged cuDNN attention on the same terms
+  (sm90+); otherwise (CPU, fp32, the Triton interpreter) none in ``auto`` mode, so CPU runs
+  stay absorbed;
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
   (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
   host. megatron-core 0.16 captures decode-only steps (and, with
@@ -189,40 +190,55 @@ _DEVICE_SUPPORT_LOCK = threading.Lock()
 _TE_PRESENT: list = []
 
 
-def _decide_cudnn_sdpa(index: int) -> bool:
-    """The once-per-device part of :func:`_cudnn_sdpa_usable`, under the lock (one check call
-    per device, however many threads step at once)."""
+def _decide_fused(backend: str, index: int) -> bool:
+    """The once-per-device part of :func:`_fused_usable`, under the lock (one check call per
+    backend and device, however many threads step at once)."""
     with _DEVICE_SUPPORT_LOCK:
-        usable = _DEVICE_SUPPORT.get(index)
+        usable = _DEVICE_SUPPORT.get((backend, index))
         if usable is not None:
             return usable
-        usable = (
-            internals.cudnn_attention_forward is not None
-            and torch.backends.cudnn.is_available()
-            and torch.cuda.get_device_capability(index) >= (9, 0)
-        )
+        if backend == "cudnn":
+            # sm90 and newer, as torch's own nested-tensor rule for its ragged cuDNN attention.
+            usable = (
+                internals.cudnn_attention_forward is not None
+                and torch.backends.cudnn.is_available()
+                and torch.cuda.get_device_capability(index) >= (9, 0)
+            )
+        else:
+            usable = (
+                internals.flash_attention_forward is not None
+                and torch.cuda.get_device_capability(index) >= (8, 0)
+            )
         if usable:
-            problem = mha_form.cudnn_ragged_check(torch.device("cuda", index))
+            problem = mha_form.ragged_check(backend, torch.device("cuda", index))
             if problem is not None:
+                name = {"cudnn": "cuDNN", "flash": "FlashAttention"}[backend]
                 warnings.warn(
-                    f"megatron_ext: the MHA form does not use cuDNN on cuda:{index}: {problem}",
+                    f"megatron_ext: the MHA form does not use {name} on cuda:{index}: {problem}",
                     stacklevel=3,
                 )
                 usable = False
-        _DEVICE_SUPPORT[index] = usable
+        _DEVICE_SUPPORT[(backend, index)] = usable
         return usable
 
 
-def _cudnn_sdpa_usable(device: torch.device) -> bool:
-    """Whether torch's ragged cuDNN attention runs the MHA form on ``device``: decided once per
-    device (sm90 and newer, as torch's own nested-tensor rule for it, and a check call that
-    must run and agree with plain torch), then whether cuDNN SDPA is enabled now."""
+# Whether torch's scaled_dot_product_attention may use each backend now (the user's switches,
+# read on every call: they can change at run time).
+_SDPA_ENABLED = {
+    "cudnn": lambda: torch.backends.cuda.cudnn_sdp_enabled(),
+    "flash": lambda: torch.backends.cuda.flash_sdp_enabled(),
+}
+
+
+def _fused_usable(backend: str, device: torch.device) -> bool:
+    """Whether torch's ragged ``backend`` entry (``"cudnn"`` or ``"flash"``) runs the MHA form on
+    ``device``: decided once per device (the GPU generation and a check call that must run and
+    agree with plain torch), then whether torch's SDPA switch for it is on now."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    usable = _DEVICE_SUPPORT.get(index)
+    usable = _DEVICE_SUPPORT.get((backend, index))
     if usable is None:
-        usable = _decide_cudnn_sdpa(index)
-    # Whether cuDNN SDPA is enabled can change at run time (torch.backends.cuda settings).
-    return usable and torch.backends.cuda.cudnn_sdp_enabled()
+        usable = _decide_fused(backend, index)
+    return usable and _SDPA_ENABLED[backend]()
 
 
 def _te_present() -> bool:
@@ -240,8 +256,9 @@ def backend_for(device: torch.device, dtype: torch.dtype, mode: str = "auto") ->
     """The MHA form's backend for tensors on ``device`` in ``dtype``, or None (absorbed form).
 
     The rule: on CUDA in bf16/fp16, :data:`BACKEND` if it names one that runs there, else torch's
-    cuDNN entry where usable, else Transformer Engine where installed; anywhere else none,
-    except in ``force`` mode, which takes the plain-torch backend.
+    FlashAttention entry where usable, else Transformer Engine where installed, else torch's
+    cuDNN entry where usable; anywhere else none, except in ``force`` mode, which takes the
+    plain-torch backend.
 
     Args:
         device: the step's device.
@@ -253,17 +270,19 @@ def backend_for(device: torch.device, dtype: torch.dtype, mode: str = "auto") ->
     """
     fused_ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     available = {
-        "cudnn": fused_ok and _cudnn_sdpa_usable(device),
+        "cudnn": fused_ok and _fused_usable("cudnn", device),
+        "flash": fused_ok and _fused_usable("flash", device),
         "te": fused_ok and _te_present(),
         "torch": True,
         "torch-bottom-right": True,
     }
     if BACKEND in BACKENDS:
         return BACKEND if available[BACKEND] else None
-    # cuDNN first as measured through torch 2.11's SDPA; the ragged entry's fixed cost per call
-    # differs between torch releases (some build its cuDNN graph on every call without keeping
-    # it), which the benchmark's MHA-form rows time on the installed release.
-    for backend in ("cudnn", "te"):
+    # cuDNN last: torch's ragged cuDNN entry builds its cuDNN graph on every call without keeping
+    # it in the releases the README installs (62-174 ms for one prefill step's attention,
+    # measured with torch 2.11 on an H100, where the absorbed form takes 0.6-5.7 ms);
+    # FlashAttention builds no plan.
+    for backend in ("flash", "te", "cudnn"):
         if available[backend]:
             return backend
     return "torch" if mode == "force" else None

@@ -24,7 +24,17 @@ results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
   blocks masked, every other block unmasked). Sizes are rounded up to buckets
   (:func:`bucket`) because cuDNN builds one execution plan per shape (the request count only
   where cuDNN takes zero-length sequences: :func:`empty_sequences_supported`). Whether torch's
-  release and the GPU run it at all is checked once per device (:func:`cudnn_ragged_check`).
+  release and the GPU run it at all is checked once per device (:func:`ragged_check`). Some
+  torch releases build the ragged call's cuDNN graph anew on every call without keeping it
+  (tens of milliseconds a call), which makes this backend slower than the absorbed form there.
+* ``flash``: torch's FlashAttention-2 entry
+  (:data:`megatron_ext.internals.flash_attention_forward`), packed with cumulative lengths, its
+  causal mask aligned bottom-right: one call per chunk of rows over the requests' cached and
+  new rows together, merged across chunks by the log-sum-exps it returns. It takes one head size
+  for query, key and value, so the values are padded with zeros to the query's (128 to 192 at
+  DeepSeek-V3's widths: 768 FLOPs per pair, not 640) and the padding dropped from the output.
+  It builds no execution plan, so its sizes are not bucketed. Checked once per device as
+  ``cudnn`` is (:func:`ragged_check`).
 * ``te``: Transformer Engine's fused attention, packed (THD) with cumulative lengths and its
   bottom-right causal mask, one call over each request's whole context (it returns no
   log-sum-exp to merge, so the row budget does not apply to it).
@@ -53,21 +63,25 @@ from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check
 
 __all__ = [
     "BACKENDS",
+    "CHECKED_BACKENDS",
     "ROW_BUDGET",
     "SPLIT_BACKENDS",
     "bucket",
     "check_mha_call",
-    "cudnn_ragged_check",
     "decompressed_keys_values",
     "empty_sequences_supported",
     "mla_paged_mha_attention",
+    "ragged_check",
     "varlen_attention",
 ]
 
 # Backends whose causal mask is top-left (a cached prefix is attended in a second call) and those
-# with a bottom-right mask (one call over each request's whole context).
+# with a bottom-right mask (a request's cached and new rows in one call).
 SPLIT_BACKENDS = ("cudnn", "torch")
-WHOLE_BACKENDS = ("te", "torch-bottom-right")
+WHOLE_BACKENDS = ("te", "flash", "torch-bottom-right")
+# The fused backends checked once per device before use (:func:`ragged_check`), by their causal
+# alignment.
+CHECKED_BACKENDS = {"cudnn": "top_left", "flash": "bottom_right"}
 BACKENDS = SPLIT_BACKENDS + WHOLE_BACKENDS
 
 
@@ -316,6 +330,26 @@ def _cudnn_varlen(
     return out, lse.float()
 
 
+def _flash_varlen(
+    q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, causal: bool, scale: float
+) -> Tuple[Tensor, Tensor]:
+    """torch's ragged FlashAttention-2 (causal: bottom-right), the values padded to the query's
+    head size (FlashAttention takes one) and the padding's zero columns dropped after."""
+    v_dim = v.shape[-1]
+    if v_dim != q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
+    result = internals.flash_attention_forward(q, k, v, *ragged, 0.0, causal, False, scale=scale)
+    out, lse = result[0], result[1]
+    # [heads, tokens] from FlashAttention 2.5 on (as vendored by torch since 2.2); older releases
+    # padded it per sequence.
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"FlashAttention's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = "
+            f"{(q.shape[1], q.shape[0])}"
+        )
+    return out[..., :v_dim], lse.t().float()
+
+
 # TE's attention modules by shape and scale: built once per process (threads serving one model
 # share them; the lock keeps one module per key).
 _TE_MODULES: Dict[Tuple, object] = {}
@@ -376,7 +410,7 @@ def varlen_attention(
         q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v].
         lengths: host query and key lengths per request.
         causal: None, ``"top_left"`` (``cudnn``, ``torch``) or ``"bottom_right"`` (``te``,
-            ``torch-bottom-right``).
+            ``flash``, ``torch-bottom-right``).
         scale: the softmax scale.
         want_lse: also return the natural log-sum-exp of each query's scaled logits (split
             backends only).
@@ -390,7 +424,7 @@ def varlen_attention(
         out, lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
     requests = max(len(q_lens), 1)
-    if requests > 1 and empty_sequences_supported():
+    if backend == "cudnn" and requests > 1 and empty_sequences_supported():
         requests = bucket(requests, minimum=1)
     # Both offset arrays in one copy, the keys' starting on 16 bytes as the queries' does: the
     # fused kernels may hand them to cuDNN as ragged offsets, whose descriptors assume it.
@@ -409,7 +443,10 @@ def varlen_attention(
     )
     if backend == "te":
         return _te_varlen(q, k, v, ragged, scale), None
-    out, lse = _cudnn_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
+    if backend == "flash":
+        out, lse = _flash_varlen(q, k, v, ragged, causal is not None, scale)
+    else:
+        out, lse = _cudnn_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
     if want_lse:
         # A request with no keys (a fresh one beside a chunked one) attends to nothing.
         empty = np.repeat(k_lens == 0, q_lens)
@@ -420,23 +457,31 @@ def varlen_attention(
     return out, lse
 
 
-def cudnn_ragged_check(device: torch.device) -> Optional[str]:
-    """Why torch's ragged cuDNN attention cannot run the ``cudnn`` backend on ``device``, or None.
+def ragged_check(backend: str, device: torch.device) -> Optional[str]:
+    """Why torch's ragged ``backend`` entry (one of :data:`CHECKED_BACKENDS`) cannot run on
+    ``device``, or None.
 
     Two small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
-    DeepSeek-V3's widths, nine short sequences: a causal call of square blocks and an unmasked
+    DeepSeek-V3's widths, nine short sequences: a causal call in the backend's alignment, square
+    blocks for ``cudnn`` and two cached rows before the new ones for ``flash``, and an unmasked
     one), compared with the plain-torch backend. torch releases and GPUs differ in what the
-    operator takes (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
-    GPUs before Hopper have no ragged cuDNN attention), and a refusal mid-step, or a result
-    that disagrees, must not reach a user's step. Not graph-safe (it allocates and compares
-    on the host): call it outside capture, once per device.
+    operators take (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
+    GPUs before Hopper have no ragged cuDNN attention, before Ampere no FlashAttention), and a
+    refusal mid-step, or a result that disagrees (a mask aligned otherwise, another log-sum-exp
+    layout), must not reach a user's step. Not graph-safe (it allocates and compares on the
+    host): call it outside capture, once per device.
 
     Args:
+        backend: ``"cudnn"`` or ``"flash"``.
         device: where to run the two calls.
 
     Returns:
         Optional[str]: None where both calls ran and agreed; otherwise what went wrong.
     """
+    names = {"cudnn": "torch's ragged cuDNN attention", "flash": "torch's ragged FlashAttention"}
+    if backend not in CHECKED_BACKENDS:
+        raise ValueError(f"backend must be one of {tuple(CHECKED_BACKENDS)}; got {backend!r}")
+    name, mask = names[backend], CHECKED_BACKENDS[backend]
     gen = torch.Generator(device=device).manual_seed(0)
     q_lens = np.array([1, 2, 3] * 3, dtype=np.int64)
     tokens = int(q_lens.sum())
@@ -445,21 +490,21 @@ def cudnn_ragged_check(device: torch.device) -> Optional[str]:
         return torch.randn(rows, 2, width, generator=gen, device=device).to(torch.bfloat16)
 
     q, scale = randn(tokens, 192), 0.1
-    for causal, k_lens in (("top_left", q_lens), (None, q_lens + 2)):
+    causal_keys = q_lens if mask == "top_left" else q_lens + 2
+    for causal, k_lens in ((mask, causal_keys), (None, q_lens + 2)):
         k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
         try:
-            out, lse = varlen_attention("cudnn", q, k, v, (q_lens, k_lens), causal, scale, True)
+            out, lse = varlen_attention(backend, q, k, v, (q_lens, k_lens), causal, scale, True)
         except RuntimeError as error:
-            return f"torch's ragged cuDNN attention refused a {causal or 'unmasked'} call: {error}"
+            return f"{name} refused a {causal or 'unmasked'} call: {error}"
         want, want_lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         gap = (out.float() - want.float()).abs().max().item()
         lse_gap = (lse - want_lse).abs().max().item()
         # bf16 outputs of O(1) values: a wrong mask or layout moves them by O(0.1) or more.
         if not (gap <= 2e-2 and lse_gap <= 1e-2):
             return (
-                f"torch's ragged cuDNN attention disagreed with plain torch on a "
-                f"{causal or 'unmasked'} call (output off by {gap:.3g}, log-sum-exp by "
-                f"{lse_gap:.3g})"
+                f"{name} disagreed with plain torch on a {causal or 'unmasked'} call (output "
+                f"off by {gap:.3g}, log-sum-exp by {lse_gap:.3g})"
             )
     return None
 

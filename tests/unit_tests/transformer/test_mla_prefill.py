@@ -234,47 +234,79 @@ def test_backend_rule(monkeypatch):
     assert mla_prefill.backend_for(cpu, torch.float32) == "torch-bottom-right"
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
-    monkeypatch.setattr(mla_prefill, "_cudnn_sdpa_usable", lambda device: True)
-    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn"
-    assert mla_prefill.backend_for(cuda, torch.float16) == "cudnn"
-    assert mla_prefill.backend_for(cuda, torch.float32) is None
-    monkeypatch.setattr(mla_prefill, "_cudnn_sdpa_usable", lambda device: False)
+    usable = {"flash", "cudnn"}
+    monkeypatch.setattr(mla_prefill, "_fused_usable", lambda backend, device: backend in usable)
     monkeypatch.setattr(mla_prefill, "_te_present", lambda: True)
+    # FlashAttention first, then TE, then cuDNN (which rebuilds its plan on every call).
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
+    assert mla_prefill.backend_for(cuda, torch.float16) == "flash"
+    assert mla_prefill.backend_for(cuda, torch.float32) is None
+    usable.discard("flash")
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "te"
     monkeypatch.setattr(mla_prefill, "_te_present", lambda: False)
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn"
+    usable.clear()
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
+    # A backend named by the override is taken only where it runs.
+    monkeypatch.setattr(mla_prefill, "BACKEND", "flash")
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
+    usable.add("flash")
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
 
 
 @pytest.mark.parametrize(
-    "capability, problem, usable",
-    [((9, 0), None, True), ((9, 0), "it refused", False), ((8, 0), None, False)],
-    ids=["hopper", "hopper_check_fails", "ampere"],
+    "backend, capability, problem, usable",
+    [
+        ("cudnn", (9, 0), None, True),
+        ("cudnn", (9, 0), "it refused", False),
+        ("cudnn", (8, 0), None, False),
+        ("flash", (8, 0), None, True),
+        ("flash", (9, 0), "it disagreed", False),
+        ("flash", (7, 5), None, False),
+    ],
+    ids=[
+        "cudnn_hopper",
+        "cudnn_check_fails",
+        "cudnn_ampere",
+        "flash_ampere",
+        "flash_check_fails",
+        "flash_turing",
+    ],
 )
-def test_cudnn_is_used_on_sm90_and_up_where_its_check_passes(
-    monkeypatch, capability, problem, usable
+def test_a_fused_backend_is_used_where_the_gpu_takes_it_and_its_check_passes(
+    monkeypatch, backend, capability, problem, usable
 ):
-    """Decided once per device: sm90 and newer, then the check call; a failed check warns."""
+    """Decided once per backend and device: the GPU generation (sm90+ for cuDNN's ragged
+    attention, sm80+ for FlashAttention), then the check call; a failed check warns; then the
+    SDPA switch for the backend, read on every call."""
     checked = []
 
-    def check(device):
-        checked.append(device)
+    def check(name, device):
+        checked.append((name, device))
         return problem
 
+    switch = {"on": True}
     monkeypatch.setattr(mla_prefill, "_DEVICE_SUPPORT", {})
     monkeypatch.setattr(mla_prefill.internals, "cudnn_attention_forward", object())
+    monkeypatch.setattr(mla_prefill.internals, "flash_attention_forward", object())
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: switch["on"])
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: switch["on"])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
-    monkeypatch.setattr(mla_prefill.mha_form, "cudnn_ragged_check", check)
+    monkeypatch.setattr(mla_prefill.mha_form, "ragged_check", check)
     device = torch.device("cuda", 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert mla_prefill._cudnn_sdpa_usable(device) is usable
-        assert mla_prefill._cudnn_sdpa_usable(device) is usable
-    assert checked == ([torch.device("cuda", 3)] if capability >= (9, 0) else [])
+        assert mla_prefill._fused_usable(backend, device) is usable
+        assert mla_prefill._fused_usable(backend, device) is usable
+        switch["on"] = False
+        assert mla_prefill._fused_usable(backend, device) is False
+    floor = (9, 0) if backend == "cudnn" else (8, 0)
+    assert checked == ([(backend, torch.device("cuda", 3))] if capability >= floor else [])
+    name = {"cudnn": "cuDNN", "flash": "FlashAttention"}[backend]
     messages = [str(w.message) for w in caught]
     assert messages == (
-        [f"megatron_ext: the MHA form does not use cuDNN on cuda:3: {problem}"] if problem else []
+        [f"megatron_ext: the MHA form does not use {name} on cuda:3: {problem}"] if problem else []
     )
 
 
@@ -290,7 +322,7 @@ def test_capturing_stream_counts_as_graphed(monkeypatch):
 
 
 def test_backends_listed():
-    assert set(mha_form.BACKENDS) == {"cudnn", "te", "torch", "torch-bottom-right"}
+    assert set(mha_form.BACKENDS) == {"cudnn", "flash", "te", "torch", "torch-bottom-right"}
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -366,7 +398,7 @@ def test_gpu_engine_with_cuda_graphs_and_the_mha_form_generates_as_eager(stack, 
 
 @pytest.mark.parametrize(
     "name, value",
-    [("MEGATRON_EXT_MLA_MHA_FORM", "on"), ("MEGATRON_EXT_MLA_MHA_BACKEND", "flash")],
+    [("MEGATRON_EXT_MLA_MHA_FORM", "on"), ("MEGATRON_EXT_MLA_MHA_BACKEND", "flash-attn")],
 )
 def test_a_misspelt_setting_fails_at_import(name, value):
     """An unknown mode or backend is an error naming the variable, not the default in disguise."""

@@ -308,11 +308,103 @@ def test_cudnn_ragged_check(monkeypatch, operator, problem):
     """The once-per-device check passes an operator of the assumed contract and names what is
     wrong with one that refuses the call or answers differently."""
     monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", operator)
-    found = mha_form.cudnn_ragged_check(torch.device("cpu"))
+    found = mha_form.ragged_check("cudnn", torch.device("cpu"))
     if problem is None:
         assert found is None
     else:
         assert found is not None and problem in found, found
+
+
+def _flash_stand_in(seen):
+    """A stand-in for torch's ragged FlashAttention-2 operator (its contract: int32 cumulative
+    lengths, one head size for query, key and value, causal aligned bottom-right, log-sum-exp as
+    [heads, tokens], +inf for a query with no keys) that records each call's shapes."""
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+        q_lens, k_lens = np.diff(cu_q.cpu().numpy()), np.diff(cu_k.cpu().numpy())
+        seen.append((q.shape, k.shape, v.shape, len(q_lens)))
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout == 0.0 and not debug
+        assert max_q >= q_lens.max() and max_k >= k_lens.max()
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        causal = "bottom_right" if causal else None
+        out, lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
+        no_keys = torch.from_numpy(np.repeat(k_lens == 0, q_lens))
+        lse[: len(no_keys)][no_keys] = float("inf")
+        return out, lse.t().contiguous(), None, None, None
+
+    return stand_in
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+@pytest.mark.parametrize(
+    "requests", [PREFILL, CHUNKED, MIXED, NINE], ids=["prefill", "chunked", "mixed", "nine"]
+)
+def test_flash_glue_with_a_stand_in_operator(monkeypatch, requests, budget):
+    """The FlashAttention backend's padded values, dropped padding, log-sum-exp layout and
+    merge across chunks of rows, with a stand-in for torch's operator."""
+    seen = []
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in(seen))
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=9)
+    got = mla_paged_mha_attention(
+        query,
+        cache,
+        step.block_table,
+        weight,
+        SCALE,
+        rope_dim=16,
+        backend="flash",
+        row_budget=budget,
+        **lengths,
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    rows = sum(lengths["kv_lengths"][r] for r, q in enumerate(lengths["query_lengths"]) if q)
+    # Sizes are not bucketed: one call over every attended row, or one per chunk and more.
+    assert len(seen) == 1 if budget is None else len(seen) >= -(-rows // budget), seen
+    assert sum(k[0] for _, k, _, _ in seen) >= rows
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_ragged_check_of_each_backend_passes_a_faithful_operator(monkeypatch, backend):
+    monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", _cudnn_stand_in([]))
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
+    assert mha_form.ragged_check(backend, torch.device("cpu")) is None
+
+
+def _top_left_flash(*args, scale):
+    """FlashAttention's contract but the causal mask aligned top-left (an older alignment)."""
+    q, k, v, cu_q, cu_k = args[:5]
+    q_lens, k_lens = np.diff(cu_q.cpu().numpy()), np.diff(cu_k.cpu().numpy())
+    causal = "top_left" if args[8] else None
+    out, lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
+    return out, lse.t().contiguous(), None, None, None
+
+
+def _padded_lse_flash(*args, scale):
+    """Right outputs, the log-sum-exp as [requests, heads, longest] (older FlashAttention)."""
+    out, lse, *rest = _flash_stand_in([])(*args, scale=scale)
+    return (out, lse.reshape(lse.shape[0], 3, -1).transpose(0, 1).flip(-1), *rest)
+
+
+@pytest.mark.parametrize(
+    "operator, problem",
+    [
+        (_top_left_flash, "FlashAttention disagreed with plain torch on a bottom_right call"),
+        (_padded_lse_flash, "refused a bottom_right call: FlashAttention's log-sum-exp has shape"),
+        (_refusing_operator, "FlashAttention refused a bottom_right call"),
+    ],
+    ids=["top_left_mask", "padded_lse", "refusing"],
+)
+def test_flash_ragged_check_names_what_is_wrong(monkeypatch, operator, problem):
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", operator)
+    found = mha_form.ragged_check("flash", torch.device("cpu"))
+    assert found is not None and problem in found, found
+
+
+def test_ragged_check_refuses_a_backend_it_does_not_check():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mha_form.ragged_check("te", torch.device("cpu"))
 
 
 class _TEStandIn:
@@ -503,7 +595,7 @@ def _bad_inputs():
     yield "weight width", dict(good, kv_up_weight=weight[:, :16]), ValueError, "kv_up_weight"
     yield "weight rows", dict(good, kv_up_weight=weight[:-1]), ValueError, "kv_up_weight"
     yield "no value rows", dict(good, kv_up_weight=weight[:64]), ValueError, "none left"
-    yield "backend", dict(good, backend="flash"), ValueError, "backend must be"
+    yield "backend", dict(good, backend="flash-attn"), ValueError, "backend must be"
     yield "zero row budget", dict(good, row_budget=0), ValueError, "row_budget"
     yield "float row budget", dict(good, row_budget=8.0), TypeError, "row_budget"
     yield "float lengths", dict(good, query_lengths=[2.0, 3.0]), TypeError, "query_lengths"
@@ -569,6 +661,8 @@ def _gpu_backends():
     backends = []
     if internals.cudnn_attention_forward is not None:
         backends.append("cudnn")
+    if internals.flash_attention_forward is not None:
+        backends.append("flash")
     try:
         import transformer_engine  # noqa: F401
 
@@ -579,7 +673,7 @@ def _gpu_backends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cudnn", "te"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "te"])
 @pytest.mark.parametrize(
     "requests",
     [PREFILL, CHUNKED, MIXED, NINE, [(3072, 1024)], [(0, 1536), (0, 1536)]],
@@ -596,7 +690,7 @@ def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
     # And the plain-torch backend of the same semantics, on the same bf16 inputs.
-    plain = "torch" if backend == "cudnn" else "torch-bottom-right"
+    plain = "torch" if backend in mha_form.SPLIT_BACKENDS else "torch-bottom-right"
     same = mla_paged_mha_attention(
         query, cache, step.block_table, weight, SCALE, rope_dim=64, backend=plain, **lengths
     )
@@ -610,13 +704,14 @@ def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
     ids=["mixed", "chunk_behind_3k", "prefill_2x1536", "long_and_short"],
 )
 @pytest.mark.parametrize("budget", [16, 1024])
-def test_gpu_cudnn_with_a_row_budget_matches_float64_in_bf16(requests, budget):
-    """The cuDNN backend with a small budget: requests split across chunks, the new tokens'
-    block too, partial results merged."""
-    if "cudnn" not in _gpu_backends():
-        pytest.skip("the cudnn backend is not available here")
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_gpu_merging_backends_with_a_row_budget_match_float64_in_bf16(requests, budget, backend):
+    """The backends that return log-sum-exps with a small budget: requests split across
+    chunks, the new tokens' block too, partial results merged."""
+    if backend not in _gpu_backends():
+        pytest.skip(f"the {backend} backend is not available here")
     step, query, cache, weight, lengths = deepseek_step(requests, 16, torch.bfloat16)
-    chunked = dict(rope_dim=64, backend="cudnn", row_budget=budget, **lengths)
+    chunked = dict(rope_dim=64, backend=backend, row_budget=budget, **lengths)
     got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **chunked)
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
@@ -630,4 +725,15 @@ def test_gpu_cudnn_ragged_check_passes_on_hopper():
         pytest.skip("this torch has no ragged cuDNN attention operator")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch runs ragged cuDNN attention on sm90 and newer only")
-    assert mha_form.cudnn_ragged_check(torch.device("cuda")) is None
+    assert mha_form.ragged_check("cudnn", torch.device("cuda")) is None
+
+
+@pytest.mark.gpu
+def test_gpu_flash_ragged_check_passes_on_ampere_and_up():
+    """Where torch has the operator and the GPU is sm80+, FlashAttention's check passes (its mask
+    aligned bottom-right, its log-sum-exp [heads, tokens]): the backend rule picks it here."""
+    if internals.flash_attention_forward is None:
+        pytest.skip("this torch has no ragged FlashAttention operator")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("FlashAttention-2 runs on sm80 and newer only")
+    assert mha_form.ragged_check("flash", torch.device("cuda")) is None
