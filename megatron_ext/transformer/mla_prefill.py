@@ -252,38 +252,51 @@ def _te_present() -> bool:
     return _TE_PRESENT[0]
 
 
-def backend_for(device: torch.device, dtype: torch.dtype, mode: str = "auto") -> Optional[str]:
+def backend_for(
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str = "auto",
+    head_dim: Optional[int] = None,
+) -> Optional[str]:
     """The MHA form's backend for tensors on ``device`` in ``dtype``, or None (absorbed form).
 
     The rule: on CUDA in bf16/fp16, :data:`BACKEND` if it names one that runs there, else torch's
-    FlashAttention entry where usable, else Transformer Engine where installed, else torch's
-    cuDNN entry where usable; anywhere else none, except in ``force`` mode, which takes the
-    plain-torch backend.
+    FlashAttention entry where usable (and the head size fits it), else Transformer Engine where
+    installed, else torch's cuDNN entry where usable; anywhere else none, except in ``force``
+    mode, which takes the plain-torch backend. A backend's once-per-device check runs only when
+    the rule reaches it.
 
     Args:
         device: the step's device.
         dtype: the step's activation dtype.
         mode: the MHA form's mode (:data:`MODE`).
+        head_dim: the head size the ``flash`` backend would run at
+            (:func:`~megatron_ext.fusions.mla_latent.mha_form.flash_head_dim`); None: not known.
 
     Returns:
         Optional[str]: one of :data:`~megatron_ext.fusions.mla_latent.mha_form.BACKENDS`.
     """
     fused_ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    available = {
-        "cudnn": fused_ok and _fused_usable("cudnn", device),
-        "flash": fused_ok and _fused_usable("flash", device),
-        "te": fused_ok and _te_present(),
-        "torch": True,
-        "torch-bottom-right": True,
-    }
+
+    def available(backend: str) -> bool:
+        if backend in ("torch", "torch-bottom-right"):
+            return True
+        if not fused_ok:
+            return False
+        if backend == "te":
+            return _te_present()
+        if backend == "flash" and (head_dim or 0) > mha_form.FLASH_MAX_HEAD_DIM:
+            return False
+        return _fused_usable(backend, device)
+
     if BACKEND in BACKENDS:
-        return BACKEND if available[BACKEND] else None
+        return BACKEND if available(BACKEND) else None
     # cuDNN last: torch's ragged cuDNN entry builds its cuDNN graph on every call without keeping
     # it in the releases the README installs (62-174 ms for one prefill step's attention,
     # measured with torch 2.11 on an H100, where the absorbed form takes 0.6-5.7 ms);
     # FlashAttention builds no plan.
     for backend in ("flash", "te", "cudnn"):
-        if available[backend]:
+        if available(backend):
             return backend
     return "torch" if mode == "force" else None
 
@@ -381,10 +394,11 @@ def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSpli
     """
     if MODE not in ("auto", "force") or context.is_decode_only() or graphed_step(context):
         return None
-    backend = backend_for(q.device, q.dtype, MODE)
+    config = module.config
+    head_dim = mha_form.flash_head_dim(q.shape[-1], config.v_head_dim)
+    backend = backend_for(q.device, q.dtype, MODE, head_dim)
     if backend is None:
         return None
-    config = module.config
     heads = module.num_attention_heads_per_partition
     widths = (
         config.kv_lora_rank,

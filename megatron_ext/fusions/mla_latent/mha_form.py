@@ -64,12 +64,14 @@ from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check
 __all__ = [
     "BACKENDS",
     "CHECKED_BACKENDS",
+    "FLASH_MAX_HEAD_DIM",
     "ROW_BUDGET",
     "SPLIT_BACKENDS",
     "bucket",
     "check_mha_call",
     "decompressed_keys_values",
     "empty_sequences_supported",
+    "flash_head_dim",
     "mla_paged_mha_attention",
     "ragged_check",
     "varlen_attention",
@@ -79,6 +81,8 @@ __all__ = [
 # with a bottom-right mask (a request's cached and new rows in one call).
 SPLIT_BACKENDS = ("cudnn", "torch")
 WHOLE_BACKENDS = ("te", "flash", "torch-bottom-right")
+# FlashAttention-2's largest head size.
+FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.
 CHECKED_BACKENDS = {"cudnn": "top_left", "flash": "bottom_right"}
@@ -167,6 +171,11 @@ def check_mha_call(
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "flash" and flash_head_dim(width, v_dim) > FLASH_MAX_HEAD_DIM:
+        raise ValueError(
+            f"the flash backend runs head sizes up to {FLASH_MAX_HEAD_DIM}; query/key width "
+            f"{width} and value width {v_dim} need {flash_head_dim(width, v_dim)}"
+        )
     q_lens = _lengths("query_lengths", query_lengths)
     kv_lens = _lengths("kv_lengths", kv_lengths)
     if len(q_lens) != len(kv_lens) or len(q_lens) > requests:
@@ -330,24 +339,44 @@ def _cudnn_varlen(
     return out, lse.float()
 
 
+def flash_head_dim(qk: int, v: int) -> int:
+    """The one head size the ``flash`` backend runs query/key width ``qk`` and value width ``v``
+    at: the larger, rounded up to FlashAttention's multiple of 8 (zero columns change neither the
+    logits nor the kept outputs).
+
+    Args:
+        qk: the query/key head width (RoPE included).
+        v: the value head width.
+
+    Returns:
+        int: the padded head size.
+    """
+    return -(-max(qk, v) // 8) * 8
+
+
 def _flash_varlen(
     q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, causal: bool, scale: float
 ) -> Tuple[Tensor, Tensor]:
-    """torch's ragged FlashAttention-2 (causal: bottom-right), the values padded to the query's
-    head size (FlashAttention takes one) and the padding's zero columns dropped after."""
+    """torch's ragged FlashAttention-2 (causal: bottom-right), its operands zero-padded to one
+    head size (:func:`flash_head_dim`) and the padding dropped from the output."""
     v_dim = v.shape[-1]
-    if v_dim != q.shape[-1]:
-        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
+    width = flash_head_dim(q.shape[-1], v_dim)
+    q, k, v = (
+        x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        for x in (q, k, v)
+    )
     result = internals.flash_attention_forward(q, k, v, *ragged, 0.0, causal, False, scale=scale)
     out, lse = result[0], result[1]
-    # [heads, tokens] from FlashAttention 2.5 on (as vendored by torch since 2.2); older releases
-    # padded it per sequence.
+    # [heads, tokens] from FlashAttention 2.6 on; earlier releases (and ROCm's) pad it per
+    # sequence.
     if tuple(lse.shape) != (q.shape[1], q.shape[0]):
         raise RuntimeError(
             f"FlashAttention's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = "
             f"{(q.shape[1], q.shape[0])}"
         )
-    return out[..., :v_dim], lse.t().float()
+    # A query with no key gets +inf (and zeros): -inf is what the merge takes for "nothing".
+    lse = lse.t().float()
+    return out[..., :v_dim], lse.masked_fill(lse == math.inf, -math.inf)
 
 
 # TE's attention modules by shape and scale: built once per process (threads serving one model
@@ -538,8 +567,9 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[
 # the keys are qk + rope = 192 and the values v = 128 elements: at 128 heads in bf16 that is
 # (192 + 128) * 2 * 128 = 80 KiB per row, so 6144 rows hold 480 MiB of keys and values (the
 # decompression GEMM's output, whose value half the values view, adds its 32 KiB per row of
-# non-rotated keys: 672 MiB in all). Unbounded, a 1024-token chunk behind 32768 cached rows
-# would hold 33792 rows, 3.7 GB. 6144 is a bucket, so the cuDNN plans stay few.
+# non-rotated keys: 672 MiB in all; the flash backend's values padded to 192 columns add 288 MiB).
+# Unbounded, a 1024-token chunk behind 32768 cached rows would hold 33792 rows, 3.7 GB. 6144 is a
+# bucket, so the cuDNN plans stay few.
 ROW_BUDGET = 6144
 
 

@@ -245,13 +245,33 @@ def test_backend_rule(monkeypatch):
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "te"
     monkeypatch.setattr(mla_prefill, "_te_present", lambda: False)
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn"
+    # A head size past FlashAttention's skips it without checking it.
+    usable.add("flash")
+    monkeypatch.setattr(mla_prefill, "_te_present", lambda: True)
+    assert mla_prefill.backend_for(cuda, torch.bfloat16, head_dim=264) == "te"
     usable.clear()
+    monkeypatch.setattr(mla_prefill, "_te_present", lambda: False)
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
     # A backend named by the override is taken only where it runs.
     monkeypatch.setattr(mla_prefill, "BACKEND", "flash")
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
     usable.add("flash")
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
+
+
+def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):
+    """The first usable backend ends the search: cuDNN's check call (tens of milliseconds where
+    torch rebuilds its graph) does not run where FlashAttention is taken."""
+    asked = []
+
+    def usable(backend, device):
+        asked.append(backend)
+        return True
+
+    monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
+    monkeypatch.setattr(mla_prefill, "_fused_usable", usable)
+    assert mla_prefill.backend_for(torch.device("cuda", 0), torch.bfloat16) == "flash"
+    assert asked == ["flash"]
 
 
 @pytest.mark.parametrize(

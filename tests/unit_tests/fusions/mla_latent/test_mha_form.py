@@ -326,26 +326,30 @@ def _flash_stand_in(seen):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and dropout == 0.0 and not debug
         assert max_q >= q_lens.max() and max_k >= k_lens.max()
         assert q.shape[-1] == k.shape[-1] == v.shape[-1], (q.shape, k.shape, v.shape)
+        assert q.shape[-1] % 8 == 0 and q.shape[-1] <= mha_form.FLASH_MAX_HEAD_DIM, q.shape
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         causal = "bottom_right" if causal else None
         out, lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
-        no_keys = torch.from_numpy(np.repeat(k_lens == 0, q_lens))
-        lse[: len(no_keys)][no_keys] = float("inf")
+        lse[lse == -math.inf] = math.inf  # FlashAttention's answer for a query with no key
         return out, lse.t().contiguous(), None, None, None
 
     return stand_in
 
 
+@pytest.mark.parametrize(
+    "qk_dim, v_dim", [(32, 32), (12, 60), (13, 21)], ids=["v_narrower", "v_wider", "odd_widths"]
+)
 @pytest.mark.parametrize("budget", [None, 16])
 @pytest.mark.parametrize(
     "requests", [PREFILL, CHUNKED, MIXED, NINE], ids=["prefill", "chunked", "mixed", "nine"]
 )
-def test_flash_glue_with_a_stand_in_operator(monkeypatch, requests, budget):
-    """The FlashAttention backend's padded values, dropped padding, log-sum-exp layout and
-    merge across chunks of rows, with a stand-in for torch's operator."""
+def test_flash_glue_with_a_stand_in_operator(monkeypatch, requests, budget, qk_dim, v_dim):
+    """The FlashAttention backend's operands padded to one head size (a multiple of 8), the
+    padding dropped, its log-sum-exp layout and the merge across chunks of rows, with a
+    stand-in for torch's operator."""
     seen = []
     monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in(seen))
-    step, query, cache, weight, lengths = mha_step(requests, 3, seed=9)
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=9, qk_dim=qk_dim, v_dim=v_dim)
     got = mla_paged_mha_attention(
         query,
         cache,
@@ -400,6 +404,32 @@ def test_flash_ragged_check_names_what_is_wrong(monkeypatch, operator, problem):
     monkeypatch.setattr(mha_form.internals, "flash_attention_forward", operator)
     found = mha_form.ragged_check("flash", torch.device("cpu"))
     assert found is not None and problem in found, found
+
+
+def test_flash_gives_a_query_without_keys_zeros_and_a_log_sum_exp_of_minus_inf(monkeypatch):
+    """FlashAttention answers +inf for a query with no key (here the first of three queries on
+    two keys, bottom-right causal); the merge takes -inf as nothing."""
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
+    gen = torch.Generator().manual_seed(3)
+    q_lens, k_lens = np.array([3, 2]), np.array([2, 4])
+    q = torch.randn(5, 2, 24, generator=gen)
+    k, v = torch.randn(6, 2, 24, generator=gen), torch.randn(6, 2, 16, generator=gen)
+    causal = "bottom_right"
+    out, lse = mha_form.varlen_attention("flash", q, k, v, (q_lens, k_lens), causal, 0.5, True)
+    assert torch.equal(out[0], torch.zeros(2, 16))
+    assert torch.equal(lse[0], torch.full((2,), -math.inf))
+    want, want_lse = mha_form._torch_varlen(q, k, v, q_lens, k_lens, causal, 0.5)
+    torch.testing.assert_close(out[1:], want[1:])
+    torch.testing.assert_close(lse[1:], want_lse[1:])
+
+
+def test_flash_refuses_head_sizes_past_flashattentions_before_any_work(monkeypatch):
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
+    step, query, cache, weight, lengths = mha_step(PREFILL, 2, v_dim=300)
+    with pytest.raises(ValueError, match="the flash backend runs head sizes up to 256; .* 304"):
+        mla_paged_mha_attention(
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="flash", **lengths
+        )
 
 
 def test_ragged_check_refuses_a_backend_it_does_not_check():
