@@ -33,7 +33,9 @@ caller takes the safe path:
 - ``torch.ops.aten._flash_attention_forward``: FlashAttention-2's ragged attention (cumulative
   sequence lengths, one head size for query, key and value, causal mask aligned bottom-right
   where a sequence has more keys than queries), for the MHA form's ``flash`` backend
-  (:data:`flash_attention_forward`). Fallback: None (as for the cuDNN entry).
+  (:data:`flash_attention_forward`). Fallback: None (as for the cuDNN entry). torch can swap the
+  kernel behind it (``torch.nn.attention.activate_flash_attention_impl``); the MHA form checks
+  the one active at its first prefill step on each device.
 - ``torch.Tensor._version``: a tensor's in-place write counter, which tells whether host copies
   of a step's lengths are still current (:data:`tensor_version`). Fallback: a value equal to no
   other, so nothing is reused.
