@@ -3,8 +3,10 @@
 """The kernel breakdown of the MLA engine benchmark's decode step (``--profile-steps N``): N
 decode steps of an engine under ``torch.profiler`` (CUDA activity only), each synchronised before
 and after as the timed rounds' steps are; per kernel (by name) its time per step, calls per step
-and share of the GPU time, and the step's GPU time against its wall time (the host share,
-``1 - GPU / wall``).
+and share of the GPU time, the step's GPU time against its wall time (the host share,
+``1 - GPU / wall``), and the copies apart: every kernel whose full name says it copies (torch's
+``direct_copy_kernel`` inside a generic ``elementwise_kernel``, ``CatArrayBatchedCopy``, memcpy),
+their share of the GPU time and the largest of them, which a step should keep small.
 
 :func:`kernel_breakdown` and :func:`breakdown_lines` are pure functions of the profiler's events
 (anything with ``name`` and ``time_range.elapsed_us()``), so the tests check them on made-up
@@ -14,9 +16,30 @@ events; :func:`profile_decode_steps` runs the profiler and needs a GPU.
 import time
 from typing import Any, Dict, Iterable, List, Sequence
 
-__all__ = ["TOP_KERNELS", "breakdown_lines", "kernel_breakdown", "profile_decode_steps"]
+__all__ = [
+    "TOP_KERNELS",
+    "breakdown_lines",
+    "is_copy_kernel",
+    "kernel_breakdown",
+    "profile_decode_steps",
+]
 
 TOP_KERNELS = 12
+
+
+def is_copy_kernel(name: str) -> bool:
+    """Whether a GPU event's full name is a copy: its template arguments or name say ``copy``
+    (torch's copies run as ``elementwise_kernel<..., direct_copy_kernel_cuda ...>`` among other
+    elementwise work, so only the full name tells them apart) or ``memcpy``.
+
+    Args:
+        name: the profiler's kernel name, untruncated.
+
+    Returns:
+        bool: True for a copy.
+    """
+    lowered = name.lower()
+    return "copy" in lowered or "memcpy" in lowered
 
 
 def kernel_breakdown(
@@ -35,7 +58,9 @@ def kernel_breakdown(
         step), ``wall_ms_per_step``, ``host_share`` (``1 - gpu / wall``, floored at 0: streams
         may overlap), ``events_per_step``, ``kernels`` (the ``top`` names by time: ``name``,
         ``ms_per_step``, ``calls_per_step``, ``share`` of the GPU time) and
-        ``other_ms_per_step``.
+        ``other_ms_per_step``; ``copy_share`` (the copies' share of the GPU time, by
+        :func:`is_copy_kernel`) and ``largest_copy`` (the copy kernel with the largest share, as
+        a ``kernels`` entry, or None).
 
     Raises:
         ValueError: if ``steps`` or ``wall_seconds`` is not positive.
@@ -59,6 +84,16 @@ def kernel_breakdown(
         for name, (us, calls) in ranked[:top]
     ]
     gpu_ms, wall_ms = busy_us / steps / 1e3, wall_seconds / steps * 1e3
+    copies = [(name, entry) for name, entry in ranked if is_copy_kernel(name)]
+    largest_copy = None
+    if copies:
+        name, (us, calls) = copies[0]
+        largest_copy = {
+            "name": name,
+            "ms_per_step": us / steps / 1e3,
+            "calls_per_step": calls / steps,
+            "share": us / busy_us if busy_us else 0.0,
+        }
     return {
         "steps": steps,
         "gpu_ms_per_step": gpu_ms,
@@ -67,6 +102,8 @@ def kernel_breakdown(
         "events_per_step": sum(calls for _, calls in by_name.values()) / steps,
         "kernels": kernels,
         "other_ms_per_step": sum(us for _, (us, _) in ranked[top:]) / steps / 1e3,
+        "copy_share": sum(us for _, (us, _) in copies) / busy_us if busy_us else 0.0,
+        "largest_copy": largest_copy,
     }
 
 
@@ -96,6 +133,16 @@ def breakdown_lines(title: str, breakdown: Dict[str, Any], width: int = 72) -> L
         )
     if breakdown["other_ms_per_step"]:
         lines.append(f"  {'':6} {breakdown['other_ms_per_step']:8.3f} ms        (the others)")
+    largest = breakdown.get("largest_copy")
+    if largest is None:
+        lines.append("  copies: none")
+    else:
+        name = largest["name"]
+        name = name if len(name) <= width else name[: width - 3] + "..."
+        lines.append(
+            f"  copies: {breakdown['copy_share']:.1%} of the GPU time; the largest "
+            f"{largest['share']:.1%} x{largest['calls_per_step']:.0f}: {name}"
+        )
     return lines
 
 

@@ -53,3 +53,23 @@ def test_the_printed_breakdown():
     assert lines[1].split() == ["53.8%", "0.600", "ms", "x2", "_latent_attention..."]
     assert lines[2].split()[:2] == ["26.9%", "0.300"] and lines[2].endswith("gemm")
     assert lines[3].split() == ["0.215", "ms", "(the", "others)"]
+    # CatArrayBatchedCopy (200 us a step) and "copy" (10 us) are the copies.
+    assert lines[4] == "  copies: 18.8% of the GPU time; the largest 17.9% x1: CatArrayBatchedCopy"
+
+
+def test_copies_are_told_by_their_full_name():
+    direct = (
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+        "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>>"
+    )
+    gelu = "void at::native::elementwise_kernel<128, 2, at::native::GeluCUDAKernelImpl>"
+    events = [_event(direct, 40.0), _event(gelu, 100.0), _event("Memcpy HtoD (Pinned)", 10.0)]
+    events += [_event("gemm", 850.0)]
+    breakdown = profile_lib.kernel_breakdown(events, steps=1, wall_seconds=0.002, top=1)
+    assert [profile_lib.is_copy_kernel(e.name) for e in events] == [True, False, True, False]
+    assert breakdown["copy_share"] == pytest.approx(0.05)
+    assert breakdown["largest_copy"]["name"] == direct
+    assert breakdown["largest_copy"]["share"] == pytest.approx(0.04)
+    none = profile_lib.kernel_breakdown([_event("gemm", 1.0)], steps=1, wall_seconds=0.001)
+    assert none["largest_copy"] is None and none["copy_share"] == 0.0
+    assert profile_lib.breakdown_lines("t", none)[-1] == "  copies: none"
