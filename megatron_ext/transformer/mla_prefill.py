@@ -212,9 +212,9 @@ def _decide_fused(backend: str, index: int) -> bool:
         if usable:
             problem = mha_form.ragged_check(backend, torch.device("cuda", index))
             if problem is not None:
-                name = {"cudnn": "cuDNN", "flash": "FlashAttention"}[backend]
                 warnings.warn(
-                    f"megatron_ext: the MHA form does not use {name} on cuda:{index}: {problem}",
+                    f"megatron_ext: the MHA form does not use its {backend} backend on "
+                    f"cuda:{index}: {problem}",
                     stacklevel=3,
                 )
                 usable = False
@@ -222,23 +222,16 @@ def _decide_fused(backend: str, index: int) -> bool:
         return usable
 
 
-# Whether torch's scaled_dot_product_attention may use each backend now (the user's switches,
-# read on every call: they can change at run time).
-_SDPA_ENABLED = {
-    "cudnn": lambda: torch.backends.cuda.cudnn_sdp_enabled(),
-    "flash": lambda: torch.backends.cuda.flash_sdp_enabled(),
-}
-
-
 def _fused_usable(backend: str, device: torch.device) -> bool:
     """Whether torch's ragged ``backend`` entry (``"cudnn"`` or ``"flash"``) runs the MHA form on
     ``device``: decided once per device (the GPU generation and a check call that must run and
-    agree with plain torch), then whether torch's SDPA switch for it is on now."""
+    agree with plain torch), then whether torch's SDPA switch for it
+    (``torch.backends.cuda.<backend>_sdp_enabled``) is on now: the user's, read on every call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     usable = _DEVICE_SUPPORT.get((backend, index))
     if usable is None:
         usable = _decide_fused(backend, index)
-    return usable and _SDPA_ENABLED[backend]()
+    return usable and getattr(torch.backends.cuda, f"{backend}_sdp_enabled")()
 
 
 def _te_present() -> bool:
