@@ -221,12 +221,53 @@ def _to_device(array: np.ndarray, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def up_projections(
+    kv_up_weight: Tensor, heads: int, qk_dim: int, rope_dim: int, key_width: int, value_width: int
+) -> Tuple[Tensor, Tensor]:
+    """``linear_kv_up_proj``'s weight as two GEMM weights whose outputs are the keys and the
+    values in the attention's layout. The keys' GEMM reads whole cache rows (latent and RoPE
+    part): per head, W_UK's rows (zero on the RoPE columns), an identity that copies the row's
+    RoPE part, then zero rows to ``key_width``. The values' GEMM reads the latent part: per head,
+    W_UV's rows, then zero rows to ``value_width``.
+
+    The extra rows and columns cost GEMM work (at DeepSeek-V3's widths 320 output columns per head
+    where W_UK and W_UV have 256, 384 at FlashAttention's one head size) but no copy: the keys
+    and values come out packed at their final width, where concatenating the RoPE part, packing
+    the values and padding them took three copies of every row. The identity is exact: one
+    product by 1.0 and sums of zeros (TF32 GEMMs of fp32 inputs round the RoPE part as they
+    round the rest).
+
+    Args:
+        kv_up_weight: [heads * (qk + v), latent].
+        heads: the query heads.
+        qk_dim: the non-rotated key width per head.
+        rope_dim: the key's rotated width.
+        key_width: the keys' width per head (at least ``qk_dim + rope_dim``).
+        value_width: the values' width per head (at least ``v``).
+
+    Returns:
+        Tuple[Tensor, Tensor]: [heads * key_width, latent + rope] and
+        [heads * value_width, latent].
+    """
+    latent_dim = kv_up_weight.shape[1]
+    v_dim = kv_up_weight.shape[0] // heads - qk_dim
+    per_head = kv_up_weight.view(heads, qk_dim + v_dim, latent_dim)
+    keys = kv_up_weight.new_zeros(heads, key_width, latent_dim + rope_dim)
+    keys[:, :qk_dim, :latent_dim] = per_head[:, :qk_dim]
+    keys[:, qk_dim : qk_dim + rope_dim, latent_dim:] = torch.eye(
+        rope_dim, dtype=keys.dtype, device=keys.device
+    )
+    values = kv_up_weight.new_zeros(heads, value_width, latent_dim)
+    values[:, :v_dim] = per_head[:, qk_dim:]
+    return keys.view(-1, latent_dim + rope_dim), values.view(-1, latent_dim)
+
+
 def decompressed_keys_values(
     kv_cache: Tensor,
     block_table: Tensor,
     requests: Tensor,
     positions: Tensor,
-    kv_up_weight: Tensor,
+    up_weights: Tuple[Tensor, Tensor],
     heads: int,
     qk_dim: int,
     rope_dim: int,
@@ -237,16 +278,17 @@ def decompressed_keys_values(
         kv_cache: [blocks, block_size, latent + rope].
         block_table: [requests, max_blocks].
         requests, positions: [rows] the request and position of each row to read.
-        kv_up_weight: [heads * (qk + v), latent], ``linear_kv_up_proj``'s weight.
+        up_weights: the keys' and the values' GEMM weights from :func:`up_projections`.
         heads: the query heads.
         qk_dim: the non-rotated key width per head (``qk_head_dim``).
         rope_dim: the rotated columns at the end of each cache row.
 
     Returns:
-        Tuple[Tensor, Tensor]: keys [rows, heads, qk + rope] (``[k_nope | k_pe]``) and values
-        [rows, heads, v], both packed: ragged attention kernels address a sequence's rows from
-        the cumulative lengths times the packed row size in some releases (a strided view of the
-        decompressed rows would be read at the wrong places there).
+        Tuple[Tensor, Tensor]: keys [rows, heads, key width] (``[k_nope | k_pe | zeros]``) and
+        values [rows, heads, value width] (``[v | zeros]``), both packed: ragged attention
+        kernels address a sequence's rows from the cumulative lengths times the packed row size
+        in some releases (a strided view of the decompressed rows would be read at the wrong
+        places there).
     """
     blocks, block_size, width = kv_cache.shape
     latent_dim = width - rope_dim
@@ -255,10 +297,11 @@ def decompressed_keys_values(
     # bucket padding, which no query attends.
     ids = block_table[requests.long(), positions // block_size].long().clamp_(0, blocks - 1)
     rows = kv_cache[ids, positions % block_size]  # [rows, latent + rope]
-    kv = rows[:, :latent_dim] @ kv_up_weight.t()  # the decompression GEMM
-    kv = kv.view(rows.shape[0], heads, kv_up_weight.shape[0] // heads)
-    k_pe = rows[:, None, latent_dim:].expand(-1, heads, rope_dim)
-    return torch.cat([kv[..., :qk_dim], k_pe], dim=-1), kv[..., qk_dim:].contiguous()
+    # The decompression GEMMs. The zero rows' outputs are exact zeros for the finite rows a
+    # query attends (a non-finite padding row's can be anything: no query reads it).
+    keys = (rows @ up_weights[0].t()).view(rows.shape[0], heads, -1)
+    values = (rows[:, :latent_dim] @ up_weights[1].t()).view(rows.shape[0], heads, -1)
+    return keys, values
 
 
 # --------------------------------------------------------------------------------------------------
@@ -598,6 +641,19 @@ def _rows(parts: Sequence[Tuple[int, int, int]]) -> Tuple[np.ndarray, np.ndarray
     return np.concatenate(requests or [empty]), np.concatenate(positions or [empty])
 
 
+def _tokens(call: _Call) -> np.ndarray:
+    """The query tokens of an attention call, sequence after sequence."""
+    first, q_counts = (np.array(c, dtype=np.int64) for c in list(zip(*call.sequences))[:2])
+    return np.repeat(first, q_counts) + _within(q_counts)
+
+
+def _each_token_once(call_tokens: Sequence[Sequence[np.ndarray]], used: int) -> bool:
+    """Whether each of the ``used`` tokens is in exactly one call (per chunk, per call, its
+    tokens)."""
+    tokens = np.concatenate([t for chunk in call_tokens for t in chunk])
+    return len(tokens) == used and bool((np.bincount(tokens, minlength=used) == 1).all())
+
+
 def _segments(q_lens: np.ndarray, kv_lens: np.ndarray, budget: int) -> list:
     """Every row of the requests with new tokens, request after request, cut into chunks of at
     most ``budget`` rows: per chunk, its (request, first row, end row) segments."""
@@ -751,20 +807,36 @@ def mla_paged_mha_attention(
     tokens, heads, width = query.shape
     qk_dim = width - rope_dim
     used = int(q_lens.sum())
-    out = torch.zeros(tokens, heads, v_dim, dtype=query.dtype, device=query.device)
     if used == 0:
-        return out
+        return query.new_zeros(tokens, heads, v_dim)
     if backend == "te":
         budget = max(int(kv_lens.sum()), 1)
     # Fused backends plan per shape: each packed section and query set is padded to a bucket
     # (rows no query attends).
     size = bucket if backend in ("cudnn", "te") else int
     plan = _plan(q_lens, kv_lens, budget, backend in SPLIT_BACKENDS)
-    accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
-    acc_out = torch.zeros(used, heads, v_dim, dtype=accumulate, device=query.device)
-    acc_lse = torch.full((used, heads), -math.inf, dtype=torch.float32, device=query.device)
+    call_tokens = [[_tokens(call) for call in chunk.calls] for chunk in plan]
+    # Where every token is in one call (the whole step in one chunk, as a bottom-right backend
+    # runs it), each call's output is the tokens' answer: written straight into the result, with
+    # no accumulator and no merge (the merge with nothing gives the same bits).
+    direct = _each_token_once(call_tokens, used)
+    if backend == "te" and not direct:
+        raise RuntimeError(
+            "the te backend's plan put a token in two calls; it has nothing to merge"
+        )
+    out = query.new_empty(tokens, heads, v_dim) if direct else query.new_zeros(tokens, heads, v_dim)
+    out[used:] = 0
+    if not direct:
+        accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
+        acc_out = torch.zeros(used, heads, v_dim, dtype=accumulate, device=query.device)
+        acc_lse = torch.full((used, heads), -math.inf, dtype=torch.float32, device=query.device)
+    if backend == "flash":
+        key_width = value_width = flash_head_dim(width, v_dim)
+    else:
+        key_width, value_width = width, v_dim
+    up_weights = up_projections(kv_up_weight, heads, qk_dim, rope_dim, key_width, value_width)
     scale = float(softmax_scale)
-    for chunk in plan:
+    for chunk, tokens_of_calls in zip(plan, call_tokens):
         starts, index_parts = [], []
         for section_requests, section_positions in chunk.sections:
             rows = len(section_requests)
@@ -775,14 +847,13 @@ def mla_paged_mha_attention(
             index_parts.append(padded)
         index = _to_device(np.concatenate(index_parts, axis=1), query.device)
         keys, values = decompressed_keys_values(
-            kv_cache, block_table, index[0], index[1], kv_up_weight, heads, qk_dim, rope_dim
+            kv_cache, block_table, index[0], index[1], up_weights, heads, qk_dim, rope_dim
         )
-        for call in chunk.calls:
-            first, q_counts, k_counts = (np.array(c, dtype=np.int64) for c in zip(*call.sequences))
-            token_ids = np.repeat(first, q_counts) + _within(q_counts)
+        for call, token_ids in zip(chunk.calls, tokens_of_calls):
+            _, q_counts, k_counts = (np.array(c, dtype=np.int64) for c in zip(*call.sequences))
             n = len(token_ids)
             lo = int(token_ids[0])
-            # A run of consecutive tokens (the usual case) is read and merged through views:
+            # A run of consecutive tokens (the usual case) is read and written through views:
             # no gathered copies of the queries or of the accumulator.
             if np.array_equal(token_ids, np.arange(lo, lo + n)):
                 ids = slice(lo, lo + n)
@@ -801,12 +872,14 @@ def mla_paged_mha_attention(
                 (q_counts, k_counts),
                 call.causal,
                 scale,
-                backend != "te",
+                not direct,
             )
-            part = part[:n]
-            if part_lse is None:  # te: one call over each request's whole context
-                acc_out[ids] = part.to(accumulate)
+            # The flash backend's values carry zero columns past v_dim.
+            part = part[:n, :, :v_dim]
+            if direct:
+                out[ids] = part
                 continue
             acc_out[ids], acc_lse[ids] = _merge(acc_out[ids], acc_lse[ids], part, part_lse[:n])
-    out[:used] = acc_out.to(query.dtype)
+    if not direct:
+        out[:used] = acc_out.to(query.dtype)
     return out

@@ -539,6 +539,63 @@ def test_a_row_budget_bounds_the_rows_and_keeps_the_result(monkeypatch, backend,
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS + ("flash",))
+@pytest.mark.parametrize("requests", [PREFILL, MIXED], ids=["prefill", "mixed"])
+def test_writing_calls_straight_out_gives_the_merged_bits(monkeypatch, backend, requests):
+    """Where each token is in one call its output is written straight into the result; the
+    merge into an accumulator (forced here) gives the same bits, and only it merges."""
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
+    merges = []
+    merge = mha_form._merge
+    monkeypatch.setattr(mha_form, "_merge", lambda *a: merges.append(1) or merge(*a))
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=12)
+    call = dict(rope_dim=16, backend=backend, **lengths)
+    direct = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    # Top-left masks take a cached prefix and the new rows in two calls: their tokens merge.
+    assert bool(merges) == (backend == "torch" and requests is MIXED), merges
+    merges.clear()
+    monkeypatch.setattr(mha_form, "_each_token_once", lambda *a: False)
+    merged = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    assert merges, "the forced merge path did not merge"
+    assert torch.equal(
+        direct.view(torch.int32), merged.view(torch.int32)
+    ), f"the direct write moved bits against the merge: {(direct != merged).sum()} elements"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_up_projections_lay_keys_and_values_out_at_their_widths(dtype):
+    """Per head: W_UK's rows, an identity onto the RoPE part, zeros on; W_UV's rows, then zeros.
+    The decompressed rows are the GEMMs' results, with the cached RoPE part copied exactly."""
+    heads, qk, rope, v, latent = 3, 5, 4, 6, 7
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(heads * (qk + v), latent, generator=gen).to(dtype)
+    keys, values = mha_form.up_projections(weight, heads, qk, rope, 16, 8)
+    per_head = weight.view(heads, qk + v, latent)
+    keys, values = keys.view(heads, 16, latent + rope), values.view(heads, 8, latent)
+    assert torch.equal(keys[:, :qk, :latent], per_head[:, :qk]) and not keys[:, :qk, latent:].any()
+    rope_rows = torch.zeros(rope, latent + rope, dtype=dtype)
+    rope_rows[:, latent:] = torch.eye(rope, dtype=dtype)
+    assert torch.equal(keys[:, qk : qk + rope], rope_rows.expand(heads, -1, -1))
+    assert not keys[:, qk + rope :].any()
+    assert torch.equal(values[:, :v], per_head[:, qk:]) and not values[:, v:].any()
+    cache = torch.randn(2, 4, latent + rope, generator=gen).to(dtype)
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    requests, positions = torch.zeros(6, dtype=torch.long), torch.arange(6)
+    up = mha_form.up_projections(weight, heads, qk, rope, qk + rope, v)
+    k, val = mha_form.decompressed_keys_values(
+        cache, table, requests, positions, up, heads, qk, rope
+    )
+    rows = cache[table[0].long()].reshape(-1, latent + rope)[:6]
+    assert k.is_contiguous() and val.is_contiguous()
+    # The RoPE part bit for bit: a product by 1.0 and sums of zeros.
+    assert torch.equal(k[..., qk:], rows[:, None, latent:].expand(-1, heads, rope))
+    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
+    expected_k = rows[:, :latent].double() @ per_head[:, :qk].double().reshape(-1, latent).t()
+    torch.testing.assert_close(k[..., :qk].double(), expected_k.view(6, heads, qk), **tol)
+    expected_v = rows[:, :latent].double() @ per_head[:, qk:].double().reshape(-1, latent).t()
+    torch.testing.assert_close(val.double(), expected_v.view(6, heads, v), **tol)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_budget_over_the_rows_is_the_unchunked_result_exactly(backend):
     step, query, cache, weight, lengths = mha_step(MIXED, 3, seed=8)
