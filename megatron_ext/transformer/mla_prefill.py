@@ -11,9 +11,9 @@ the cost model (:class:`CostModel`) finds cheapest.
 
 When the MHA form runs (each rule decided in one function):
 
-* the mode, :data:`MODE` (environment ``MEGATRON_EXT_MLA_MHA_FORM``): ``off`` (the default until
-  the GPU backends' speed and the cost model's rates are measured: always absorbed), ``auto`` (the
-  cost model decides) or ``force`` (every request of every prefill step in
+* the mode, :data:`MODE` (environment ``MEGATRON_EXT_MLA_MHA_FORM``): ``off`` (the default:
+  always absorbed, the form the engine's golden values are taken in; ``auto`` moves prefill
+  bits), ``auto`` (the cost model decides) or ``force`` (every request of every prefill step in
   the MHA form, the tests' switch; the plain-torch backend where no fused one runs);
 * the backend, :func:`backend_for` (override ``MEGATRON_EXT_MLA_MHA_BACKEND``): on CUDA in bf16 or
   fp16, torch's ragged FlashAttention where torch has it, its SDPA switch is on and a check call
@@ -41,7 +41,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_att
 __all__ = [
     "BACKEND",
     "COST_MODEL",
+    "COST_MODELS",
     "MODE",
     "CostModel",
     "MhaFormSplit",
@@ -112,31 +113,44 @@ class CostModel:
     absorbed form pays ``2 (c + r) + 2 c`` FLOPs per query-key pair (2176 at DeepSeek-V3's widths)
     and ``2 d c + 2 c v`` per query (W_UK into the query, W_UV after: 262144); the MHA form pays
     ``2 (d + r) + 2 v`` per pair (640) and ``2 c (d + v)`` per attended row (the decompression
-    GEMM: 262144), plus a fixed cost per layer (host planning, extra launches) and one per chunk
-    of attended rows past the first (the MHA form decompresses at most
-    :data:`~megatron_ext.fusions.mla_latent.mha_form.ROW_BUDGET` rows at a time; each chunk
-    adds a gather, a GEMM, up to three attention calls and their merges: counted as a fixed
-    time, since their work is what the FLOP terms already count). A request with
-    ``q`` new tokens and ``L`` rows has ``q (L - q) + q (q + 1) / 2`` pairs, so with equal rates
-    the MHA form wins once ``1536 * pairs > 262144 * (L - q)``: a chunk of more than ~171 tokens
-    behind any prefix, any prefill. The rates weigh each kind of FLOP.
+    GEMM: 262144). The MHA form's host time (its planning and launches, per layer and again per
+    chunk of attended rows past the first: it decompresses at most
+    :data:`~megatron_ext.fusions.mla_latent.mha_form.ROW_BUDGET` rows at a time) overlaps its GPU
+    work and the absorbed part's, so a step's attention costs the larger of the two. A request
+    with ``q`` new tokens and ``L`` rows has ``q (L - q) + q (q + 1) / 2`` pairs.
 
     Attributes:
         absorbed_flops: the absorbed kernel's attention FLOP/s.
-        mha_flops: the dense backend's attention FLOP/s.
-        gemm_flops: the decompression's and the absorption's GEMM FLOP/s.
-        mha_fixed_seconds: the MHA form's fixed cost per layer.
-        mha_chunk_seconds: the MHA form's fixed cost per extra chunk of rows.
+        mha_flops: the dense backend's attention FLOP/s (real FLOPs: 640 per pair and head).
+        gemm_flops: the absorbed form's absorption GEMMs' FLOP/s.
+        decompress_flops: the MHA form's decompression FLOP/s (262144 per row and head), its
+            copies included.
+        mha_fixed_seconds: the MHA form's host time per layer.
+        mha_chunk_seconds: the MHA form's host time per extra chunk of rows.
     """
 
     absorbed_flops: float = 170e12
-    mha_flops: float = 500e12
+    mha_flops: float = 220e12
     gemm_flops: float = 600e12
-    mha_fixed_seconds: float = 40e-6
-    mha_chunk_seconds: float = 20e-6
+    decompress_flops: float = 300e12
+    mha_fixed_seconds: float = 900e-6
+    mha_chunk_seconds: float = 600e-6
 
 
-COST_MODEL = CostModel()
+# Per backend. ``flash``: fitted to eager calls at 16 and 128 heads (prefills of 2 x 1536 to 8192
+# tokens, chunks of 1024 behind 0-32k rows; torch 2.11 on an H100 with the H100 machine's host):
+# its FlashAttention-2 kernel runs 220-255 TFLOP/s of real FLOPs at head size 192, and 0.85-1 ms
+# of host time per call (about 0.6 ms per extra chunk) bounds the small steps, so a 16-head
+# prefill of 2 x 1536 tokens stays absorbed (0.79 ms against 0.86) while one of 4096 takes the
+# MHA form (1.23 ms against 2.07). ``cudnn``: torch's ragged cuDNN entry rebuilds its cuDNN graph
+# on every call (62-174 ms measured on that H100), which this fixed cost keeps out of any step.
+# ``te``: not measured; cuDNN's fused-attention rate with the host cost of the shared planning.
+COST_MODELS: Dict[str, CostModel] = {
+    "flash": CostModel(),
+    "te": CostModel(mha_flops=500e12),
+    "cudnn": CostModel(mha_fixed_seconds=60e-3),
+}
+COST_MODEL = COST_MODELS["flash"]
 
 
 def absorbed_request_count(
@@ -168,16 +182,18 @@ def absorbed_request_count(
     )
     mha = heads * (
         pairs * (2 * (qk + rope) + 2 * v) / model.mha_flops
-        + rows * (2 * latent * (qk + v)) / model.gemm_flops
+        + rows * (2 * latent * (qk + v)) / model.decompress_flops
     )
     n = len(q)
-    # cost(s) = absorbed[:s].sum() + mha[s:].sum() + fixed + per extra chunk, if s < n
+    # cost(s) = max(absorbed[:s].sum() + mha[s:].sum(), the MHA form's host time: its fixed cost
+    # and one per extra chunk) if s < n: the host plans the MHA part while the GPU runs the
+    # absorbed part and the MHA part's earlier launches
     before = np.concatenate([[0.0], np.cumsum(absorbed)])
     after = np.concatenate([np.cumsum(mha[::-1])[::-1], [0.0]])
     mha_rows = np.concatenate([np.cumsum(np.where(q > 0, rows, 0.0)[::-1])[::-1], [0.0]])
     chunks = np.maximum(np.ceil(mha_rows / mha_form.ROW_BUDGET), 1.0)
-    fixed = model.mha_fixed_seconds + (chunks - 1) * model.mha_chunk_seconds
-    cost = before + after + np.where(np.arange(n + 1) < n, fixed, 0.0)
+    host = model.mha_fixed_seconds + (chunks - 1) * model.mha_chunk_seconds
+    cost = np.where(np.arange(n + 1) < n, np.maximum(before + after, host), before)
     best = n
     for s in range(n - 1, -1, -1):
         if cost[s] < cost[best]:
@@ -403,7 +419,9 @@ def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSpli
     split = (
         0
         if MODE == "force"
-        else absorbed_request_count(query_lengths, rows, heads, widths, COST_MODEL)
+        else absorbed_request_count(
+            query_lengths, rows, heads, widths, COST_MODELS.get(backend, COST_MODEL)
+        )
     )
     if split == len(query_lengths):
         return None

@@ -86,7 +86,7 @@ def test_forced_mha_form_generation_matches_float64(stack, monkeypatch, mha_call
 
 
 def test_the_default_mode_is_off():
-    """Off until the GPU backends and the cost model's rates are measured."""
+    """Off: the engine's golden values are taken in the absorbed form, which auto changes."""
     import os
 
     if "MEGATRON_EXT_MLA_MHA_FORM" in os.environ:
@@ -191,36 +191,68 @@ def test_step_lengths_are_read_once_per_step_and_follow_the_step(stack):
 
 
 def test_cost_model_split_points_at_deepseek_widths():
+    """The default (FlashAttention) rates pick the form that measured faster on the H100 where
+    the two differ by more than a tenth (eager calls of one layer's attention, ms)."""
+
     def split(q, kv, heads=128):
         return mla_prefill.absorbed_request_count(np.array(q), np.array(kv), heads, DEEPSEEK_WIDTHS)
 
-    # Decode-only: absorbed; prefills: MHA.
+    # Decode-only: absorbed.
     assert split([1] * 8, [4096] * 8) == 8
-    assert split([4096], [4096]) == 0
+    # 128 heads: prefills and long chunks in the MHA form (2 x 1536: 1.88 against 5.37; 4096:
+    # 3.96 against 14.5; 1024 behind 3072: 2.54 against 6.13; behind 32k: 17.4 against 49.4).
     assert split([1536, 1536], [1536, 1536]) == 0
-    # A long chunk behind a long prefix: MHA; a short one: absorbed (with the default rates the
-    # crossover is ~38 new tokens per request behind a long prefix).
+    assert split([4096], [4096]) == 0
+    assert split([1024], [1024 + 3072]) == 0
     assert split([1024], [1024 + 32768]) == 0
-    assert split([64], [64 + 32768]) == 0
-    assert split([16], [16 + 32768]) == 1
-    # Mixed: 8 decodes (first, as megatron-core orders them) absorbed, the chunk in MHA.
-    assert split([1] * 8 + [512], [2048] * 8 + [512 + 3072]) == 8
-    # A tiny step: the MHA form's fixed cost keeps it absorbed.
+    # 16 heads: the MHA form's host time keeps small steps absorbed (2 x 1536: 0.79 against
+    # 0.86; 1024 behind 3072: 0.86 against 0.95); long prefills take it (4096: 1.23 against
+    # 2.07; 8192: 3.28 against 7.01).
+    assert split([1536, 1536], [1536, 1536], heads=16) == 2
+    assert split([1024], [1024 + 3072], heads=16) == 1
+    assert split([4096], [4096], heads=16) == 0
+    assert split([8192], [8192], heads=16) == 0
+    # A short chunk behind a long prefix: decompressing the prefix does not pay.
+    assert split([64], [64 + 32768]) == 1
+    # Mixed: 8 decodes (first, as megatron-core orders them) absorbed; the chunk in the MHA form
+    # at 128 heads (0.78 against 1.36 for the whole step), absorbed at 16 (0.97 against 0.40).
+    assert split([1] * 8 + [512], [4096] * 8 + [512 + 1024]) == 8
+    assert split([1] * 8 + [512], [4096] * 8 + [512 + 1024], heads=16) == 9
+    # A tiny step: the MHA form's host time keeps it absorbed.
     assert split([9, 30, 17], [9, 30, 17], heads=4) == 3
 
 
-def test_cost_model_counts_a_launch_per_extra_chunk(monkeypatch):
-    """Past the row budget each chunk adds ``mha_chunk_seconds``: a cost that moves the split."""
+def test_cost_model_keeps_cudnn_out_of_every_step():
+    """torch's ragged cuDNN entry rebuilds its plan per call (tens of ms): never worth it."""
+    model = mla_prefill.COST_MODELS["cudnn"]
+    q, kv = np.array([8192]), np.array([8192])
+    assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, model) == 1
+    assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS) == 0
+
+
+def test_cost_model_counts_host_time_per_extra_chunk(monkeypatch):
+    """Past the row budget each chunk adds ``mha_chunk_seconds`` of host time: a cost that moves
+    the split."""
 
     def split(model, budget):
         monkeypatch.setattr(mha_form, "ROW_BUDGET", budget)
-        q, kv = np.array([64]), np.array([64 + 32768])
+        q, kv = np.array([1024]), np.array([1024 + 32768])
         return mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, model)
 
     cheap = mla_prefill.CostModel(mha_chunk_seconds=0.0)
     dear = mla_prefill.CostModel(mha_chunk_seconds=1e-3)
     assert split(cheap, 64) == split(dear, 2**20) == 0  # no chunk cost or a single chunk
-    assert split(dear, 64) == 1  # 514 chunks of 64 rows: absorbed
+    assert split(dear, 64) == 1  # 529 chunks of 64 rows: absorbed
+
+
+def test_cost_model_takes_the_slower_of_host_and_gpu():
+    """The MHA form's host time overlaps the GPU's work: a step whose GPU work outlasts it pays
+    none of it, one that does not pays it whole."""
+    q, kv = np.array([4096]), np.array([4096])
+    gpu_bound = mla_prefill.CostModel(mha_fixed_seconds=1e-3)  # GPU work here: ~4 ms at 128 heads
+    host_bound = mla_prefill.CostModel(mha_fixed_seconds=20e-3)
+    assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, gpu_bound) == 0
+    assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, host_bound) == 1
 
 
 def test_backend_rule(monkeypatch):
@@ -351,11 +383,12 @@ def test_backends_listed():
 
 @pytest.mark.gpu
 def test_gpu_auto_mha_form_generation_matches_float64_in_bf16(stack, monkeypatch, mha_calls):
-    """The auto mode on an H200 (cuDNN backend, cost model without its fixed cost, which keeps
-    4-head steps absorbed): DeepSeek-like widths, prompts chunked over a 256-token step budget,
-    the static bf16 bound."""
+    """The auto mode on the GPU (the backend the rule picks, cost models without host time,
+    which keeps 4-head steps absorbed): DeepSeek-like widths, prompts chunked over a 256-token
+    step budget, the static bf16 bound."""
     monkeypatch.setattr(mla_prefill, "MODE", "auto")
-    monkeypatch.setattr(mla_prefill, "COST_MODEL", mla_prefill.CostModel(mha_fixed_seconds=0.0))
+    free = mla_prefill.CostModel(mha_fixed_seconds=0.0, mha_chunk_seconds=0.0)
+    monkeypatch.setattr(mla_prefill, "COST_MODELS", {name: free for name in mha_form.BACKENDS})
     model = build_model(dict(DEEPSEEK_LIKE, max_sequence_length=1200), torch.bfloat16)
     requests = requests_for([900, 300, 40], 8, DEEPSEEK_LIKE["vocab_size"])
     engine, _, wrapper = build_mla_dynamic_engine(
