@@ -13,8 +13,9 @@ each with its tree first on ``PYTHONPATH``; a process times the RoPE drop-ins
 append at decode sizes, through import paths every
 revision has (``megatron_ext.fusions.fused_mla_yarn_rope_apply``,
 ``megatron_ext.fusions.mla_paged_latent_attention``,
-``megatron_ext.fusions.fused_mla_rope_cache_append``). Prints a table of the per-call medians over
-the rounds, new / old, and the worst row; exits 2 without a GPU.
+``megatron_ext.fusions.fused_mla_rope_cache_append``). Prints a table of each call's fastest host
+time (each process's fastest round, the fastest process's), new / old, and the worst row;
+exits 2 without a GPU.
 """
 
 import argparse
@@ -93,18 +94,18 @@ def _latent_calls() -> Dict[str, float]:
     return results
 
 
-# Rounds of one tree whose medians differ by more than this share of their median: the machine
+# Rounds of one tree whose values differ by more than this share of their median: the machine
 # was not quiet (another process on its CPUs or GPU), and the row's ratio is not a measurement.
 NOISY_SPREAD = 0.10
 
 
 def _spread(values: Sequence[float]) -> float:
-    """(largest - smallest) / median of one tree's per-round medians (0 for one round)."""
+    """(largest - smallest) / median of one tree's per-round values (0 for one round)."""
     return (max(values) - min(values)) / statistics.median(values)
 
 
 def summarise(runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, object]]:
-    """Per call: the median host us of each tree over its runs, new / old, and how far each
+    """Per call: the fastest host us of each tree over its runs, new / old, and how far each
     tree's rounds disagree.
 
     Args:
@@ -118,7 +119,7 @@ def summarise(runs: Dict[str, List[Dict[str, float]]]) -> List[Dict[str, object]
     for call in runs["new"][0]:
         olds = [run[call] for run in runs["old"] if call in run]
         news = [run[call] for run in runs["new"]]
-        old, new = statistics.median(olds), statistics.median(news)
+        old, new = min(olds), min(news)
         spread = max(_spread(olds), _spread(news))
         rows.append({"call": call, "old": old, "new": new, "ratio": new / old, "spread": spread})
     return rows
