@@ -30,6 +30,10 @@ caller takes the safe path:
   attention with separate query/key and value head sizes, for the MHA form of MLA's prefill
   (:data:`cudnn_attention_forward`). Fallback: None (that backend is unavailable and the step
   takes another, ultimately the absorbed Triton kernel).
+- ``torch.ops.aten._scaled_dot_product_cudnn_attention``: cuDNN's dense attention (top-left
+  causal, separate query/key and value head sizes, plans kept by shape), for the MHA form's
+  ``cudnn-dense`` backend (:data:`cudnn_dense_attention_forward`). Fallback: None (as for the
+  cuDNN entry).
 - ``torch.ops.aten._flash_attention_forward``: FlashAttention-2's ragged attention (cumulative
   sequence lengths, one head size for query, key and value, causal mask aligned bottom-right
   where a sequence has more keys than queries), for the MHA form's ``flash`` backend
@@ -529,6 +533,13 @@ cudnn_attention_forward = _aten_op("_cudnn_attention_forward")
 # Its causal mask is FlashAttention's, aligned bottom-right in each sequence; query, key and value
 # share one head size. Unlike the cuDNN entry it builds no execution plan per call.
 flash_attention_forward = _aten_op("_flash_attention_forward")
+
+# torch's cuDNN attention over dense ``[batch, heads, length, head size]`` tensors: ``(query, key,
+# value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale)`` ->
+# (output, logsumexp, ...). Its causal mask is aligned top-left; query/key and value head sizes may
+# differ. torch keeps its cuDNN execution plans by shape (unlike the ragged entry's), so a shape
+# seen before costs no planning.
+cudnn_dense_attention_forward = _aten_op("_scaled_dot_product_cudnn_attention")
 
 
 class _NeverEqual:

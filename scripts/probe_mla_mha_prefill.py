@@ -185,6 +185,8 @@ def backends() -> List[str]:
     found = []
     if internals.flash_attention_forward is not None:
         found.append("flash")
+        if internals.cudnn_dense_attention_forward is not None:
+            found.append("cudnn-dense")
     if internals.cudnn_attention_forward is not None:
         found.append("cudnn")
     try:

@@ -20,7 +20,8 @@ When the MHA form runs (each rule decided in one function):
   on the (sm80+) device runs and agrees with plain torch, else Transformer Engine's fused
   attention where TE is installed, else torch's ragged cuDNN attention on the same terms
   (sm90+); otherwise (CPU, fp32, the Triton interpreter) none in ``auto`` mode, so CPU runs
-  stay absorbed;
+  stay absorbed. ``cudnn-dense`` (torch's dense cuDNN attention for the causal blocks) runs only
+  where the override names it, until its speed is measured;
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
   (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
   host. megatron-core 0.16 captures decode-only steps (and, with
@@ -145,10 +146,13 @@ class CostModel:
 # MHA form (1.23 ms against 2.07). ``cudnn``: torch's ragged cuDNN entry rebuilds its cuDNN graph
 # on every call (62-174 ms measured on that H100), which this fixed cost keeps out of any step.
 # ``te``: not measured; cuDNN's fused-attention rate with the host cost of the shared planning.
+# ``cudnn-dense`` (chosen only by name until measured): the rate torch's dense cuDNN attention ran
+# at on the H200 (537-572 TFLOP/s at 4096-8192 tokens and 128 heads), rounded down.
 COST_MODELS: Dict[str, CostModel] = {
     "flash": CostModel(),
     "te": CostModel(mha_flops=500e12),
     "cudnn": CostModel(mha_fixed_seconds=60e-3),
+    "cudnn-dense": CostModel(mha_flops=500e12),
 }
 COST_MODEL = COST_MODELS["flash"]
 
@@ -220,6 +224,14 @@ def _decide_fused(backend: str, index: int) -> bool:
                 and torch.backends.cudnn.is_available()
                 and torch.cuda.get_device_capability(index) >= (9, 0)
             )
+        elif backend == "cudnn-dense":
+            # Its unmasked calls take FlashAttention's entry.
+            usable = (
+                internals.cudnn_dense_attention_forward is not None
+                and internals.flash_attention_forward is not None
+                and torch.backends.cudnn.is_available()
+                and torch.cuda.get_device_capability(index) >= (8, 0)
+            )
         else:
             usable = (
                 internals.flash_attention_forward is not None
@@ -239,15 +251,17 @@ def _decide_fused(backend: str, index: int) -> bool:
 
 
 def _fused_usable(backend: str, device: torch.device) -> bool:
-    """Whether torch's ragged ``backend`` entry (``"cudnn"`` or ``"flash"``) runs the MHA form on
+    """Whether torch's ``backend`` entry (one of
+    :data:`~megatron_ext.fusions.mla_latent.mha_form.CHECKED_BACKENDS`) runs the MHA form on
     ``device``: decided once per device (the GPU generation and a check call that must run and
-    agree with plain torch), then whether torch's SDPA switch for it
-    (``torch.backends.cuda.<backend>_sdp_enabled``) is on now: the user's, read on every call."""
+    agree with plain torch), then whether torch's SDPA switches for the entries it calls
+    (``torch.backends.cuda.<name>_sdp_enabled``) are on now: the user's, read on every call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     usable = _DEVICE_SUPPORT.get((backend, index))
     if usable is None:
         usable = _decide_fused(backend, index)
-    return usable and getattr(torch.backends.cuda, f"{backend}_sdp_enabled")()
+    switches = ("cudnn", "flash") if backend == "cudnn-dense" else (backend,)
+    return usable and all(getattr(torch.backends.cuda, f"{s}_sdp_enabled")() for s in switches)
 
 
 def _te_present() -> bool:
@@ -294,7 +308,7 @@ def backend_for(
             return False
         if backend == "te":
             return _te_present()
-        if backend == "flash" and (head_dim or 0) > mha_form.FLASH_MAX_HEAD_DIM:
+        if backend in ("flash", "cudnn-dense") and (head_dim or 0) > mha_form.FLASH_MAX_HEAD_DIM:
             return False
         return _fused_usable(backend, device)
 

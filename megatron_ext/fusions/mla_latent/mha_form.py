@@ -27,6 +27,14 @@ results are merged by their log-sum-exps. Backends (:data:`BACKENDS`):
   release and the GPU run it at all is checked once per device (:func:`ragged_check`). Some
   torch releases build the ragged call's cuDNN graph anew on every call without keeping it
   (tens of milliseconds a call), which makes this backend slower than the absorbed form there.
+* ``cudnn-dense``: the same top-left plan, its causal (square) calls through torch's dense cuDNN
+  attention (:data:`megatron_ext.internals.cudnn_dense_attention_forward`), whose plans torch
+  keeps by shape: the sequences of a call batched by length, each padded with zero rows to its
+  length's bucket (a query attends only keys at or before its own position, so the padding is
+  seen only by padding), the batch to its bucket with empty sequences; sequences of one length
+  laid out back to back go in as views. Its unmasked calls (a cached prefix) go to the ``flash``
+  backend's entry, where the mask alignment does not matter. Query/key and value head sizes stay
+  apart (640 FLOPs per pair). Checked once per device as ``cudnn`` is.
 * ``flash``: torch's FlashAttention-2 entry
   (:data:`megatron_ext.internals.flash_attention_forward`), packed with cumulative lengths, its
   causal mask aligned bottom-right: one call per chunk of rows over the requests' cached and
@@ -79,13 +87,13 @@ __all__ = [
 
 # Backends whose causal mask is top-left (a cached prefix is attended in a second call) and those
 # with a bottom-right mask (a request's cached and new rows in one call).
-SPLIT_BACKENDS = ("cudnn", "torch")
+SPLIT_BACKENDS = ("cudnn", "cudnn-dense", "torch")
 WHOLE_BACKENDS = ("te", "flash", "torch-bottom-right")
 # FlashAttention-2's largest head size.
 FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.
-CHECKED_BACKENDS = {"cudnn": "top_left", "flash": "bottom_right"}
+CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "top_left", "flash": "bottom_right"}
 BACKENDS = SPLIT_BACKENDS + WHOLE_BACKENDS
 
 
@@ -171,9 +179,10 @@ def check_mha_call(
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if backend == "flash" and flash_head_dim(width, v_dim) > FLASH_MAX_HEAD_DIM:
+    if backend in ("flash", "cudnn-dense") and flash_head_dim(width, v_dim) > FLASH_MAX_HEAD_DIM:
         raise ValueError(
-            f"the flash backend runs head sizes up to {FLASH_MAX_HEAD_DIM}; query/key width "
+            f"the {backend} backend runs FlashAttention's head sizes, up to "
+            f"{FLASH_MAX_HEAD_DIM}; query/key width "
             f"{width} and value width {v_dim} need {flash_head_dim(width, v_dim)}"
         )
     q_lens = _lengths("query_lengths", query_lengths)
@@ -382,6 +391,67 @@ def _cudnn_varlen(
     return out, lse.float()
 
 
+def _cudnn_dense(
+    q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """torch's dense cuDNN attention of packed square causal sequences (query and key lengths
+    equal, so top-left is bottom-right), one call per bucket of lengths.
+
+    Args:
+        q, k, v: [tokens, heads, qk], [tokens, heads, qk], [tokens, heads, v]: sequence ``i``'s
+            rows follow the earlier sequences' in each (rows past the lengths are ignored).
+        lengths: the sequences' lengths (host).
+        scale: the softmax scale.
+        want_lse: also return the log-sum-exps.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 or None
+        (zeros and -inf past the lengths).
+    """
+    tokens, heads = q.shape[:2]
+    out = q.new_zeros(tokens, heads, v.shape[-1])
+    lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    starts = np.cumsum(lengths) - lengths
+    buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
+    for length in np.unique(buckets[lengths > 0]).tolist():
+        members = np.flatnonzero((buckets == length) & (lengths > 0))
+        count, sizes = len(members), lengths[members]
+        batch = bucket(count, minimum=1)
+        within = _within(sizes)
+        src = np.repeat(starts[members], sizes) + within
+        first = int(src[0])
+        if batch == count and (sizes == length).all() and src[-1] == first + count * length - 1:
+            # Back to back and full: views of the packed rows, no copies.
+            rows = slice(first, first + count * length)
+            qd, kd, vd = (x[rows].view(count, length, heads, -1) for x in (q, k, v))
+        else:
+            dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
+            index = _to_device(np.stack([src, dst]), q.device).long()
+            rows, padded = index[0], index[1]
+            qd, kd, vd = (x.new_zeros(batch * length, heads, x.shape[-1]) for x in (q, k, v))
+            for dense, packed in ((qd, q), (kd, k), (vd, v)):
+                dense[padded] = packed[rows]
+            qd, kd, vd = (x.view(batch, length, heads, -1) for x in (qd, kd, vd))
+        result = internals.cudnn_dense_attention_forward(
+            qd.transpose(1, 2),
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            None,
+            want_lse,
+            0.0,
+            True,
+            False,
+            scale=scale,
+        )
+        dense_out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
+        out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
+        if want_lse:
+            # [batch, heads, length] (or with a trailing 1) as torch returns it.
+            dense_lse = result[1].reshape(-1, heads, length).transpose(1, 2).reshape(-1, heads)
+            lse[rows] = (dense_lse if isinstance(rows, slice) else dense_lse[padded]).float()
+    return out, (lse if want_lse else None)
+
+
 def flash_head_dim(qk: int, v: int) -> int:
     """The one head size the ``flash`` backend runs query/key width ``qk`` and value width ``v``
     at: the larger, rounded up to FlashAttention's multiple of 8 (zero columns change neither the
@@ -481,8 +551,8 @@ def varlen_attention(
         backend: one of :data:`BACKENDS`.
         q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v].
         lengths: host query and key lengths per request.
-        causal: None, ``"top_left"`` (``cudnn``, ``torch``) or ``"bottom_right"`` (``te``,
-            ``flash``, ``torch-bottom-right``).
+        causal: None, ``"top_left"`` (``cudnn``, ``cudnn-dense``: square sequences only,
+            ``torch``) or ``"bottom_right"`` (``te``, ``flash``, ``torch-bottom-right``).
         scale: the softmax scale.
         want_lse: also return the natural log-sum-exp of each query's scaled logits (split
             backends only).
@@ -495,6 +565,16 @@ def varlen_attention(
     if backend in ("torch", "torch-bottom-right"):
         out, lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
+    if backend == "cudnn-dense":
+        if causal is not None:
+            if not np.array_equal(q_lens, k_lens):
+                raise ValueError(
+                    "the cudnn-dense backend masks square sequences only; got query lengths "
+                    f"{q_lens.tolist()} and key lengths {k_lens.tolist()}"
+                )
+            return _cudnn_dense(q, k, v, q_lens, scale, want_lse)
+        # Unmasked: no mask to align, so FlashAttention's entry takes it.
+        backend = "flash"
     requests = max(len(q_lens), 1)
     if backend == "cudnn" and requests > 1 and empty_sequences_supported():
         requests = bucket(requests, minimum=1)
@@ -535,7 +615,8 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
 
     Two small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
     DeepSeek-V3's widths, nine short sequences: a causal call in the backend's alignment, square
-    blocks for ``cudnn`` and two cached rows before the new ones for ``flash``, and an unmasked
+    blocks for ``cudnn`` and ``cudnn-dense``, two cached rows before the new ones for ``flash``,
+    and an unmasked
     one), compared with the plain-torch backend. torch releases and GPUs differ in what the
     operators take (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
     GPUs before Hopper have no ragged cuDNN attention, before Ampere no FlashAttention), and a
@@ -544,13 +625,17 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
     host): call it outside capture, once per device.
 
     Args:
-        backend: ``"cudnn"`` or ``"flash"``.
+        backend: one of :data:`CHECKED_BACKENDS`.
         device: where to run the two calls.
 
     Returns:
         Optional[str]: None where both calls ran and agreed; otherwise what went wrong.
     """
-    names = {"cudnn": "torch's ragged cuDNN attention", "flash": "torch's ragged FlashAttention"}
+    names = {
+        "cudnn": "torch's ragged cuDNN attention",
+        "cudnn-dense": "torch's dense cuDNN attention (unmasked: its ragged FlashAttention)",
+        "flash": "torch's ragged FlashAttention",
+    }
     if backend not in CHECKED_BACKENDS:
         raise ValueError(f"backend must be one of {tuple(CHECKED_BACKENDS)}; got {backend!r}")
     name, mask = names[backend], CHECKED_BACKENDS[backend]
@@ -567,7 +652,7 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
         k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
         try:
             out, lse = varlen_attention(backend, q, k, v, (q_lens, k_lens), causal, scale, True)
-        except RuntimeError as error:
+        except (RuntimeError, TypeError) as error:  # refused, or another operator signature
             return f"{name} refused a {causal or 'unmasked'} call: {error}"
         want, want_lse = _torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         gap = (out.float() - want.float()).abs().max().item()

@@ -315,6 +315,9 @@ def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):
         ("flash", (8, 0), None, True),
         ("flash", (9, 0), "it disagreed", False),
         ("flash", (7, 5), None, False),
+        ("cudnn-dense", (8, 0), None, True),
+        ("cudnn-dense", (9, 0), "it disagreed", False),
+        ("cudnn-dense", (7, 5), None, False),
     ],
     ids=[
         "cudnn_hopper",
@@ -323,6 +326,9 @@ def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):
         "flash_ampere",
         "flash_check_fails",
         "flash_turing",
+        "cudnn_dense_ampere",
+        "cudnn_dense_check_fails",
+        "cudnn_dense_turing",
     ],
 )
 def test_a_fused_backend_is_used_where_the_gpu_takes_it_and_its_check_passes(
@@ -341,6 +347,7 @@ def test_a_fused_backend_is_used_where_the_gpu_takes_it_and_its_check_passes(
     monkeypatch.setattr(mla_prefill, "_DEVICE_SUPPORT", {})
     monkeypatch.setattr(mla_prefill.internals, "cudnn_attention_forward", object())
     monkeypatch.setattr(mla_prefill.internals, "flash_attention_forward", object())
+    monkeypatch.setattr(mla_prefill.internals, "cudnn_dense_attention_forward", object())
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: switch["on"])
     monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: switch["on"])
@@ -363,6 +370,18 @@ def test_a_fused_backend_is_used_where_the_gpu_takes_it_and_its_check_passes(
     )
 
 
+@pytest.mark.parametrize("off", ["cudnn", "flash"])
+def test_the_dense_cudnn_backend_needs_both_sdpa_switches(monkeypatch, off):
+    """Its causal blocks run cuDNN's entry and its unmasked calls FlashAttention's: either
+    switch off, and it is not used."""
+    monkeypatch.setattr(mla_prefill, "_DEVICE_SUPPORT", {("cudnn-dense", 0): True})
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: off != "cudnn")
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: off != "flash")
+    assert mla_prefill._fused_usable("cudnn-dense", torch.device("cuda", 0)) is False
+    monkeypatch.setattr(torch.backends.cuda, f"{off}_sdp_enabled", lambda: True)
+    assert mla_prefill._fused_usable("cudnn-dense", torch.device("cuda", 0)) is True
+
+
 def test_capturing_stream_counts_as_graphed(monkeypatch):
     class Context:
         def using_cuda_graph_this_step(self):
@@ -375,7 +394,14 @@ def test_capturing_stream_counts_as_graphed(monkeypatch):
 
 
 def test_backends_listed():
-    assert set(mha_form.BACKENDS) == {"cudnn", "flash", "te", "torch", "torch-bottom-right"}
+    assert set(mha_form.BACKENDS) == {
+        "cudnn",
+        "cudnn-dense",
+        "flash",
+        "te",
+        "torch",
+        "torch-bottom-right",
+    }
 
 
 # ------------------------------------------------------------------------------- GPU

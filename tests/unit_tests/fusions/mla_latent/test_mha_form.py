@@ -336,6 +336,100 @@ def _flash_stand_in(seen):
     return stand_in
 
 
+def _matches_float64(requests, backend, budget, seed, **widths) -> dict:
+    """Run a 3-head step of ``requests`` through ``backend`` (stand-ins in place) and check it
+    against the float64 reference; return the step's host lengths."""
+    step, query, cache, weight, lengths = mha_step(requests, 3, seed=seed, **widths)
+    got = mla_paged_mha_attention(
+        query,
+        cache,
+        step.block_table,
+        weight,
+        SCALE,
+        rope_dim=16,
+        backend=backend,
+        row_budget=budget,
+        **lengths,
+    )
+    expected = reference(step, query, cache, weight, lengths)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    return lengths
+
+
+def _cudnn_dense_stand_in(seen):
+    """A stand-in for torch's dense cuDNN operator (its contract: [batch, heads, length, width],
+    top-left causal, log-sum-exp as [batch, heads, length]) that records each call's shapes and
+    storage."""
+
+    def stand_in(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
+        assert bias is None and dropout == 0.0 and causal and not debug
+        batch, heads, length, _ = q.shape
+        assert k.shape[:3] == v.shape[:3] == (batch, heads, length)
+        seen.append((batch, length, q.untyped_storage().data_ptr()))
+        rows = torch.arange(length)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
+        scores = scores.masked_fill(rows[None, :] > rows[:, None], -math.inf)
+        lse = torch.logsumexp(scores, -1)
+        out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse[..., None]), v.double())
+        return out.to(q.dtype), lse.float()
+
+    return stand_in
+
+
+def _dense_backend(monkeypatch, seen=None, flash_seen=None):
+    """Stand-ins for both entries the ``cudnn-dense`` backend calls, recording into the lists."""
+    dense = _cudnn_dense_stand_in([] if seen is None else seen)
+    flash = _flash_stand_in([] if flash_seen is None else flash_seen)
+    monkeypatch.setattr(mha_form.internals, "cudnn_dense_attention_forward", dense)
+    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", flash)
+
+
+@pytest.mark.parametrize("budget", [None, 16])
+@pytest.mark.parametrize(
+    "requests", [PREFILL, CHUNKED, MIXED, NINE], ids=["prefill", "chunked", "mixed", "nine"]
+)
+def test_cudnn_dense_glue_with_stand_in_operators(monkeypatch, requests, budget):
+    """The dense cuDNN backend: causal blocks batched by length bucket (padded rows and empty
+    sequences), cached prefixes through FlashAttention's entry, merged; float64's result."""
+    seen, flash_seen = [], []
+    _dense_backend(monkeypatch, seen, flash_seen)
+    _matches_float64(requests, "cudnn-dense", budget, seed=13)
+    assert seen and all(length == bucket(length) and batch >= 1 for batch, length, _ in seen)
+    # A cached prefix (or, under a budget, rows of an earlier chunk) is attended unmasked,
+    # through FlashAttention's entry.
+    has_prefix = any(cached for cached, _ in requests)
+    assert bool(flash_seen) == has_prefix if budget is None else bool(flash_seen) >= has_prefix
+
+
+def test_cudnn_dense_takes_equal_back_to_back_prefills_as_views(monkeypatch):
+    """Two fresh prefills of one bucketed length: one dense call over views of the packed
+    rows (no padded copies); a third of another length gets its own call."""
+    seen = []
+    _dense_backend(monkeypatch, seen)
+    q = torch.randn(2 * 32 + 5, 2, 24, dtype=torch.float64)
+    k, v = torch.randn_like(q), torch.randn(q.shape[0], 2, 8, dtype=torch.float64)
+    lengths = np.array([32, 32, 5])
+    out, lse = mha_form.varlen_attention(
+        "cudnn-dense", q, k, v, (lengths, lengths), "top_left", 0.3, True
+    )
+    assert sorted((b, n) for b, n, _ in seen) == [(1, 16), (2, 32)]
+    views = [ptr for b, n, ptr in seen if n == 32]
+    assert views == [q.untyped_storage().data_ptr()]
+    want, want_lse = mha_form._torch_varlen(q, k, v, lengths, lengths, "top_left", 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_cudnn_dense_refuses_a_causal_call_that_is_not_square(monkeypatch):
+    _dense_backend(monkeypatch)
+    q = torch.randn(4, 2, 24, dtype=torch.float64)
+    k, v = torch.randn(6, 2, 24, dtype=torch.float64), torch.randn(6, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="square sequences only"):
+        mha_form.varlen_attention(
+            "cudnn-dense", q, k, v, (np.array([4]), np.array([6])), "top_left", 0.3, True
+        )
+
+
 @pytest.mark.parametrize(
     "qk_dim, v_dim", [(32, 32), (12, 60), (13, 21)], ids=["v_narrower", "v_wider", "odd_widths"]
 )
@@ -349,31 +443,37 @@ def test_flash_glue_with_a_stand_in_operator(monkeypatch, requests, budget, qk_d
     stand-in for torch's operator."""
     seen = []
     monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in(seen))
-    step, query, cache, weight, lengths = mha_step(requests, 3, seed=9, qk_dim=qk_dim, v_dim=v_dim)
-    got = mla_paged_mha_attention(
-        query,
-        cache,
-        step.block_table,
-        weight,
-        SCALE,
-        rope_dim=16,
-        backend="flash",
-        row_budget=budget,
-        **lengths,
-    )
-    expected = reference(step, query, cache, weight, lengths)
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    lengths = _matches_float64(requests, "flash", budget, seed=9, qk_dim=qk_dim, v_dim=v_dim)
     rows = sum(lengths["kv_lengths"][r] for r, q in enumerate(lengths["query_lengths"]) if q)
     # Sizes are not bucketed: one call over every attended row, or one per chunk and more.
     assert len(seen) == 1 if budget is None else len(seen) >= -(-rows // budget), seen
     assert sum(k[0] for _, k, _, _ in seen) >= rows
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+@pytest.mark.parametrize("backend", ["cudnn", "cudnn-dense", "flash"])
 def test_ragged_check_of_each_backend_passes_a_faithful_operator(monkeypatch, backend):
     monkeypatch.setattr(mha_form.internals, "cudnn_attention_forward", _cudnn_stand_in([]))
-    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
+    _dense_backend(monkeypatch)
     assert mha_form.ragged_check(backend, torch.device("cpu")) is None
+
+
+def test_dense_cudnn_check_names_a_mask_aligned_otherwise(monkeypatch):
+    """A dense operator that ignores the causal flag disagrees with plain torch: refused."""
+    _dense_backend(monkeypatch)
+    faithful = mha_form.internals.cudnn_dense_attention_forward
+
+    def unmasked(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
+        length = q.shape[2]
+        ones = torch.ones(length, length, dtype=torch.bool)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
+        lse = torch.logsumexp(scores.masked_fill(~ones, -math.inf), -1)
+        out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse[..., None]), v.double())
+        return out.to(q.dtype), lse.float()
+
+    assert faithful is not None
+    monkeypatch.setattr(mha_form.internals, "cudnn_dense_attention_forward", unmasked)
+    problem = mha_form.ragged_check("cudnn-dense", torch.device("cpu"))
+    assert problem is not None and "dense cuDNN" in problem and "top_left" in problem
 
 
 def _top_left_flash(*args, scale):
@@ -423,13 +523,18 @@ def test_flash_gives_a_query_without_keys_zeros_and_a_log_sum_exp_of_minus_inf(m
     torch.testing.assert_close(lse[1:], want_lse[1:])
 
 
-def test_flash_refuses_head_sizes_past_flashattentions_before_any_work(monkeypatch):
-    monkeypatch.setattr(mha_form.internals, "flash_attention_forward", _flash_stand_in([]))
-    step, query, cache, weight, lengths = mha_step(PREFILL, 2, v_dim=300)
-    with pytest.raises(ValueError, match="the flash backend runs head sizes up to 256; .* 304"):
+@pytest.mark.parametrize("backend", ["flash", "cudnn-dense"])
+def test_flash_refuses_head_sizes_past_flashattentions_before_any_work(monkeypatch, backend):
+    """The backends that call FlashAttention's entry (``cudnn-dense`` for its unmasked calls)."""
+    seen = []
+    _dense_backend(monkeypatch, seen, seen)
+    step, query, cache, weight, lengths = mha_step(CHUNKED, 2, v_dim=300)
+    message = f"the {backend} backend runs FlashAttention's head sizes, up to 256; .* 304"
+    with pytest.raises(ValueError, match=message):
         mla_paged_mha_attention(
-            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="flash", **lengths
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend=backend, **lengths
         )
+    assert seen == []
 
 
 def test_ragged_check_refuses_a_backend_it_does_not_check():
@@ -750,6 +855,8 @@ def _gpu_backends():
         backends.append("cudnn")
     if internals.flash_attention_forward is not None:
         backends.append("flash")
+        if internals.cudnn_dense_attention_forward is not None:
+            backends.append("cudnn-dense")
     try:
         import transformer_engine  # noqa: F401
 
@@ -760,7 +867,7 @@ def _gpu_backends():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cudnn", "flash", "te"])
+@pytest.mark.parametrize("backend", ["cudnn", "cudnn-dense", "flash", "te"])
 @pytest.mark.parametrize(
     "requests",
     [PREFILL, CHUNKED, MIXED, NINE, [(3072, 1024)], [(0, 1536), (0, 1536)]],
@@ -791,7 +898,7 @@ def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
     ids=["mixed", "chunk_behind_3k", "prefill_2x1536", "long_and_short"],
 )
 @pytest.mark.parametrize("budget", [16, 1024])
-@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+@pytest.mark.parametrize("backend", ["cudnn", "cudnn-dense", "flash"])
 def test_gpu_merging_backends_with_a_row_budget_match_float64_in_bf16(requests, budget, backend):
     """The backends that return log-sum-exps with a small budget: requests split across
     chunks, the new tokens' block too, partial results merged."""
@@ -824,3 +931,14 @@ def test_gpu_flash_ragged_check_passes_on_ampere_and_up():
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("FlashAttention-2 runs on sm80 and newer only")
     assert mha_form.ragged_check("flash", torch.device("cuda")) is None
+
+
+@pytest.mark.gpu
+def test_gpu_dense_cudnn_check_passes_on_ampere_and_up():
+    """Where torch has both entries and the GPU is sm80+, the dense cuDNN backend's check passes
+    (top-left causal, its log-sum-exp layout read right; unmasked calls through FlashAttention)."""
+    if internals.cudnn_dense_attention_forward is None or internals.flash_attention_forward is None:
+        pytest.skip("this torch lacks the dense cuDNN or the ragged FlashAttention operator")
+    if torch.cuda.get_device_capability() < (8, 0) or not torch.backends.cudnn.is_available():
+        pytest.skip("cuDNN's attention runs on sm80 and newer only")
+    assert mha_form.ragged_check("cudnn-dense", torch.device("cuda")) is None
