@@ -263,9 +263,7 @@ def up_projections(
     per_head = kv_up_weight.view(heads, qk_dim + v_dim, latent_dim)
     keys = kv_up_weight.new_zeros(heads, key_width, latent_dim + rope_dim)
     keys[:, :qk_dim, :latent_dim] = per_head[:, :qk_dim]
-    keys[:, qk_dim : qk_dim + rope_dim, latent_dim:] = torch.eye(
-        rope_dim, dtype=keys.dtype, device=keys.device
-    )
+    keys[:, qk_dim : qk_dim + rope_dim, latent_dim:].diagonal(dim1=1, dim2=2).fill_(1)
     values = kv_up_weight.new_zeros(heads, value_width, latent_dim)
     values[:, :v_dim] = per_head[:, qk_dim:]
     return keys.view(-1, latent_dim + rope_dim), values.view(-1, latent_dim)
@@ -274,8 +272,7 @@ def up_projections(
 def decompressed_keys_values(
     kv_cache: Tensor,
     block_table: Tensor,
-    requests: Tensor,
-    positions: Tensor,
+    rows: Tensor,
     up_weights: Tuple[Tensor, Tensor],
     heads: int,
     qk_dim: int,
@@ -286,7 +283,9 @@ def decompressed_keys_values(
     Args:
         kv_cache: [blocks, block_size, latent + rope].
         block_table: [requests, max_blocks].
-        requests, positions: [rows] the request and position of each row to read.
+        rows: [3, rows] int32 or int64: each row's request, block-table column and place in its
+            block (``position // block_size`` and ``position % block_size``, worked out on the
+            host where the positions are).
         up_weights: the keys' and the values' GEMM weights from :func:`up_projections`.
         heads: the query heads.
         qk_dim: the non-rotated key width per head (``qk_head_dim``).
@@ -299,17 +298,16 @@ def decompressed_keys_values(
         in some releases (a strided view of the decompressed rows would be read at the wrong
         places there).
     """
-    blocks, block_size, width = kv_cache.shape
-    latent_dim = width - rope_dim
-    positions = positions.long()
+    blocks = kv_cache.shape[0]
+    latent_dim = kv_cache.shape[2] - rope_dim
     # A block id outside the cache (the table's -1 padding) reads block 0: such rows are only
     # bucket padding, which no query attends.
-    ids = block_table[requests.long(), positions // block_size].long().clamp_(0, blocks - 1)
-    rows = kv_cache[ids, positions % block_size]  # [rows, latent + rope]
+    ids = block_table[rows[0], rows[1]].clamp_(0, blocks - 1)
+    cached = kv_cache[ids, rows[2]]  # [rows, latent + rope]
     # The decompression GEMMs. The zero rows' outputs are exact zeros for the finite rows a
     # query attends (a non-finite padding row's can be anything: no query reads it).
-    keys = (rows @ up_weights[0].t()).view(rows.shape[0], heads, -1)
-    values = (rows[:, :latent_dim] @ up_weights[1].t()).view(rows.shape[0], heads, -1)
+    keys = (cached @ up_weights[0].t()).view(cached.shape[0], heads, -1)
+    values = (cached[:, :latent_dim] @ up_weights[1].t()).view(cached.shape[0], heads, -1)
     return keys, values
 
 
@@ -468,10 +466,11 @@ def flash_head_dim(qk: int, v: int) -> int:
 
 
 def _flash_varlen(
-    q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, causal: bool, scale: float
-) -> Tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, causal: bool, scale: float, want_lse: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
     """torch's ragged FlashAttention-2 (causal: bottom-right), its operands zero-padded to one
-    head size (:func:`flash_head_dim`) and the padding dropped from the output."""
+    head size (:func:`flash_head_dim`) and the padding dropped from the output; the log-sum-exp
+    as [tokens, heads] where wanted (its layout checked either way)."""
     v_dim = v.shape[-1]
     width = flash_head_dim(q.shape[-1], v_dim)
     q, k, v = (
@@ -487,6 +486,8 @@ def _flash_varlen(
             f"FlashAttention's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = "
             f"{(q.shape[1], q.shape[0])}"
         )
+    if not want_lse:
+        return out[..., :v_dim], None
     # A query with no key gets +inf (and zeros): -inf is what the merge takes for "nothing".
     lse = lse.t().float()
     return out[..., :v_dim], lse.masked_fill(lse == math.inf, -math.inf)
@@ -534,6 +535,33 @@ def _te_varlen(q: Tensor, k: Tensor, v: Tensor, ragged: Ragged, scale: float) ->
     return out.view(q.shape[0], heads, v_dim)
 
 
+def _offsets_layout(backend: str, q_lens: np.ndarray) -> Tuple[int, int]:
+    """(sequences, index where the keys' offsets start) in a ragged call's offsets array."""
+    requests = max(len(q_lens), 1)
+    if backend == "cudnn" and requests > 1 and empty_sequences_supported():
+        requests = bucket(requests, minimum=1)
+    # The keys' offsets start on 16 bytes as the queries' do: the fused kernels may hand them to
+    # cuDNN as ragged offsets, whose descriptors assume it.
+    return requests, -(-(requests + 1) // 4) * 4
+
+
+def _ragged_offsets(backend: str, q_lens: np.ndarray, k_lens: np.ndarray) -> np.ndarray:
+    """A ragged call's cumulative query and key lengths in one host array (the keys' on 16
+    bytes, the whole a multiple of 16 bytes, so that arrays put end to end stay aligned)."""
+    requests, k_start = _offsets_layout(backend, q_lens)
+    offsets = np.zeros(2 * k_start, dtype=np.int64)
+    offsets[: requests + 1] = _cumulative(q_lens, requests)
+    offsets[k_start : k_start + requests + 1] = _cumulative(k_lens, requests)
+    return offsets
+
+
+def _needs_offsets(backend: str, causal: Optional[str]) -> bool:
+    """Whether a call of ``backend`` with mask ``causal`` takes cumulative lengths."""
+    if backend in ("torch", "torch-bottom-right"):
+        return False
+    return not (backend == "cudnn-dense" and causal is not None)
+
+
 def varlen_attention(
     backend: str,
     q: Tensor,
@@ -543,6 +571,7 @@ def varlen_attention(
     causal: Optional[str],
     scale: float,
     want_lse: bool,
+    cu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Ragged attention of packed sequences: request ``r``'s queries and keys follow the earlier
     requests' in ``q`` and in ``k``/``v`` (rows past the lengths are ignored).
@@ -556,6 +585,9 @@ def varlen_attention(
         scale: the softmax scale.
         want_lse: also return the natural log-sum-exp of each query's scaled logits (split
             backends only).
+        cu: the call's cumulative lengths already on the device (a copy of
+            ``_ragged_offsets(backend, *lengths)``, made with others in one transfer); None:
+            copied here.
 
     Returns:
         Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 (-inf for a
@@ -575,19 +607,12 @@ def varlen_attention(
             return _cudnn_dense(q, k, v, q_lens, scale, want_lse)
         # Unmasked: no mask to align, so FlashAttention's entry takes it.
         backend = "flash"
-    requests = max(len(q_lens), 1)
-    if backend == "cudnn" and requests > 1 and empty_sequences_supported():
-        requests = bucket(requests, minimum=1)
-    # Both offset arrays in one copy, the keys' starting on 16 bytes as the queries' does: the
-    # fused kernels may hand them to cuDNN as ragged offsets, whose descriptors assume it.
-    k_start = -(-(requests + 1) // 4) * 4
-    offsets = np.zeros(k_start + requests + 1, dtype=np.int64)
-    offsets[: requests + 1] = _cumulative(q_lens, requests)
-    offsets[k_start:] = _cumulative(k_lens, requests)
-    cu = _to_device(offsets, q.device)
+    if cu is None:
+        cu = _to_device(_ragged_offsets(backend, q_lens, k_lens), q.device)
+    requests, k_start = _offsets_layout(backend, q_lens)
     ragged = Ragged(
         cu[: requests + 1],
-        cu[k_start:],
+        cu[k_start : k_start + requests + 1],
         # At least 2: newer cuDNN releases take a single-query ragged call for a decode and
         # refuse it on some GPUs; the maximum only has to bound the lengths.
         bucket(int(q_lens.max(initial=1)), minimum=2),
@@ -596,7 +621,7 @@ def varlen_attention(
     if backend == "te":
         return _te_varlen(q, k, v, ragged, scale), None
     if backend == "flash":
-        out, lse = _flash_varlen(q, k, v, ragged, causal is not None, scale)
+        out, lse = _flash_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
     else:
         out, lse = _cudnn_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
     if want_lse:
@@ -910,7 +935,8 @@ def mla_paged_mha_attention(
             "the te backend's plan put a token in two calls; it has nothing to merge"
         )
     out = query.new_empty(tokens, heads, v_dim) if direct else query.new_zeros(tokens, heads, v_dim)
-    out[used:] = 0
+    if used < tokens:
+        out[used:] = 0
     if not direct:
         accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
         acc_out = torch.zeros(used, heads, v_dim, dtype=accumulate, device=query.device)
@@ -921,21 +947,42 @@ def mla_paged_mha_attention(
         key_width, value_width = width, v_dim
     up_weights = up_projections(kv_up_weight, heads, qk_dim, rope_dim, key_width, value_width)
     scale = float(softmax_scale)
+    block_size = kv_cache.shape[1]
     for chunk, tokens_of_calls in zip(plan, call_tokens):
         starts, index_parts = [], []
         for section_requests, section_positions in chunk.sections:
             rows = len(section_requests)
-            padded = np.zeros((2, size(rows) if rows else 0), dtype=np.int64)
+            padded = np.zeros((3, size(rows) if rows else 0), dtype=np.int64)
             padded[0, :rows] = section_requests
-            padded[1, :rows] = section_positions
+            padded[1, :rows] = section_positions // block_size
+            padded[2, :rows] = section_positions % block_size
             starts.append(sum(part.shape[1] for part in index_parts))
             index_parts.append(padded)
-        index = _to_device(np.concatenate(index_parts, axis=1), query.device)
+        index = np.concatenate(index_parts, axis=1)
+        # The rows' index and every call's cumulative lengths in one host-to-device copy.
+        lengths = [
+            tuple(np.array(c, dtype=np.int64) for c in list(zip(*call.sequences))[1:])
+            for call in chunk.calls
+        ]
+        host = [index.reshape(-1), np.zeros(-index.size % 4, dtype=np.int64)]
+        places = []
+        for call, (q_counts, k_counts) in zip(chunk.calls, lengths):
+            places.append(sum(len(part) for part in host))
+            if _needs_offsets(backend, call.causal):
+                host.append(_ragged_offsets(backend, q_counts, k_counts))
+        device_copy = _to_device(np.concatenate(host), query.device)
         keys, values = decompressed_keys_values(
-            kv_cache, block_table, index[0], index[1], up_weights, heads, qk_dim, rope_dim
+            kv_cache,
+            block_table,
+            device_copy[: index.size].view(3, -1),
+            up_weights,
+            heads,
+            qk_dim,
+            rope_dim,
         )
-        for call, token_ids in zip(chunk.calls, tokens_of_calls):
-            _, q_counts, k_counts = (np.array(c, dtype=np.int64) for c in zip(*call.sequences))
+        for call, token_ids, (q_counts, k_counts), place in zip(
+            chunk.calls, tokens_of_calls, lengths, places
+        ):
             n = len(token_ids)
             lo = int(token_ids[0])
             # A run of consecutive tokens (the usual case) is read and written through views:
@@ -958,6 +1005,7 @@ def mla_paged_mha_attention(
                 call.causal,
                 scale,
                 not direct,
+                device_copy[place:] if _needs_offsets(backend, call.causal) else None,
             )
             # The flash backend's values carry zero columns past v_dim.
             part = part[:n, :, :v_dim]

@@ -685,12 +685,11 @@ def test_up_projections_lay_keys_and_values_out_at_their_widths(dtype):
     assert torch.equal(values[:, :v], per_head[:, qk:]) and not values[:, v:].any()
     cache = torch.randn(2, 4, latent + rope, generator=gen).to(dtype)
     table = torch.tensor([[1, 0]], dtype=torch.int32)
-    requests, positions = torch.zeros(6, dtype=torch.long), torch.arange(6)
+    positions = torch.arange(6)
+    index = torch.stack([torch.zeros(6, dtype=torch.long), positions // 4, positions % 4])
     up = mha_form.up_projections(weight, heads, qk, rope, qk + rope, v)
-    k, val = mha_form.decompressed_keys_values(
-        cache, table, requests, positions, up, heads, qk, rope
-    )
-    rows = cache[table[0].long()].reshape(-1, latent + rope)[:6]
+    k, val = mha_form.decompressed_keys_values(cache, table, index.int(), up, heads, qk, rope)
+    rows = cache[table[0].long()].reshape(-1, latent + rope)[:6]  # block 1's rows, then block 0's
     assert k.is_contiguous() and val.is_contiguous()
     # The RoPE part bit for bit: a product by 1.0 and sums of zeros.
     assert torch.equal(k[..., qk:], rows[:, None, latent:].expand(-1, heads, rope))
