@@ -180,23 +180,9 @@ def flops(s: Dict, form: str, split: int = 0) -> float:
 
 
 def backends() -> List[str]:
-    from megatron_ext import internals
+    from megatron_ext.fusions.mla_latent.mha_backends import present_backends
 
-    found = []
-    if internals.flash_attention_forward is not None:
-        found.append("flash")
-        if internals.cudnn_dense_attention_forward is not None:
-            found.append("cudnn-dense")
-    if internals.cudnn_attention_forward is not None:
-        found.append("cudnn")
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-
-        found.append("te")
-    except Exception:  # noqa: BLE001
-        pass
-    found.append("torch")
-    return found
+    return list(present_backends()) + ["torch"]
 
 
 def _fmt(row: Dict, key: str, scale: float = 1.0, spec: str = "9.3f") -> str:

@@ -113,6 +113,8 @@ MLA_LATENT_ORDER = (
     "attention_plan",
     "attention",
     "rope_cache_append",
+    "mha_backends",
+    "mha_chunks",
     "mha_form",
 )
 # The former import paths: shims that re-export the package's names for outside code.
