@@ -339,7 +339,8 @@ def mla_paged_mha_attention(
         raise RuntimeError(
             "the te backend's plan put a token in two calls; it has nothing to merge"
         )
-    out = query.new_empty(tokens, heads, v_dim) if direct else query.new_zeros(tokens, heads, v_dim)
+    # Every used token's row is written below (straight, or from the accumulator).
+    out = query.new_empty(tokens, heads, v_dim)
     if used < tokens:
         out[used:] = 0
     if not direct:
