@@ -440,8 +440,7 @@ def varlen_attention(
 
 def present_backends() -> Tuple[str, ...]:
     """The fused backends whose operators this torch has (and ``te`` where Transformer Engine
-    imports), in the backend rule's order; whether one runs on a device is :func:`ragged_check`'s
-    to say.
+    imports); whether one runs on a device is :func:`ragged_check`'s to say.
 
     Returns:
         Tuple[str, ...]: a subset of ``("flash", "cudnn-dense", "te", "cudnn")``.
