@@ -217,26 +217,14 @@ def _decide_fused(backend: str, index: int) -> bool:
         usable = _DEVICE_SUPPORT.get((backend, index))
         if usable is not None:
             return usable
-        if backend == "cudnn":
-            # sm90 and newer, as torch's own nested-tensor rule for its ragged cuDNN attention.
-            usable = (
-                internals.cudnn_attention_forward is not None
-                and torch.backends.cudnn.is_available()
-                and torch.cuda.get_device_capability(index) >= (9, 0)
-            )
-        elif backend == "cudnn-dense":
-            # Its unmasked calls take FlashAttention's entry.
-            usable = (
-                internals.cudnn_dense_attention_forward is not None
-                and internals.flash_attention_forward is not None
-                and torch.backends.cudnn.is_available()
-                and torch.cuda.get_device_capability(index) >= (8, 0)
-            )
-        else:
-            usable = (
-                internals.flash_attention_forward is not None
-                and torch.cuda.get_device_capability(index) >= (8, 0)
-            )
+        # torch's ragged cuDNN attention needs sm90, as torch's own nested-tensor rule for it;
+        # FlashAttention and dense cuDNN (whose unmasked calls take FlashAttention's entry) sm80.
+        floor = (9, 0) if backend == "cudnn" else (8, 0)
+        usable = (
+            backend in mha_form.present_backends()
+            and (backend == "flash" or torch.backends.cudnn.is_available())
+            and torch.cuda.get_device_capability(index) >= floor
+        )
         if usable:
             problem = mha_form.ragged_check(backend, torch.device("cuda", index))
             if problem is not None:

@@ -212,7 +212,9 @@ def _cudnn_dense(
     """
     tokens, heads = q.shape[:2]
     out = q.new_zeros(tokens, heads, v.shape[-1])
-    lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    lse = None
+    if want_lse:
+        lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
     starts = np.cumsum(lengths) - lengths
     buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
     for length in np.unique(buckets[lengths > 0]).tolist():
@@ -247,11 +249,11 @@ def _cudnn_dense(
         )
         dense_out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
         out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
-        if want_lse:
+        if lse is not None:
             # [batch, heads, length] (or with a trailing 1) as torch returns it.
             dense_lse = result[1].reshape(-1, heads, length).transpose(1, 2).reshape(-1, heads)
             lse[rows] = (dense_lse if isinstance(rows, slice) else dense_lse[padded]).float()
-    return out, (lse if want_lse else None)
+    return out, lse
 
 
 def flash_head_dim(qk: int, v: int) -> int:

@@ -42,6 +42,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     empty_sequences_supported,
     flash_head_dim,
     needs_offsets,
+    present_backends,
     ragged_check,
     ragged_offsets,
     to_device,
@@ -67,6 +68,7 @@ __all__ = [
     "empty_sequences_supported",
     "flash_head_dim",
     "mla_paged_mha_attention",
+    "present_backends",
     "ragged_check",
     "up_projections",
     "varlen_attention",
@@ -396,7 +398,7 @@ def mla_paged_mha_attention(
             if np.array_equal(token_ids, np.arange(lo, lo + n)):
                 ids = slice(lo, lo + n)
             else:
-                ids = to_device(token_ids, query.device).long()
+                ids = to_device(token_ids, query.device)
             q = query[ids]
             if size(n) != n or not q.is_contiguous():
                 q = torch.cat([q, q.new_zeros(size(n) - n, heads, width)])

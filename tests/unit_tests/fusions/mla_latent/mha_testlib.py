@@ -216,10 +216,6 @@ def dense_backend(monkeypatch, seen=None, flash_seen=None):
     monkeypatch.setattr(mha_backends.internals, "flash_attention_forward", flash)
 
 
-def gpu_backends():
-    return mha_backends.present_backends()
-
-
 def assert_buckets(seen):
     """Every shape handed to the operator is a bucket."""
     for tokens, rows, entries, max_q, max_k in seen:

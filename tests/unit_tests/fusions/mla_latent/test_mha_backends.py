@@ -31,7 +31,6 @@ from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     deepseek_step,
     dense_backend,
     flash_stand_in,
-    gpu_backends,
     matches_float64,
     mha_step,
     reference,
@@ -370,7 +369,7 @@ def test_transformer_engine_glue_with_a_stand_in_module(monkeypatch, requests):
 )
 @pytest.mark.parametrize("heads", [16, 128])
 def test_gpu_fused_backends_match_float64_in_bf16(backend, requests, heads):
-    if backend not in gpu_backends():
+    if backend not in mha_backends.present_backends():
         pytest.skip(f"the {backend} backend is not available here")
     step, query, cache, weight, lengths = deepseek_step(requests, heads, torch.bfloat16)
     got = mla_paged_mha_attention(

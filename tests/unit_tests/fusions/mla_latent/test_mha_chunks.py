@@ -27,7 +27,6 @@ from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     cudnn_stand_in,
     deepseek_step,
     flash_stand_in,
-    gpu_backends,
     mha_step,
     reference,
 )
@@ -165,7 +164,7 @@ def test_merge_of_queries_without_keys():
 def test_gpu_merging_backends_with_a_row_budget_match_float64_in_bf16(requests, budget, backend):
     """The backends that return log-sum-exps with a small budget: requests split across
     chunks, the new tokens' block too, partial results merged."""
-    if backend not in gpu_backends():
+    if backend not in mha_backends.present_backends():
         pytest.skip(f"the {backend} backend is not available here")
     step, query, cache, weight, lengths = deepseek_step(requests, 16, torch.bfloat16)
     chunked = dict(rope_dim=64, backend=backend, row_budget=budget, **lengths)
