@@ -75,7 +75,8 @@ from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
-from megatron_ext.transformer.mla_prefill import backend_for
+from megatron_ext.fusions.mla_latent import mha_form
+from megatron_ext.transformer.mla_prefill import backend_for, dense_usable, fresh_only
 
 __all__ = ["main", "parse_args"]
 
@@ -292,7 +293,7 @@ def attention_row(
     step = cases.build_step(
         requests, heads, dtype=DTYPE, device=DEVICE, seed=len(requests) * 131 + heads
     )
-    mha = forms_lib.mha_step(step, heads, seed=heads) if forms else None
+    mha = forms_lib.mha_step(step, heads, seed=heads, backend=mha_backend()) if forms else None
     nbytes = cases.step_bytes(requests, heads)
     sets = _attention_sets(step, nbytes["minimum"])
 
@@ -354,8 +355,15 @@ def _mha_contenders(
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
     contenders = {}
     for name, split in splits.items():
-        call = functools.partial(forms_lib.run_split, step, mha, backend, split)
-        entry: Dict[str, Any] = {"split": split}
+        # The split contender is the dynamic path's step (its per-step backend); the whole step
+        # in the MHA form takes dense cuDNN by the same rule where every request is fresh.
+        call_backend = mha.backend if split == mha.split else backend
+        if split == 0 and MHA_BACKEND is None and fresh_only(mha.query_lengths, mha.kv_lengths):
+            head_dim = mha_form.flash_head_dim(mha.query.shape[-1], forms_lib.V_HEAD)
+            if dense_usable(backend, torch.device(DEVICE), head_dim):
+                call_backend = "cudnn-dense"
+        call = functools.partial(forms_lib.run_split, step, mha, call_backend, split)
+        entry: Dict[str, Any] = {"split": split, "backend": call_backend}
         try:
             out = call(*form_sets[0])
             call(*form_sets[min(1, len(form_sets) - 1)])  # cuDNN plans the shape on first use

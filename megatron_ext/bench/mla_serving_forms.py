@@ -22,8 +22,8 @@ import torch
 
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
-from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
-from megatron_ext.transformer.mla_prefill import absorbed_request_count
+from megatron_ext.fusions.mla_latent.mha_form import flash_head_dim, mla_paged_mha_attention
+from megatron_ext.transformer.mla_prefill import absorbed_request_count, step_split
 
 # DeepSeek-V3's per-head query/key (without RoPE) and value widths.
 QK_HEAD = 128
@@ -50,6 +50,7 @@ class MhaStep:
     kv_lengths: np.ndarray  # rows per request, the new ones included (host)
     split: int  # the cost model's leading absorbed requests (all of them: absorbed form)
     split_tokens: int  # the tokens of those requests
+    backend: Optional[str]  # the per-step rule's backend for the requests after the split
 
     @property
     def requests(self) -> int:
@@ -63,7 +64,9 @@ class MhaStep:
         return torch.einsum("thc,hvc->thv", latent_out.float(), w_uv.float())
 
 
-def mha_step(step: cases.PagedStep, heads: int, seed: int = 0) -> MhaStep:
+def mha_step(
+    step: cases.PagedStep, heads: int, seed: int = 0, backend: Optional[str] = None
+) -> MhaStep:
     """MHA-form operands for ``step``; rewrites ``step.query``'s latent part as ``q_nope``
     absorbed through W_UK (in float32, then rounded), so that both forms attend the same way.
 
@@ -71,6 +74,8 @@ def mha_step(step: cases.PagedStep, heads: int, seed: int = 0) -> MhaStep:
         step: the step (its query's RoPE part is kept).
         heads: query heads.
         seed: the random operands' seed.
+        backend: the rule's backend for the device (the split and the step's backend follow the
+            dynamic path's per-step rule); None: FlashAttention's rates, no backend.
 
     Returns:
         MhaStep: the operands, with the cost model's split.
@@ -90,8 +95,12 @@ def mha_step(step: cases.PagedStep, heads: int, seed: int = 0) -> MhaStep:
     q_lens = np.array([new for _, new in step.requests], dtype=np.int64)
     kv_lens = np.array([cached + new for cached, new in step.requests], dtype=np.int64)
     widths = (latent, step.rope, QK_HEAD, V_HEAD)
-    split = absorbed_request_count(q_lens, kv_lens, heads, widths)
-    return MhaStep(query, weight, q_lens, kv_lens, split, int(q_lens[:split].sum()))
+    if backend is None:
+        split = absorbed_request_count(q_lens, kv_lens, heads, widths)
+    else:
+        head_dim = flash_head_dim(QK_HEAD + step.rope, V_HEAD)
+        backend, split = step_split(q_lens, kv_lens, heads, widths, backend, device, head_dim)
+    return MhaStep(query, weight, q_lens, kv_lens, split, int(q_lens[:split].sum()), backend)
 
 
 def run_split(

@@ -20,8 +20,10 @@ When the MHA form runs (each rule decided in one function):
   on the (sm80+) device runs and agrees with plain torch, else Transformer Engine's fused
   attention where TE is installed, else torch's ragged cuDNN attention on the same terms
   (sm90+); otherwise (CPU, fp32, the Triton interpreter) none in ``auto`` mode, so CPU runs
-  stay absorbed. ``cudnn-dense`` (torch's dense cuDNN attention for the causal blocks) runs only
-  where the override names it, until its speed is measured;
+  stay absorbed. A step whose MHA-form requests are all fresh prefills takes ``cudnn-dense``
+  instead of ``flash`` (torch's dense cuDNN attention, batched by bucketed length: twice
+  FlashAttention-2's speed there) where it runs (:func:`dense_usable`); chunks stay on
+  ``flash`` (dense cuDNN masks top-left only, and would plan a new shape per prefix length);
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
   (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
   host. megatron-core 0.16 captures decode-only steps (and, with
@@ -61,11 +63,14 @@ __all__ = [
     "MhaFormSplit",
     "absorbed_request_count",
     "backend_for",
+    "dense_usable",
+    "fresh_only",
     "graphed_step",
     "mha_form_core",
     "mha_form_mode",
     "mha_form_split",
     "step_lengths",
+    "step_split",
 ]
 
 MODES = ("auto", "off", "force")
@@ -138,21 +143,22 @@ class CostModel:
     mha_chunk_seconds: float = 600e-6
 
 
-# Per backend. ``flash``: fitted to eager calls at 16 and 128 heads (prefills of 2 x 1536 to 8192
-# tokens, chunks of 1024 behind 0-32k rows; torch 2.11 on an H100 with the H100 machine's host):
-# its FlashAttention-2 kernel runs 220-255 TFLOP/s of real FLOPs at head size 192, and 0.85-1 ms
-# of host time per call (about 0.6 ms per extra chunk) bounds the small steps, so a 16-head
-# prefill of 2 x 1536 tokens stays absorbed (0.79 ms against 0.86) while one of 4096 takes the
-# MHA form (1.23 ms against 2.07). ``cudnn``: torch's ragged cuDNN entry rebuilds its cuDNN graph
-# on every call (62-174 ms measured on that H100), which this fixed cost keeps out of any step.
-# ``te``: not measured; cuDNN's fused-attention rate with the host cost of the shared planning.
-# ``cudnn-dense`` (chosen only by name until measured): the rate torch's dense cuDNN attention ran
-# at on the H200 (537-572 TFLOP/s at 4096-8192 tokens and 128 heads), rounded down.
+# Per backend, fitted to eager calls on an H100 (torch 2.11; 16 and 128 heads, prefills of
+# 2 x 1536 to 8192 tokens, chunks of 1024 behind 0-32k rows), the step's plan kept across layers
+# and the decompression weights kept across steps. ``flash``: FlashAttention-2 runs 220-255
+# TFLOP/s of real FLOPs at head size 192; the decompression GEMMs and the copy of the output out
+# of its padded value columns 270 TFLOP/s of decompression FLOPs; 0.31-0.46 ms of host time per
+# call. ``cudnn-dense`` (fresh prefills only: :func:`mha_form_split`): the dense cuDNN kernel
+# 455 TFLOP/s at 2 x 1536 tokens and 128 heads, its GEMMs (values at their own width) 440, 0.40-
+# 0.43 ms of host time per call. The cost of an extra chunk of rows (0.6 ms) was measured before
+# the plan was kept and is an upper bound. ``cudnn``: torch's ragged cuDNN entry rebuilds its
+# cuDNN graph on every call (62-174 ms measured on that H100), which this fixed cost keeps out of
+# any step. ``te``: not measured; cuDNN's fused-attention rate.
 COST_MODELS: Dict[str, CostModel] = {
-    "flash": CostModel(),
-    "te": CostModel(mha_flops=500e12),
+    "flash": CostModel(decompress_flops=270e12, mha_fixed_seconds=450e-6),
+    "te": CostModel(mha_flops=450e12, decompress_flops=440e12, mha_fixed_seconds=450e-6),
     "cudnn": CostModel(mha_fixed_seconds=60e-3),
-    "cudnn-dense": CostModel(mha_flops=500e12),
+    "cudnn-dense": CostModel(mha_flops=450e12, decompress_flops=440e12, mha_fixed_seconds=430e-6),
 }
 COST_MODEL = COST_MODELS["flash"]
 
@@ -312,6 +318,33 @@ def backend_for(
     return "torch" if mode == "force" else None
 
 
+def fresh_only(query_lengths: np.ndarray, kv_lengths: np.ndarray) -> bool:
+    """Whether every request with new tokens is a fresh prefill (its rows are its new tokens).
+
+    Args:
+        query_lengths, kv_lengths: new tokens and rows per request (host).
+
+    Returns:
+        bool: True where the MHA form's attention is only square causal blocks.
+    """
+    with_tokens = query_lengths > 0
+    return bool(with_tokens.any()) and np.array_equal(
+        query_lengths[with_tokens], kv_lengths[with_tokens]
+    )
+
+
+def dense_usable(backend: str, device: torch.device, head_dim: int) -> bool:
+    """Whether a step that :func:`backend_for` gave ``backend`` may take ``cudnn-dense``
+    instead: the rule picked FlashAttention (no backend named by the override), and dense cuDNN
+    attention runs on the device at this head size (its once-per-device check)."""
+    return (
+        BACKEND == "auto"
+        and backend == "flash"
+        and head_dim <= mha_form.FLASH_MAX_HEAD_DIM
+        and _fused_usable("cudnn-dense", device)
+    )
+
+
 def graphed_step(context: Any) -> bool:
     """Whether this step runs from (or is being captured into) a CUDA graph: the one place that
     keeps the MHA form, which reads lengths on the host, out of graphs."""
@@ -391,6 +424,54 @@ class MhaFormSplit(NamedTuple):
     absorbed_max_query_len: int
 
 
+def step_split(
+    query_lengths: np.ndarray,
+    kv_lengths: np.ndarray,
+    heads: int,
+    widths: Tuple[int, int, int, int],
+    backend: str,
+    device: torch.device,
+    head_dim: int,
+) -> Tuple[str, int]:
+    """The step's MHA-form backend and how many leading requests stay absorbed.
+
+    The split is the cost model's (:func:`absorbed_request_count`; none in ``force`` mode) for
+    ``backend``; where the requests after it are all fresh prefills and dense cuDNN may stand in
+    for FlashAttention (:func:`dense_usable`), the step takes ``cudnn-dense``, at its own rates'
+    split if that one leaves only fresh prefills too. Dense cuDNN runs the causal blocks of
+    fresh prefills about twice as fast as FlashAttention-2 (the rates of :data:`COST_MODELS`);
+    it plans per shape, so it takes only those (bucketed) steps.
+
+    Args:
+        query_lengths, kv_lengths: new tokens and rows per request (host).
+        heads: query heads on this rank.
+        widths: (latent, rope, qk, v) head widths.
+        backend: :func:`backend_for`'s backend.
+        device: the step's device.
+        head_dim: the head size FlashAttention would run at.
+
+    Returns:
+        Tuple[str, int]: the backend and the absorbed leading requests (all: absorbed form).
+    """
+
+    def split_for(name: str) -> int:
+        if MODE == "force":
+            return 0
+        model = COST_MODELS.get(name, COST_MODEL)
+        return absorbed_request_count(query_lengths, kv_lengths, heads, widths, model)
+
+    split = split_for(backend)
+    if split == len(query_lengths):
+        return backend, split
+    fresh = fresh_only(query_lengths[split:], kv_lengths[split:])
+    if fresh and dense_usable(backend, device, head_dim):
+        dense_split = split_for("cudnn-dense")
+        if fresh_only(query_lengths[dense_split:], kv_lengths[dense_split:]):
+            split = dense_split
+        return "cudnn-dense", split
+    return backend, split
+
+
 def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSplit]:
     """Whether the step's prefill requests take the MHA form, and where the split falls; None
     where the whole step runs in the absorbed form (see the module docstring).
@@ -418,13 +499,7 @@ def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSpli
         config.v_head_dim,
     )
     query_lengths, rows = step_lengths(context)
-    split = (
-        0
-        if MODE == "force"
-        else absorbed_request_count(
-            query_lengths, rows, heads, widths, COST_MODELS.get(backend, COST_MODEL)
-        )
-    )
+    backend, split = step_split(query_lengths, rows, heads, widths, backend, q.device, head_dim)
     if split == len(query_lengths):
         return None
     leading = query_lengths[:split]

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from megatron_ext import internals
+from megatron_ext.fusions.launch_plans import PlanCache
 
 __all__ = [
     "BACKENDS",
@@ -55,8 +56,10 @@ __all__ = [
     "FLASH_MAX_HEAD_DIM",
     "SPLIT_BACKENDS",
     "WHOLE_BACKENDS",
+    "DenseGroup",
     "Ragged",
     "bucket",
+    "dense_groups",
     "empty_sequences_supported",
     "flash_head_dim",
     "needs_offsets",
@@ -193,11 +196,76 @@ def _cudnn_varlen(
     return out, lse.float()
 
 
+class DenseGroup(NamedTuple):
+    """Sequences of one bucketed length run as one dense batch (:func:`dense_groups`).
+
+    Attributes:
+        length: the bucketed length (the batch's rows per sequence).
+        count: the sequences.
+        batch: the batch (``count`` rounded up to a bucket; the rest zero rows).
+        rows: the packed rows where the sequences lie back to back and full (views, no copies),
+            else None.
+        index: else [2, rows] int64 on the device: each packed row and its place in the batch.
+    """
+
+    length: int
+    count: int
+    batch: int
+    rows: Optional[slice]
+    index: Optional[Tensor]
+
+
+# Dense groups by the lengths, kept as a step's plan is: every layer's call of a step has the
+# same lengths (a group holds at most a small device index).
+_DENSE_GROUPS = PlanCache(max_entries=16)
+
+
+def _build_dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup, ...]:
+    starts = np.cumsum(lengths) - lengths
+    buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
+    groups = []
+    for length in np.unique(buckets[lengths > 0]).tolist():
+        members = np.flatnonzero((buckets == length) & (lengths > 0))
+        count, sizes = len(members), lengths[members]
+        batch = bucket(count, minimum=1)
+        within = offsets_within(sizes)
+        src = np.repeat(starts[members], sizes) + within
+        first = int(src[0])
+        if batch == count and (sizes == length).all() and src[-1] == first + count * length - 1:
+            groups.append(
+                DenseGroup(length, count, batch, slice(first, first + count * length), None)
+            )
+        else:
+            dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
+            index = to_device(np.stack([src, dst]), device).long()
+            groups.append(DenseGroup(length, count, batch, None, index))
+    return tuple(groups)
+
+
+def dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup, ...]:
+    """Square causal sequences grouped by bucketed length for dense batches (zero-length ones
+    left out), built once per lengths, device and stream.
+
+    Args:
+        lengths: int64 sequence lengths (host).
+        device: where the batches run.
+
+    Returns:
+        Tuple[DenseGroup, ...]: the groups, shortest bucket first.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (np.asarray(lengths, dtype=np.int64).tobytes(), device, stream)
+    groups = _DENSE_GROUPS.get(key)
+    if groups is None:
+        groups = _DENSE_GROUPS.put(key, _build_dense_groups(np.asarray(lengths), device))
+    return groups
+
+
 def _cudnn_dense(
     q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """torch's dense cuDNN attention of packed square causal sequences (query and key lengths
-    equal, so top-left is bottom-right), one call per bucket of lengths.
+    equal, so top-left is bottom-right), one call per bucket of lengths (:func:`dense_groups`).
 
     Args:
         q, k, v: [tokens, heads, qk], [tokens, heads, qk], [tokens, heads, v]: sequence ``i``'s
@@ -211,31 +279,25 @@ def _cudnn_dense(
         (zeros and -inf past the lengths).
     """
     tokens, heads = q.shape[:2]
-    out = q.new_zeros(tokens, heads, v.shape[-1])
-    lse = None
-    if want_lse:
-        lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
-    starts = np.cumsum(lengths) - lengths
-    buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
-    for length in np.unique(buckets[lengths > 0]).tolist():
-        members = np.flatnonzero((buckets == length) & (lengths > 0))
-        count, sizes = len(members), lengths[members]
-        batch = bucket(count, minimum=1)
-        within = offsets_within(sizes)
-        src = np.repeat(starts[members], sizes) + within
-        first = int(src[0])
-        if batch == count and (sizes == length).all() and src[-1] == first + count * length - 1:
-            # Back to back and full: views of the packed rows, no copies.
-            rows = slice(first, first + count * length)
-            qd, kd, vd = (x[rows].view(count, length, heads, -1) for x in (q, k, v))
+    groups = dense_groups(lengths, q.device)
+    # Every row in one group of back-to-back full sequences (a fresh prefill of equal prompts):
+    # cuDNN's own output is the result, no zeroed output to copy it into.
+    alone = len(groups) == 1 and groups[0].rows is not None and int(lengths.sum()) == tokens
+    out = lse = None
+    if not alone:
+        out = q.new_zeros(tokens, heads, v.shape[-1])
+        if want_lse:
+            lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    for group in groups:
+        length, rows = group.length, group.rows
+        if rows is not None:
+            qd, kd, vd = (x[rows].view(group.count, length, heads, -1) for x in (q, k, v))
         else:
-            dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
-            index = to_device(np.stack([src, dst]), q.device).long()
-            rows, padded = index[0], index[1]
-            qd, kd, vd = (x.new_zeros(batch * length, heads, x.shape[-1]) for x in (q, k, v))
+            rows, padded = group.index[0], group.index[1]
+            qd, kd, vd = (x.new_zeros(group.batch * length, heads, x.shape[-1]) for x in (q, k, v))
             for dense, packed in ((qd, q), (kd, k), (vd, v)):
                 dense[padded] = packed[rows]
-            qd, kd, vd = (x.view(batch, length, heads, -1) for x in (qd, kd, vd))
+            qd, kd, vd = (x.view(group.batch, length, heads, -1) for x in (qd, kd, vd))
         result = internals.cudnn_dense_attention_forward(
             qd.transpose(1, 2),
             kd.transpose(1, 2),
@@ -248,10 +310,14 @@ def _cudnn_dense(
             scale=scale,
         )
         dense_out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
-        out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
-        if lse is not None:
+        dense_lse = None
+        if want_lse:
             # [batch, heads, length] (or with a trailing 1) as torch returns it.
             dense_lse = result[1].reshape(-1, heads, length).transpose(1, 2).reshape(-1, heads)
+        if alone:
+            return dense_out, (dense_lse.float() if want_lse else None)
+        out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
+        if want_lse:
             lse[rows] = (dense_lse if isinstance(rows, slice) else dense_lse[padded]).float()
     return out, lse
 

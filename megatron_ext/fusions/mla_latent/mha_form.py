@@ -18,6 +18,12 @@ and values at 128 heads in bf16) at a time: the rows, request after request, are
 results are merged by their log-sum-exps (:mod:`~megatron_ext.fusions.mla_latent.mha_chunks`).
 The attention runs on one of the backends of
 :mod:`~megatron_ext.fusions.mla_latent.mha_backends` (:data:`BACKENDS`).
+
+What a step's layers share is worked out once: the step's plan (chunks, calls, the rows' cache
+addresses and the calls' offsets on the device: :mod:`~megatron_ext.fusions.mla_latent.mha_plan`),
+and per layer the decompression weights' layout, kept while the weight is unchanged
+(:mod:`~megatron_ext.fusions.mla_latent.mha_weights`). A layer's call then checks its
+arguments and launches its GPU work: the gather of the rows, two GEMMs, the attention.
 """
 
 import math
@@ -41,19 +47,13 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     bucket,
     empty_sequences_supported,
     flash_head_dim,
-    needs_offsets,
     present_backends,
     ragged_check,
-    ragged_offsets,
-    to_device,
     varlen_attention,
 )
-from megatron_ext.fusions.mla_latent.mha_chunks import (
-    call_tokens,
-    each_token_once,
-    merge_partials,
-    plan_chunks,
-)
+from megatron_ext.fusions.mla_latent.mha_chunks import merge_partials
+from megatron_ext.fusions.mla_latent.mha_plan import mha_plan
+from megatron_ext.fusions.mla_latent.mha_weights import cached_up_projections, up_projections
 from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check_int, check_tensor
 
 __all__ = [
@@ -176,65 +176,25 @@ def check_mha_call(
     return q_lens, kv_lens, latent_dim, v_dim
 
 
-def up_projections(
-    kv_up_weight: Tensor, heads: int, qk_dim: int, rope_dim: int, key_width: int, value_width: int
-) -> Tuple[Tensor, Tensor]:
-    """``linear_kv_up_proj``'s weight as two GEMM weights whose outputs are the keys and the
-    values in the attention's layout. The keys' GEMM reads whole cache rows (latent and RoPE
-    part): per head, W_UK's rows (zero on the RoPE columns), an identity that copies the row's
-    RoPE part, then zero rows to ``key_width``. The values' GEMM reads the latent part: per head,
-    W_UV's rows, then zero rows to ``value_width``.
-
-    The extra rows and columns cost GEMM work (at DeepSeek-V3's widths 320 output columns per head
-    where W_UK and W_UV have 256, 384 at FlashAttention's one head size) but no copy: the keys
-    and values come out packed at their final width, where concatenating the RoPE part, packing
-    the values and padding them took three copies of every row. The identity is exact: one
-    product by 1.0 and sums of zeros (TF32 GEMMs of fp32 inputs round the RoPE part as they
-    round the rest).
-
-    Args:
-        kv_up_weight: [heads * (qk + v), latent].
-        heads: the query heads.
-        qk_dim: the non-rotated key width per head.
-        rope_dim: the key's rotated width.
-        key_width: the keys' width per head (at least ``qk_dim + rope_dim``).
-        value_width: the values' width per head (at least ``v``).
-
-    Returns:
-        Tuple[Tensor, Tensor]: [heads * key_width, latent + rope] and
-        [heads * value_width, latent].
-    """
-    latent_dim = kv_up_weight.shape[1]
-    v_dim = kv_up_weight.shape[0] // heads - qk_dim
-    per_head = kv_up_weight.view(heads, qk_dim + v_dim, latent_dim)
-    keys = kv_up_weight.new_zeros(heads, key_width, latent_dim + rope_dim)
-    keys[:, :qk_dim, :latent_dim] = per_head[:, :qk_dim]
-    keys[:, qk_dim : qk_dim + rope_dim, latent_dim:].diagonal(dim1=1, dim2=2).fill_(1)
-    values = kv_up_weight.new_zeros(heads, value_width, latent_dim)
-    values[:, :v_dim] = per_head[:, qk_dim:]
-    return keys.view(-1, latent_dim + rope_dim), values.view(-1, latent_dim)
-
-
 def decompressed_keys_values(
     kv_cache: Tensor,
     block_table: Tensor,
     rows: Tensor,
     up_weights: Tuple[Tensor, Tensor],
     heads: int,
-    qk_dim: int,
     rope_dim: int,
 ) -> Tuple[Tensor, Tensor]:
     """Keys and values of the given cache rows, decompressed per head.
 
     Args:
         kv_cache: [blocks, block_size, latent + rope].
-        block_table: [requests, max_blocks].
-        rows: [3, rows] int32 or int64: each row's request, block-table column and place in its
-            block (``position // block_size`` and ``position % block_size``, worked out on the
-            host where the positions are).
-        up_weights: the keys' and the values' GEMM weights from :func:`up_projections`.
+        block_table: [requests, max_blocks], contiguous.
+        rows: [2, rows] int32 or int64: each row's place in the block table
+            (``request * max_blocks + position // block_size``) and in its block
+            (``position % block_size``), worked out on the host where the positions are.
+        up_weights: the keys' and the values' GEMM weights from
+            :func:`~megatron_ext.fusions.mla_latent.mha_weights.up_projections`.
         heads: the query heads.
-        qk_dim: the non-rotated key width per head (``qk_head_dim``).
         rope_dim: the rotated columns at the end of each cache row.
 
     Returns:
@@ -244,12 +204,16 @@ def decompressed_keys_values(
         in some releases (a strided view of the decompressed rows would be read at the wrong
         places there).
     """
-    blocks = kv_cache.shape[0]
-    latent_dim = kv_cache.shape[2] - rope_dim
+    blocks, block_size, width = kv_cache.shape
+    latent_dim = width - rope_dim
     # A block id outside the cache (the table's -1 padding) reads block 0: such rows are only
     # bucket padding, which no query attends.
-    ids = block_table[rows[0], rows[1]].clamp_(0, blocks - 1)
-    cached = kv_cache[ids, rows[2]]  # [rows, latent + rope]
+    ids = block_table.view(-1).index_select(0, rows[0]).clamp_(0, blocks - 1)
+    if kv_cache.stride(0) == block_size * kv_cache.stride(1):
+        # One gather of whole rows from the cache seen as [blocks * block_size, width] (a view).
+        cached = kv_cache.flatten(0, 1).index_select(0, rows[1].add(ids, alpha=block_size))
+    else:
+        cached = kv_cache[ids, rows[1]]
     # The decompression GEMMs. The zero rows' outputs are exact zeros for the finite rows a
     # query attends (a non-finite padding row's can be anything: no query reads it).
     keys = (cached @ up_weights[0].t()).view(cached.shape[0], heads, -1)
@@ -328,21 +292,27 @@ def mla_paged_mha_attention(
         return query.new_zeros(tokens, heads, v_dim)
     if backend == "te":
         budget = max(int(kv_lens.sum()), 1)
-    # Fused backends plan per shape: each packed section and query set is padded to a bucket
-    # (rows no query attends).
-    size = bucket if backend in ("cudnn", "te") else int
-    plan = plan_chunks(q_lens, kv_lens, budget, backend in SPLIT_BACKENDS)
-    tokens_per_call = [[call_tokens(call) for call in chunk.calls] for chunk in plan]
-    # Where every token is in one call (the whole step in one chunk, as a bottom-right backend
-    # runs it), each call's output is the tokens' answer: written straight into the result, with
-    # no accumulator and no merge (the merge with nothing gives the same bits).
-    direct = each_token_once(tokens_per_call, used)
+    block_size = kv_cache.shape[1]
+    plan = mha_plan(
+        q_lens, kv_lens, backend, budget, block_size, block_table.shape[1], query.device
+    )
+    direct = plan.direct
     if backend == "te" and not direct:
         raise RuntimeError(
             "the te backend's plan put a token in two calls; it has nothing to merge"
         )
-    # Every used token's row is written below (straight, or from the accumulator).
-    out = query.new_empty(tokens, heads, v_dim)
+    # A step in one call that covers every token (a fresh prefill, on a backend whose output
+    # comes packed at v_dim) returns the call's own output: no result to allocate and copy into.
+    whole = (
+        direct
+        and used == tokens
+        and len(plan.chunks) == 1
+        and len(plan.chunks[0].calls) == 1
+        and isinstance(plan.chunks[0].calls[0].tokens, slice)
+        and plan.chunks[0].calls[0].count == tokens
+    )
+    # Otherwise every used token's row is written below (straight, or from the accumulator).
+    out = None if whole else query.new_empty(tokens, heads, v_dim)
     if used < tokens:
         out[used:] = 0
     if not direct:
@@ -353,71 +323,38 @@ def mla_paged_mha_attention(
         key_width = value_width = flash_head_dim(width, v_dim)
     else:
         key_width, value_width = width, v_dim
-    up_weights = up_projections(kv_up_weight, heads, qk_dim, rope_dim, key_width, value_width)
+    up_weights = cached_up_projections(
+        kv_up_weight, heads, qk_dim, rope_dim, key_width, value_width
+    )
     scale = float(softmax_scale)
-    block_size = kv_cache.shape[1]
-    for chunk, tokens_of_calls in zip(plan, tokens_per_call):
-        starts, index_parts = [], []
-        for section_requests, section_positions in chunk.sections:
-            rows = len(section_requests)
-            padded = np.zeros((3, size(rows) if rows else 0), dtype=np.int64)
-            padded[0, :rows] = section_requests
-            padded[1, :rows] = section_positions // block_size
-            padded[2, :rows] = section_positions % block_size
-            starts.append(sum(part.shape[1] for part in index_parts))
-            index_parts.append(padded)
-        index = np.concatenate(index_parts, axis=1)
-        # The rows' index and every call's cumulative lengths in one host-to-device copy.
-        lengths = [
-            tuple(np.array(c, dtype=np.int64) for c in list(zip(*call.sequences))[1:])
-            for call in chunk.calls
-        ]
-        host = [index.reshape(-1), np.zeros(-index.size % 4, dtype=np.int64)]
-        places = []
-        for call, (q_counts, k_counts) in zip(chunk.calls, lengths):
-            places.append(sum(len(part) for part in host))
-            if needs_offsets(backend, call.causal):
-                host.append(ragged_offsets(backend, q_counts, k_counts))
-        device_copy = to_device(np.concatenate(host), query.device)
+    table = block_table if block_table.is_contiguous() else block_table.contiguous()
+    for chunk in plan.chunks:
         keys, values = decompressed_keys_values(
-            kv_cache,
-            block_table,
-            device_copy[: index.size].view(3, -1),
-            up_weights,
-            heads,
-            qk_dim,
-            rope_dim,
+            kv_cache, table, chunk.rows, up_weights, heads, rope_dim
         )
-        for call, token_ids, (q_counts, k_counts), place in zip(
-            chunk.calls, tokens_of_calls, lengths, places
-        ):
-            n = len(token_ids)
-            lo = int(token_ids[0])
-            # A run of consecutive tokens (the usual case) is read and written through views:
-            # no gathered copies of the queries or of the accumulator.
-            if np.array_equal(token_ids, np.arange(lo, lo + n)):
-                ids = slice(lo, lo + n)
-            else:
-                ids = to_device(token_ids, query.device)
+        for call in chunk.calls:
+            ids, n = call.tokens, call.count
             q = query[ids]
-            if size(n) != n or not q.is_contiguous():
-                q = torch.cat([q, q.new_zeros(size(n) - n, heads, width)])
-            begin = starts[call.section] + call.offset
-            rows = slice(begin, begin + size(int(k_counts.sum())))
+            if call.padded != n or not q.is_contiguous():
+                q = torch.cat([q, q.new_zeros(call.padded - n, heads, width)])
             part, part_lse = varlen_attention(
                 backend,
                 q,
-                keys[rows],
-                values[rows],
-                (q_counts, k_counts),
+                keys[call.rows],
+                values[call.rows],
+                call.lengths,
                 call.causal,
                 scale,
                 not direct,
-                device_copy[place:] if needs_offsets(backend, call.causal) else None,
+                call.offsets,
             )
             # The flash backend's values carry zero columns past v_dim.
             part = part[:n, :, :v_dim]
+            if whole and part.is_contiguous():
+                return part
             if direct:
+                if out is None:
+                    out = query.new_empty(tokens, heads, v_dim)
                 out[ids] = part
                 continue
             acc_out[ids], acc_lse[ids] = merge_partials(

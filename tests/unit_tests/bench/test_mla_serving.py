@@ -12,7 +12,7 @@ import torch
 from megatron_ext.bench import __main__ as bench_main
 from megatron_ext.bench import mla_serving
 from megatron_ext.bench import mla_serving_cases as cases
-from megatron_ext.bench import mla_serving_forms as forms_lib
+from megatron_ext.transformer import mla_prefill
 
 
 def test_help_through_the_main_job(capsys):
@@ -212,7 +212,7 @@ def test_prefill_rows_time_the_cost_models_split(fake_gpu, monkeypatch, tmp_path
     # Two decodes and a chunk; the split forced at the decodes (at these tiny sizes the model
     # would absorb all): the leading requests absorbed, the chunk in the MHA form.
     monkeypatch.setattr(cases, "PREFILL_CASES", {"mixed": [(30, 1), (12, 1), (9, 6)]})
-    monkeypatch.setattr(forms_lib, "absorbed_request_count", lambda *args: 2)
+    monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args: 2)
     args = ["--rows", "prefill", "--heads", "4", "--out", str(tmp_path)]
     assert mla_serving.bench_gpu(mla_serving.parse_args(args)) == 0
     (row,) = json.loads((tmp_path / "mla_serving.json").read_text())["rows"]

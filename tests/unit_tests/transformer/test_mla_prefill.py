@@ -12,6 +12,7 @@ CUDA graphs around it.
 """
 
 import os
+import types
 import warnings
 from typing import Any, List
 
@@ -191,35 +192,42 @@ def test_step_lengths_are_read_once_per_step_and_follow_the_step(stack):
 
 
 def test_cost_model_split_points_at_deepseek_widths():
-    """The default (FlashAttention) rates pick the form that measured faster on the H100 where
-    the two differ by more than a tenth (eager calls of one layer's attention, ms)."""
+    """The FlashAttention rates pick the form that measured faster on the H100 where the two
+    differ by more than a tenth (eager calls of one layer's attention, ms, the step's plan and
+    the decompression weights kept)."""
 
-    def split(q, kv, heads=128):
-        return mla_prefill.absorbed_request_count(np.array(q), np.array(kv), heads, DEEPSEEK_WIDTHS)
+    def split(q, kv, heads=128, backend="flash"):
+        model = mla_prefill.COST_MODELS[backend]
+        return mla_prefill.absorbed_request_count(
+            np.array(q), np.array(kv), heads, DEEPSEEK_WIDTHS, model
+        )
 
     # Decode-only: absorbed.
     assert split([1] * 8, [4096] * 8) == 8
-    # 128 heads: prefills and long chunks in the MHA form (2 x 1536: 1.88 against 5.37; 4096:
-    # 3.96 against 14.5; 1024 behind 3072: 2.54 against 6.13; behind 32k: 17.4 against 49.4).
+    # 128 heads: prefills and long chunks in the MHA form (2 x 1536: 1.28 against 3.92; 1024
+    # behind 3072: 1.64 against 5.54; earlier, 4096: 3.96 against 14.5; behind 32k: 17.4
+    # against 49.4).
     assert split([1536, 1536], [1536, 1536]) == 0
     assert split([4096], [4096]) == 0
     assert split([1024], [1024 + 3072]) == 0
     assert split([1024], [1024 + 32768]) == 0
-    # 16 heads: the MHA form's host time keeps small steps absorbed (2 x 1536: 0.79 against
-    # 0.86; 1024 behind 3072: 0.86 against 0.95); long prefills take it (4096: 1.23 against
-    # 2.07; 8192: 3.28 against 7.01).
-    assert split([1536, 1536], [1536, 1536], heads=16) == 2
-    assert split([1024], [1024 + 3072], heads=16) == 1
+    # 16 heads: the MHA form pays from 2 x 1536 (0.45 against 0.56: not all absorbed; the model
+    # may keep a request absorbed, the host planning the rest meanwhile) and 1024 behind 3072
+    # (0.35 against 0.74).
+    assert split([1536, 1536], [1536, 1536], heads=16) < 2
+    assert split([1024], [1024 + 3072], heads=16) == 0
     assert split([4096], [4096], heads=16) == 0
     assert split([8192], [8192], heads=16) == 0
     # A short chunk behind a long prefix: decompressing the prefix does not pay.
     assert split([64], [64 + 32768]) == 1
     # Mixed: 8 decodes (first, as megatron-core orders them) absorbed; the chunk in the MHA form
-    # at 128 heads (0.78 against 1.36 for the whole step), absorbed at 16 (0.97 against 0.40).
+    # at 128 heads (0.62 against 1.39 for the whole step), absorbed at 16 (0.97 against 0.40).
     assert split([1] * 8 + [512], [4096] * 8 + [512 + 1024]) == 8
     assert split([1] * 8 + [512], [4096] * 8 + [512 + 1024], heads=16) == 9
     # A tiny step: the MHA form's host time keeps it absorbed.
     assert split([9, 30, 17], [9, 30, 17], heads=4) == 3
+    # Dense cuDNN's rates (fresh prefills only): 2 x 1536 at 128 heads, 0.69 against 3.92.
+    assert split([1536, 1536], [1536, 1536], backend="cudnn-dense") == 0
 
 
 def test_cost_model_keeps_cudnn_out_of_every_step():
@@ -289,6 +297,42 @@ def test_backend_rule(monkeypatch):
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
     usable.add("flash")
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
+
+
+def _split_of(monkeypatch, query_lengths, kv_lengths, heads=128):
+    """mha_form_split on a stand-in module and context with these lengths, FlashAttention the
+    rule's backend and dense cuDNN usable."""
+    config = types.SimpleNamespace(
+        kv_lora_rank=512, qk_pos_emb_head_dim=64, qk_head_dim=128, v_head_dim=128
+    )
+    module = types.SimpleNamespace(config=config, num_attention_heads_per_partition=heads)
+    context = types.SimpleNamespace(is_decode_only=lambda: False)
+    lengths = (np.array(query_lengths), np.array(kv_lengths))
+    monkeypatch.setattr(mla_prefill, "MODE", "auto")
+    monkeypatch.setattr(mla_prefill, "step_lengths", lambda _: lengths)
+    monkeypatch.setattr(mla_prefill, "backend_for", lambda *args: "flash")
+    monkeypatch.setattr(mla_prefill, "_fused_usable", lambda backend, device: True)
+    return mla_prefill.mha_form_split(module, context, torch.zeros(1, heads, 192))
+
+
+def test_fresh_prefill_steps_take_dense_cudnn_and_chunks_stay_on_flash(monkeypatch):
+    fresh = _split_of(monkeypatch, [1536, 1536], [1536, 1536])
+    assert fresh.backend == "cudnn-dense" and fresh.absorbed_requests == 0
+    chunk = _split_of(monkeypatch, [1024], [1024 + 3072])
+    assert chunk.backend == "flash" and chunk.absorbed_requests == 0
+    # Decodes absorbed, fresh prefills after them: the MHA part is fresh.
+    mixed = _split_of(monkeypatch, [1] * 8 + [2048], [4096] * 8 + [2048])
+    assert mixed.backend == "cudnn-dense" and mixed.absorbed_requests == 8
+    # A request without new tokens does not make a step less fresh.
+    assert mla_prefill.fresh_only(np.array([0, 5]), np.array([9, 5]))
+    assert not mla_prefill.fresh_only(np.array([0, 0]), np.array([9, 5]))
+    # The override, or a rule that picked another backend, keeps its backend.
+    monkeypatch.setattr(mla_prefill, "BACKEND", "flash")
+    assert not mla_prefill.dense_usable("flash", torch.device("cuda", 0), 192)
+    monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
+    assert not mla_prefill.dense_usable("te", torch.device("cuda", 0), 192)
+    assert not mla_prefill.dense_usable("flash", torch.device("cuda", 0), 264)
+    assert mla_prefill.dense_usable("flash", torch.device("cuda", 0), 192)
 
 
 def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):

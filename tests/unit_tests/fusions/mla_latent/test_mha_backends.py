@@ -411,3 +411,21 @@ def test_present_backends_follow_the_operators_torch_has(monkeypatch):
     monkeypatch.setattr(mha_backends.internals, "flash_attention_forward", object())
     monkeypatch.setattr(mha_backends.internals, "cudnn_attention_forward", object())
     assert mha_backends.present_backends() == ("flash", "cudnn-dense", "cudnn")
+
+
+def test_dense_groups_are_built_once_per_lengths():
+    """A step's layers call with the same lengths: one grouping (and one index copy) for all;
+    back-to-back full sequences are views, others gathered through an index."""
+    cpu = torch.device("cpu")
+    lengths = np.array([32, 32, 5, 0, 6])
+    groups = mha_backends.dense_groups(lengths, cpu)
+    assert mha_backends.dense_groups(lengths.copy(), cpu) is groups
+    by_length = {g.length: g for g in groups}
+    assert sorted(by_length) == [16, 32]
+    assert by_length[32].rows == slice(0, 64) and by_length[32].index is None
+    short = by_length[16]
+    assert short.rows is None and (short.count, short.batch) == (2, 2)
+    # Rows 64..68 and 69..74 (the empty sequence has none) to places 0..4 and 16..21.
+    assert short.index[0].tolist() == list(range(64, 75))
+    assert short.index[1].tolist() == list(range(0, 5)) + list(range(16, 22))
+    assert mha_backends.dense_groups(np.array([32, 32]), cpu) is not groups

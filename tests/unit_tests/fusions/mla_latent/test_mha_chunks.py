@@ -15,6 +15,7 @@ from megatron_ext.fusions.mla_latent import (
     mha_backends,
     mha_chunks,
     mha_form,
+    mha_plan,
 )
 from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from tests.unit_tests.fusions.mla_latent.mha_testlib import (
@@ -97,7 +98,8 @@ def test_writing_calls_straight_out_gives_the_merged_bits(monkeypatch, backend, 
     # Top-left masks take a cached prefix and the new rows in two calls: their tokens merge.
     assert bool(merges) == (backend == "torch" and requests is MIXED), merges
     merges.clear()
-    monkeypatch.setattr(mha_form, "each_token_once", lambda *a: False)
+    monkeypatch.setattr(mha_plan, "each_token_once", lambda *a: False)
+    mha_plan.MHA_PLANS.clear()  # the step's plan, kept from the first call, said "direct"
     merged = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
     assert merges, "the forced merge path did not merge"
     assert torch.equal(

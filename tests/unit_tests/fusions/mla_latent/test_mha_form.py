@@ -7,7 +7,7 @@ On CPU the plain-torch backends (``torch``: top-left causal and a separate prefi
 log-sum-exp, as the cuDNN backends run; ``torch-bottom-right``: one call per context, as
 FlashAttention's and Transformer Engine's) run against a float64 reference that decompresses each
 request's rows page by page, and against the absorbed Triton kernel (interpreter) on the same
-inputs; the decompression's layout, and the refusal of bad input before any work.
+inputs; the refusal of bad input before any work.
 """
 
 import pytest
@@ -88,39 +88,6 @@ def test_no_tokens_gives_zeros():
         query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
     )
     assert torch.equal(got, torch.zeros_like(got))
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_up_projections_lay_keys_and_values_out_at_their_widths(dtype):
-    """Per head: W_UK's rows, an identity onto the RoPE part, zeros on; W_UV's rows, then zeros.
-    The decompressed rows are the GEMMs' results, with the cached RoPE part copied exactly."""
-    heads, qk, rope, v, latent = 3, 5, 4, 6, 7
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(heads * (qk + v), latent, generator=gen).to(dtype)
-    keys, values = mha_form.up_projections(weight, heads, qk, rope, 16, 8)
-    per_head = weight.view(heads, qk + v, latent)
-    keys, values = keys.view(heads, 16, latent + rope), values.view(heads, 8, latent)
-    assert torch.equal(keys[:, :qk, :latent], per_head[:, :qk]) and not keys[:, :qk, latent:].any()
-    rope_rows = torch.zeros(rope, latent + rope, dtype=dtype)
-    rope_rows[:, latent:] = torch.eye(rope, dtype=dtype)
-    assert torch.equal(keys[:, qk : qk + rope], rope_rows.expand(heads, -1, -1))
-    assert not keys[:, qk + rope :].any()
-    assert torch.equal(values[:, :v], per_head[:, qk:]) and not values[:, v:].any()
-    cache = torch.randn(2, 4, latent + rope, generator=gen).to(dtype)
-    table = torch.tensor([[1, 0]], dtype=torch.int32)
-    positions = torch.arange(6)
-    index = torch.stack([torch.zeros(6, dtype=torch.long), positions // 4, positions % 4])
-    up = mha_form.up_projections(weight, heads, qk, rope, qk + rope, v)
-    k, val = mha_form.decompressed_keys_values(cache, table, index.int(), up, heads, qk, rope)
-    rows = cache[table[0].long()].reshape(-1, latent + rope)[:6]  # block 1's rows, then block 0's
-    assert k.is_contiguous() and val.is_contiguous()
-    # The RoPE part bit for bit: a product by 1.0 and sums of zeros.
-    assert torch.equal(k[..., qk:], rows[:, None, latent:].expand(-1, heads, rope))
-    tol = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)
-    expected_k = rows[:, :latent].double() @ per_head[:, :qk].double().reshape(-1, latent).t()
-    torch.testing.assert_close(k[..., :qk].double(), expected_k.view(6, heads, qk), **tol)
-    expected_v = rows[:, :latent].double() @ per_head[:, qk:].double().reshape(-1, latent).t()
-    torch.testing.assert_close(val.double(), expected_v.view(6, heads, v), **tol)
 
 
 def _bad_inputs():
@@ -218,3 +185,36 @@ def test_shared_arguments_are_refused_with_the_absorbed_kernels_messages():
             )
         )
         assert absorbed_error == mha_error, name
+
+
+def test_a_step_in_one_call_returns_the_calls_output_without_a_copy(monkeypatch):
+    """A fresh prefill over every token, in one bottom-right call: the result is the call's
+    own output (no result allocated and copied into); with padding tokens after the requests,
+    a result is allocated, the padding zeroed and the call's output copied in."""
+    parts = []
+    original = mha_form.varlen_attention
+
+    def spy(*args, **kwargs):
+        part, lse = original(*args, **kwargs)
+        parts.append(part)
+        return part, lse
+
+    monkeypatch.setattr(mha_form, "varlen_attention", spy)
+    for padding, shared in ((0, True), (3, False)):
+        parts.clear()
+        step, query, cache, weight, lengths = mha_step([(0, 9)], 2, seed=4, padding_tokens=padding)
+        got = mla_paged_mha_attention(
+            query,
+            cache,
+            step.block_table,
+            weight,
+            SCALE,
+            rope_dim=16,
+            backend="torch-bottom-right",
+            **lengths,
+        )
+        (part,) = parts
+        assert (got.data_ptr() == part.data_ptr()) == shared
+        assert torch.equal(got[:9], part[:9]) and not got[9:].any()
+        expected = reference(step, query, cache, weight, lengths)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)

@@ -1,0 +1,64 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of the MHA form's step plan (megatron_ext.fusions.mla_latent.mha_plan): built once per
+step's lengths and shared by the layers, each layer still getting its own answer."""
+
+import numpy as np
+import torch
+
+from megatron_ext.fusions.mla_latent import mha_plan
+from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
+from tests.unit_tests.fusions.mla_latent.mha_testlib import (
+    MIXED,
+    SCALE,
+    mha_step,
+    reference,
+)
+
+
+def _plan(q_lens, kv_lens, backend="torch", budget=6144):
+    return mha_plan.mha_plan(
+        np.array(q_lens), np.array(kv_lens), backend, budget, 16, 8, torch.device("cpu")
+    )
+
+
+def test_a_steps_plan_is_built_once_and_followed_by_its_lengths():
+    mha_plan.MHA_PLANS.clear()
+    first = _plan([3, 5], [7, 5])
+    assert _plan([3, 5], [7, 5]) is first
+    assert len(mha_plan.MHA_PLANS) == 1
+    # Other lengths, budget or backend: another plan.
+    assert _plan([3, 5], [8, 5]) is not first
+    assert _plan([3, 5], [7, 5], budget=4) is not first
+    assert _plan([3, 5], [7, 5], backend="flash") is not first
+
+
+def test_a_plan_lays_out_rows_tokens_and_calls():
+    """Top-left (``torch``): a chunked request's prefix attended unmasked, its new rows causal;
+    each row's table place and place in its block; the tokens merged where two calls take
+    them."""
+    plan = _plan([2, 3], [6, 3])
+    assert plan.used == 5 and not plan.direct
+    (chunk,) = plan.chunks
+    # Section 0: request 0's 4 cached rows; section 1: its 2 new rows, then request 1's 3.
+    places = chunk.rows[0].tolist()
+    assert places == [0, 0, 0, 0, 0, 0, 8, 8, 8]  # request * 8 columns + position // 16
+    assert chunk.rows[1].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    prefix, diagonal = chunk.calls
+    assert prefix.causal is None and prefix.tokens == slice(0, 2) and prefix.rows == slice(0, 4)
+    assert diagonal.causal == "top_left" and diagonal.tokens == slice(0, 5)
+    assert [c.tolist() for c in diagonal.lengths] == [[2, 3], [2, 3]]
+
+
+def test_layers_sharing_a_plan_get_their_own_answers():
+    """Two layers of one step (same lengths, other caches and weights) through one plan: each
+    matches its float64 reference."""
+    mha_plan.MHA_PLANS.clear()
+    for seed in (1, 2):
+        step, query, cache, weight, lengths = mha_step(MIXED, 3, seed=seed)
+        got = mla_paged_mha_attention(
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="torch", **lengths
+        )
+        expected = reference(step, query, cache, weight, lengths)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+    assert len(mha_plan.MHA_PLANS) == 1, "the second layer planned the step again"
