@@ -12,17 +12,13 @@ Prints one JSON line: the tree label and, per call, the fastest of 60 rounds of 
 synchronised after. bf16, DeepSeek-V3 head sizes. Needs a CUDA GPU.
 """
 
+import importlib
 import json
 import sys
 import time
 from typing import Callable, Dict, Tuple
 
 import torch
-
-from megatron_ext.fusions.fused_mla_yarn_rope_apply import (
-    fused_apply_mla_rope_for_kv,
-    fused_apply_mla_rope_for_q,
-)
 
 QK, EMB, V = 128, 64, 128
 SHAPES = ((4096, 1, 128), (1, 64, 128), (16384, 1, 16))
@@ -57,8 +53,12 @@ def host_us(fn: Callable[[], None], calls: int = 20, rounds: int = 60) -> float:
     return min(times)
 
 
-def time_shape(s: int, b: int, h: int) -> Dict[str, float]:
-    """Host us per call of each drop-in at one query shape ``[s, b, h, 192]``."""
+def shape_calls(
+    s: int, b: int, h: int, package: str = "megatron_ext"
+) -> Dict[str, Tuple[Callable[[], None], int]]:
+    """Each drop-in's call at one query shape ``[s, b, h, 192]`` and the calls per timed round,
+    from ``package`` (a tree's ``megatron_ext``, possibly under another name)."""
+    rope = importlib.import_module(f"{package}.fusions.fused_mla_yarn_rope_apply")
     cos, sin = tables(s)
     q = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16()
     leaf = torch.randn(s, b, h, QK + EMB, device="cuda").bfloat16().requires_grad_()
@@ -67,16 +67,22 @@ def time_shape(s: int, b: int, h: int) -> Dict[str, float]:
     emb = torch.randn(s, b, 1, EMB, device="cuda").bfloat16()
 
     def forward_backward():
-        fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB).backward(grad)
+        rope.fused_apply_mla_rope_for_q(leaf * 1, cos, sin, QK, EMB).backward(grad)
 
     name = f"{s}x{b}x{h}"
     return {
-        f"q fwd {name}": host_us(lambda: fused_apply_mla_rope_for_q(q, cos, sin, QK, EMB)),
-        f"q fwd+bwd {name}": host_us(forward_backward, calls=5),
-        f"kv fwd {name}": host_us(
-            lambda: fused_apply_mla_rope_for_kv(kv, emb, cos, sin, EMB, QK, V)
+        f"q fwd {name}": (lambda: rope.fused_apply_mla_rope_for_q(q, cos, sin, QK, EMB), 20),
+        f"q fwd+bwd {name}": (forward_backward, 5),
+        f"kv fwd {name}": (
+            lambda: rope.fused_apply_mla_rope_for_kv(kv, emb, cos, sin, EMB, QK, V),
+            20,
         ),
     }
+
+
+def time_shape(s: int, b: int, h: int) -> Dict[str, float]:
+    """Host us per call of each drop-in at one query shape ``[s, b, h, 192]``."""
+    return {name: host_us(fn, calls=calls) for name, (fn, calls) in shape_calls(s, b, h).items()}
 
 
 def main(label: str) -> Dict[str, object]:

@@ -45,3 +45,33 @@ def test_rounds_that_agree_are_not_marked_noisy(capsys):
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
     assert load_script("compare_host_time").main(["--old", "."]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_renamed_copy_imports_beside_the_original(tmp_path):
+    """--in-process loads the old tree as another package: every import of it renamed, names
+    that merely contain it left alone."""
+    tree = tmp_path / "old"
+    (tree / "megatron_ext" / "sub").mkdir(parents=True)
+    (tree / "megatron_ext" / "__init__.py").write_text("")
+    (tree / "megatron_ext" / "sub" / "__init__.py").write_text("")
+    (tree / "megatron_ext" / "sub" / "a.py").write_text(
+        "import megatron_ext.sub.b\nfrom megatron_ext.sub import b as c\n"
+        "ENV = 'MEGATRON_EXT_X megatron_extra'\n"
+    )
+    (tree / "megatron_ext" / "sub" / "b.py").write_text("VALUE = 3\n")
+    copy = load_script("compare_host_time").renamed_copy(tree, "copied_pkg", tmp_path / "into")
+    text = (copy / "sub" / "a.py").read_text()
+    assert "import copied_pkg.sub.b" in text and "from copied_pkg.sub import b" in text
+    assert "MEGATRON_EXT_X megatron_extra" in text
+
+
+def test_paired_rounds_are_judged_by_their_ratios():
+    """In-process rounds slowed alike (a burst on the machine) agree on new / old: not noisy;
+    unpaired, the same values are."""
+    script = load_script("compare_host_time")
+    runs = {"old": [{"a": 10.0}, {"a": 20.0}], "new": [{"a": 9.0}, {"a": 18.2}]}
+    (paired,) = script.summarise(runs, paired=True)
+    assert paired["ratio"] == pytest.approx(0.9)
+    assert paired["spread"] == pytest.approx((0.91 - 0.9) / 0.905)
+    (unpaired,) = script.summarise(runs)
+    assert unpaired["spread"] > script.NOISY_SPREAD

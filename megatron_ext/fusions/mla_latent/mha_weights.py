@@ -113,9 +113,10 @@ def cached_up_projections(
     if entry is not None and entry[0]() is kv_up_weight and entry[1] == built_from:
         return entry[2]
     weights = up_projections(kv_up_weight, heads, qk_dim, rope_dim, key_width, value_width)
+    weight_id = id(kv_up_weight)
     with _UP_WEIGHTS_LOCK:
-        _UP_WEIGHTS[id(kv_up_weight)] = (
-            weakref.ref(kv_up_weight, lambda _, weight_id=id(kv_up_weight): _forget(weight_id)),
+        _UP_WEIGHTS[weight_id] = (
+            weakref.ref(kv_up_weight, lambda _: _forget(weight_id)),
             built_from,
             weights,
         )
