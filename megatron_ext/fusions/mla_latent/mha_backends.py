@@ -14,14 +14,16 @@ and values (:func:`varlen_attention`), each backend's once-per-device check
   release and the GPU run it at all is checked once per device (:func:`ragged_check`). Some
   torch releases build the ragged call's cuDNN graph anew on every call without keeping it
   (tens of milliseconds a call), which makes this backend slower than the absorbed form there.
-* ``cudnn-dense``: the same top-left plan, its causal (square) calls through torch's dense cuDNN
-  attention (:data:`megatron_ext.internals.cudnn_dense_attention_forward`), whose plans torch
-  keeps by shape: the sequences of a call batched by length, each padded with zero rows to its
-  length's bucket (a query attends only keys at or before its own position, so the padding is
-  seen only by padding), the batch to its bucket with empty sequences; sequences of one length
-  laid out back to back go in as views. Its unmasked calls (a cached prefix) go to the ``flash``
-  backend's entry, where the mask alignment does not matter. Query/key and value head sizes stay
-  apart (640 FLOPs per pair). Checked once per device as ``cudnn`` is.
+* ``cudnn-dense``: torch's dense cuDNN attention
+  (:data:`megatron_ext.internals.cudnn_dense_attention_forward`), whose plans torch keeps by
+  shape, with the ``flash`` backend's bottom-right plan. Square causal sequences (fresh
+  prefills) take its causal flag: batched by length, each padded with zero rows to its length's
+  bucket (a query attends only keys at or before its own position, so the padding is seen only
+  by padding), the batch to its bucket with empty sequences; sequences of one length laid out
+  back to back go in as views. Others (a chunk behind cached rows, a chunk's unmasked rest) are
+  batched by bucketed query and key lengths with the mask as an additive bias, built once per
+  step (:func:`masked_groups`). Query/key and value head sizes stay apart (640 FLOPs per pair).
+  Checked once per device as ``cudnn`` is, both ways.
 * ``flash``: torch's FlashAttention-2 entry
   (:data:`megatron_ext.internals.flash_attention_forward`), packed with cumulative lengths, its
   causal mask aligned bottom-right: one call per chunk of rows over the requests' cached and
@@ -57,9 +59,11 @@ __all__ = [
     "SPLIT_BACKENDS",
     "WHOLE_BACKENDS",
     "DenseGroup",
+    "MaskedGroup",
     "Ragged",
     "bucket",
     "dense_groups",
+    "masked_groups",
     "empty_sequences_supported",
     "flash_head_dim",
     "needs_offsets",
@@ -74,13 +78,13 @@ __all__ = [
 
 # Backends whose causal mask is top-left (a cached prefix is attended in a second call) and those
 # with a bottom-right mask (a request's cached and new rows in one call).
-SPLIT_BACKENDS = ("cudnn", "cudnn-dense", "torch")
-WHOLE_BACKENDS = ("te", "flash", "torch-bottom-right")
+SPLIT_BACKENDS = ("cudnn", "torch")
+WHOLE_BACKENDS = ("te", "flash", "cudnn-dense", "torch-bottom-right")
 # FlashAttention-2's largest head size.
 FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.
-CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "top_left", "flash": "bottom_right"}
+CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "bottom_right", "flash": "bottom_right"}
 BACKENDS = SPLIT_BACKENDS + WHOLE_BACKENDS
 
 
@@ -261,6 +265,40 @@ def dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup,
     return groups
 
 
+def _dense_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    want_lse: bool,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One call of torch's dense cuDNN entry on batches ``[batch, rows, heads, width]``.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: the output as [batch * rows, heads, v] and the
+        log-sum-exp as [batch * rows, heads] (or None).
+    """
+    batch, rows, heads = q.shape[:3]
+    result = internals.cudnn_dense_attention_forward(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        bias,
+        want_lse,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )
+    out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
+    if not want_lse:
+        return out, None
+    # [batch, heads, rows] (or with a trailing 1) as torch returns it.
+    return out, result[1].reshape(-1, heads, rows).transpose(1, 2).reshape(-1, heads)
+
+
 def _cudnn_dense(
     q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
 ) -> Tuple[Tensor, Optional[Tensor]]:
@@ -298,27 +336,156 @@ def _cudnn_dense(
             for dense, packed in ((qd, q), (kd, k), (vd, v)):
                 dense[padded] = packed[rows]
             qd, kd, vd = (x.view(group.batch, length, heads, -1) for x in (qd, kd, vd))
-        result = internals.cudnn_dense_attention_forward(
-            qd.transpose(1, 2),
-            kd.transpose(1, 2),
-            vd.transpose(1, 2),
-            None,
-            want_lse,
-            0.0,
-            True,
-            False,
-            scale=scale,
-        )
-        dense_out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
-        dense_lse = None
-        if want_lse:
-            # [batch, heads, length] (or with a trailing 1) as torch returns it.
-            dense_lse = result[1].reshape(-1, heads, length).transpose(1, 2).reshape(-1, heads)
+        dense_out, dense_lse = _dense_call(qd, kd, vd, None, True, scale, want_lse)
         if alone:
             return dense_out, (dense_lse.float() if want_lse else None)
         out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
         if want_lse:
             lse[rows] = (dense_lse if isinstance(rows, slice) else dense_lse[padded]).float()
+    return out, lse
+
+
+class MaskedGroup(NamedTuple):
+    """Sequences of one (bucketed query length, bucketed key length) run as one dense batch
+    with an additive mask (:func:`masked_groups`).
+
+    Attributes:
+        query_length, key_length: the batch's rows per sequence.
+        batch: the batch (the sequences rounded up to a bucket; the rest zero rows).
+        queries, keys: [2, rows] int64 on the device: each packed row and its place in the
+            batch.
+        bias: [batch, 1, query_length, key_length] in the operands' dtype: 0 where a query
+            attends a key, -inf elsewhere (padding queries attend the first key, their outputs
+            dropped).
+    """
+
+    query_length: int
+    key_length: int
+    batch: int
+    queries: Tensor
+    keys: Tensor
+    bias: Tensor
+
+
+# A step's masks are the same for every layer: built once, kept like a step's plan (a mask is
+# query rows x key rows; the bound keeps few).
+_MASKED_GROUPS = PlanCache(max_entries=4)
+
+
+def _rows_into_batch(
+    starts: np.ndarray, lengths: np.ndarray, stride: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Packed rows of the sequences (``starts``, ``lengths``) and their places in a batch of
+    ``stride`` rows per sequence."""
+    within = offsets_within(lengths)
+    places = np.repeat(np.arange(len(lengths), dtype=np.int64) * stride, lengths) + within
+    return np.repeat(starts, lengths) + within, places
+
+
+def _build_masked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
+) -> Tuple[MaskedGroup, ...]:
+    q_starts, k_starts = np.cumsum(q_lens) - q_lens, np.cumsum(k_lens) - k_lens
+    q_buckets = np.array([bucket(int(n)) for n in q_lens], dtype=np.int64)
+    k_buckets = np.array([bucket(int(n)) for n in k_lens], dtype=np.int64)
+    # A sequence without keys (or queries) is left out: its rows keep zeros and -inf.
+    live = (q_lens > 0) & (k_lens > 0)
+    groups = []
+    for lq, lk in sorted(set(zip(q_buckets[live].tolist(), k_buckets[live].tolist()))):
+        members = np.flatnonzero(live & (q_buckets == lq) & (k_buckets == lk))
+        batch = bucket(len(members), minimum=1)
+        queries = np.stack(_rows_into_batch(q_starts[members], q_lens[members], lq))
+        keys = np.stack(_rows_into_batch(k_starts[members], k_lens[members], lk))
+        index = to_device(np.concatenate([queries, keys], axis=1), device).long()
+        lengths = np.zeros((2, batch), dtype=np.int64)
+        lengths[0, : len(members)], lengths[1, : len(members)] = q_lens[members], k_lens[members]
+        q_len, k_len = torch.from_numpy(lengths).to(device)[:, :, None, None, None]
+        row = torch.arange(lq, device=device)[None, None, :, None]
+        col = torch.arange(lk, device=device)[None, None, None, :]
+        allowed = (col < k_len) & (row < q_len)
+        if causal:  # bottom-right: query i of q sits at key position k - q + i
+            allowed &= col <= k_len - q_len + row
+        allowed |= (row >= q_len) & (col == 0)
+        # Rows of the mask start on 16 bytes (cuDNN's alignment for its strides).
+        width = -(-lk // 8) * 8
+        bias = torch.zeros(batch, 1, lq, width, dtype=dtype, device=device)[..., :lk]
+        bias.masked_fill_(~allowed, -math.inf)
+        split = queries.shape[1]
+        groups.append(MaskedGroup(lq, lk, batch, index[:, :split], index[:, split:], bias))
+    return tuple(groups)
+
+
+def masked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
+) -> Tuple[MaskedGroup, ...]:
+    """Sequences grouped by bucketed query and key lengths for dense batches with an additive
+    mask (bottom-right causal, or only the padding), built once per lengths, device and stream.
+
+    Args:
+        q_lens, k_lens: int64 query and key lengths per sequence (host).
+        causal: mask the keys past each query's position (bottom-right).
+        device, dtype: where the batches run, and the masks' dtype (the operands').
+
+    Returns:
+        Tuple[MaskedGroup, ...]: the groups.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    q_lens, k_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(k_lens, dtype=np.int64)
+    key = (q_lens.tobytes(), k_lens.tobytes(), causal, device, dtype, stream)
+    groups = _MASKED_GROUPS.get(key)
+    if groups is None:
+        groups = _MASKED_GROUPS.put(
+            key, _build_masked_groups(q_lens, k_lens, causal, device, dtype)
+        )
+    return groups
+
+
+def _cudnn_dense_masked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lens: np.ndarray,
+    k_lens: np.ndarray,
+    causal: bool,
+    scale: float,
+    want_lse: bool,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """torch's dense cuDNN attention of packed sequences of any query and key lengths, the mask
+    (bottom-right causal, or only the padding) an additive bias, one call per group of bucketed
+    lengths (:func:`masked_groups`: cuDNN plans per shape, and buckets keep the shapes few).
+
+    Args:
+        q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v], packed.
+        q_lens, k_lens: the sequences' lengths (host).
+        causal: bottom-right causal, else unmasked.
+        scale: the softmax scale.
+        want_lse: also return the log-sum-exps.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 or None
+        (zeros and -inf for a query without keys and past the lengths).
+    """
+    tokens, heads = q.shape[:2]
+    out = q.new_zeros(tokens, heads, v.shape[-1])
+    lse = None
+    if want_lse:
+        lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    for group in masked_groups(q_lens, k_lens, causal, q.device, q.dtype):
+        lq, lk, batch = group.query_length, group.key_length, group.batch
+        dense = []
+        for packed, index, rows in (
+            (q, group.queries, lq),
+            (k, group.keys, lk),
+            (v, group.keys, lk),
+        ):
+            x = packed.new_zeros(batch * rows, heads, packed.shape[-1])
+            x[index[1]] = packed[index[0]]
+            dense.append(x.view(batch, rows, heads, -1))
+        bias = group.bias.expand(batch, heads, lq, lk)
+        dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
+        out[group.queries[0]] = dense_out[group.queries[1]]
+        if want_lse:
+            lse[group.queries[0]] = dense_lse[group.queries[1]].float()
     return out, lse
 
 
@@ -429,9 +596,7 @@ def ragged_offsets(backend: str, q_lens: np.ndarray, k_lens: np.ndarray) -> np.n
 
 def needs_offsets(backend: str, causal: Optional[str]) -> bool:
     """Whether a call of ``backend`` with mask ``causal`` takes cumulative lengths."""
-    if backend in ("torch", "torch-bottom-right"):
-        return False
-    return not (backend == "cudnn-dense" and causal is not None)
+    return backend not in ("torch", "torch-bottom-right", "cudnn-dense")
 
 
 def varlen_attention(
@@ -452,8 +617,9 @@ def varlen_attention(
         backend: one of :data:`BACKENDS`.
         q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v].
         lengths: host query and key lengths per request.
-        causal: None, ``"top_left"`` (``cudnn``, ``cudnn-dense``: square sequences only,
-            ``torch``) or ``"bottom_right"`` (``te``, ``flash``, ``torch-bottom-right``).
+        causal: None, ``"top_left"`` (``cudnn``, ``torch``; ``cudnn-dense``: square sequences
+            only) or ``"bottom_right"`` (``te``, ``flash``, ``cudnn-dense``,
+            ``torch-bottom-right``).
         scale: the softmax scale.
         want_lse: also return the natural log-sum-exp of each query's scaled logits (split
             backends only).
@@ -470,15 +636,15 @@ def varlen_attention(
         out, lse = torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
     if backend == "cudnn-dense":
-        if causal is not None:
-            if not np.array_equal(q_lens, k_lens):
-                raise ValueError(
-                    "the cudnn-dense backend masks square sequences only; got query lengths "
-                    f"{q_lens.tolist()} and key lengths {k_lens.tolist()}"
-                )
+        if causal is not None and np.array_equal(q_lens, k_lens):
+            # Square: the causal flag (no mask to read; cuDNN skips the masked tiles).
             return _cudnn_dense(q, k, v, q_lens, scale, want_lse)
-        # Unmasked: no mask to align, so FlashAttention's entry takes it.
-        backend = "flash"
+        if causal == "top_left":
+            raise ValueError(
+                "the cudnn-dense backend masks top-left square sequences only; got query "
+                f"lengths {q_lens.tolist()} and key lengths {k_lens.tolist()}"
+            )
+        return _cudnn_dense_masked(q, k, v, q_lens, k_lens, causal is not None, scale, want_lse)
     if cu is None:
         cu = to_device(ragged_offsets(backend, q_lens, k_lens), q.device)
     requests, k_start = _offsets_layout(backend, q_lens)
@@ -535,9 +701,9 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
 
     Two small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
     DeepSeek-V3's widths, nine short sequences: a causal call in the backend's alignment, square
-    blocks for ``cudnn`` and ``cudnn-dense``, two cached rows before the new ones for ``flash``,
-    and an unmasked
-    one), compared with the plain-torch backend. torch releases and GPUs differ in what the
+    blocks for ``cudnn``, two cached rows before the new ones for ``flash`` and ``cudnn-dense``
+    (square blocks too for ``cudnn-dense``, which takes them another way), and an unmasked one),
+    compared with the plain-torch backend. torch releases and GPUs differ in what the
     operators take (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
     GPUs before Hopper have no ragged cuDNN attention, before Ampere no FlashAttention), and a
     refusal mid-step, or a result that disagrees (a mask aligned otherwise, another log-sum-exp
@@ -553,7 +719,7 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
     """
     names = {
         "cudnn": "torch's ragged cuDNN attention",
-        "cudnn-dense": "torch's dense cuDNN attention (unmasked: its ragged FlashAttention)",
+        "cudnn-dense": "torch's dense cuDNN attention",
         "flash": "torch's ragged FlashAttention",
     }
     if backend not in CHECKED_BACKENDS:
@@ -568,7 +734,10 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
 
     q, scale = randn(tokens, 192), 0.1
     causal_keys = q_lens if mask == "top_left" else q_lens + 2
-    for causal, k_lens in ((mask, causal_keys), (None, q_lens + 2)):
+    calls = [(mask, causal_keys), (None, q_lens + 2)]
+    if backend == "cudnn-dense":  # square sequences take the causal flag, not the mask
+        calls.append((mask, q_lens))
+    for causal, k_lens in calls:
         k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
         try:
             out, lse = varlen_attention(backend, q, k, v, (q_lens, k_lens), causal, scale, True)

@@ -190,17 +190,25 @@ def matches_float64(requests, backend, budget, seed, **widths) -> dict:
 
 def cudnn_dense_stand_in(seen):
     """A stand-in for torch's dense cuDNN operator (its contract: [batch, heads, length, width],
-    top-left causal, log-sum-exp as [batch, heads, length]) that records each call's shapes and
-    storage."""
+    top-left causal on square calls, an additive bias broadcast to [batch, heads, queries,
+    keys], log-sum-exp as [batch, heads, queries]) that records each call's shapes, storage and
+    whether it had a bias."""
 
     def stand_in(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
-        assert bias is None and dropout == 0.0 and causal and not debug
+        assert dropout == 0.0 and not debug
         batch, heads, length, _ = q.shape
-        assert k.shape[:3] == v.shape[:3] == (batch, heads, length)
-        seen.append((batch, length, q.untyped_storage().data_ptr()))
-        rows = torch.arange(length)
+        keys = k.shape[2]
+        assert k.shape[:2] == v.shape[:2] == (batch, heads) and v.shape[2] == keys
+        assert not (causal and bias is not None), "the flag or a bias, not both"
+        seen.append((batch, length, q.untyped_storage().data_ptr(), bias is not None))
         scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
-        scores = scores.masked_fill(rows[None, :] > rows[:, None], -math.inf)
+        if causal:
+            assert length == keys, "top-left causal on a call that is not square"
+            rows = torch.arange(length)
+            scores = scores.masked_fill(rows[None, :] > rows[:, None], -math.inf)
+        if bias is not None:
+            assert bias.shape == (batch, heads, length, keys) and bias.dtype == q.dtype
+            scores = scores + bias.double()
         lse = torch.logsumexp(scores, -1)
         out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse[..., None]), v.double())
         return out.to(q.dtype), lse.float()

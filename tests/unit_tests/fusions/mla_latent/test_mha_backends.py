@@ -27,6 +27,7 @@ from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     PREFILL,
     SCALE,
     assert_buckets,
+    cudnn_dense_stand_in,
     cudnn_stand_in,
     deepseek_step,
     dense_backend,
@@ -151,16 +152,19 @@ def test_cudnn_ragged_check(monkeypatch, operator, problem):
     "requests", [PREFILL, CHUNKED, MIXED, NINE], ids=["prefill", "chunked", "mixed", "nine"]
 )
 def test_cudnn_dense_glue_with_stand_in_operators(monkeypatch, requests, budget):
-    """The dense cuDNN backend: causal blocks batched by length bucket (padded rows and empty
-    sequences), cached prefixes through FlashAttention's entry, merged; float64's result."""
+    """The dense cuDNN backend: square causal sequences batched by length bucket with the
+    causal flag (padded rows and empty sequences), the others (a chunk behind cached rows, a
+    chunk's unmasked rest) batched by bucketed lengths with a bias; never FlashAttention's
+    entry; float64's result."""
     seen, flash_seen = [], []
     dense_backend(monkeypatch, seen, flash_seen)
     matches_float64(requests, "cudnn-dense", budget, seed=13)
-    assert seen and all(length == bucket(length) and batch >= 1 for batch, length, _ in seen)
-    # A cached prefix (or, under a budget, rows of an earlier chunk) is attended unmasked,
-    # through FlashAttention's entry.
+    assert seen and all(length == bucket(length) and batch >= 1 for batch, length, _, _ in seen)
+    assert flash_seen == []
+    # A cached prefix (or, under a budget, rows of an earlier chunk) takes the masked path.
     has_prefix = any(cached for cached, _ in requests)
-    assert bool(flash_seen) == has_prefix if budget is None else bool(flash_seen) >= has_prefix
+    masked = any(bias for _, _, _, bias in seen)
+    assert masked == has_prefix if budget is None else masked >= has_prefix
 
 
 def test_cudnn_dense_takes_equal_back_to_back_prefills_as_views(monkeypatch):
@@ -174,8 +178,8 @@ def test_cudnn_dense_takes_equal_back_to_back_prefills_as_views(monkeypatch):
     out, lse = mha_form.varlen_attention(
         "cudnn-dense", q, k, v, (lengths, lengths), "top_left", 0.3, True
     )
-    assert sorted((b, n) for b, n, _ in seen) == [(1, 16), (2, 32)]
-    views = [ptr for b, n, ptr in seen if n == 32]
+    assert sorted((b, n) for b, n, _, _ in seen) == [(1, 16), (2, 32)]
+    views = [ptr for b, n, ptr, _ in seen if n == 32]
     assert views == [q.untyped_storage().data_ptr()]
     want, want_lse = mha_backends.torch_varlen(q, k, v, lengths, lengths, "top_left", 0.3)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
@@ -219,23 +223,32 @@ def test_ragged_check_of_each_backend_passes_a_faithful_operator(monkeypatch, ba
     assert mha_form.ragged_check(backend, torch.device("cpu")) is None
 
 
-def test_dense_cudnn_check_names_a_mask_aligned_otherwise(monkeypatch):
-    """A dense operator that ignores the causal flag disagrees with plain torch: refused."""
-    dense_backend(monkeypatch)
-    faithful = mha_backends.internals.cudnn_dense_attention_forward
+@pytest.mark.parametrize("ignores", ["causal flag", "bias"])
+def test_dense_cudnn_check_refuses_an_operator_that_drops_a_mask(monkeypatch, ignores):
+    """A dense operator that ignores the causal flag (the square path) or the bias (the masked
+    path) disagrees with plain torch on that call: refused, the call named."""
+    seen = []
+    faithful = cudnn_dense_stand_in(seen)
 
-    def unmasked(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
-        length = q.shape[2]
-        ones = torch.ones(length, length, dtype=torch.bool)
-        scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
-        lse = torch.logsumexp(scores.masked_fill(~ones, -math.inf), -1)
-        out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(scores - lse[..., None]), v.double())
-        return out.to(q.dtype), lse.float()
+    def unfaithful(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
+        if ignores == "bias":
+            bias = None
+        return faithful(
+            q,
+            k,
+            v,
+            bias,
+            want_lse,
+            dropout,
+            causal and ignores != "causal flag",
+            debug,
+            scale=scale,
+        )
 
-    assert faithful is not None
-    monkeypatch.setattr(mha_backends.internals, "cudnn_dense_attention_forward", unmasked)
+    monkeypatch.setattr(mha_backends.internals, "cudnn_dense_attention_forward", unfaithful)
     problem = mha_form.ragged_check("cudnn-dense", torch.device("cpu"))
-    assert problem is not None and "dense cuDNN" in problem and "top_left" in problem
+    assert problem is not None and "dense cuDNN" in problem and "bottom_right" in problem
+    assert seen, "the check never reached the operator"
 
 
 def _top_left_flash(*args, scale):
@@ -429,3 +442,43 @@ def test_dense_groups_are_built_once_per_lengths():
     assert short.index[0].tolist() == list(range(64, 75))
     assert short.index[1].tolist() == list(range(0, 5)) + list(range(16, 22))
     assert mha_backends.dense_groups(np.array([32, 32]), cpu) is not groups
+
+
+def test_masked_groups_mask_bottom_right_and_are_built_once():
+    """A chunk of 2 new tokens on 3 rows and a square 3: grouped by bucketed lengths, the bias
+    0 where a query attends (bottom-right), -inf elsewhere; padding queries attend the first
+    key; a sequence without keys left out; one build per lengths."""
+    cpu = torch.device("cpu")
+    q_lens, k_lens = np.array([2, 3, 4]), np.array([3, 3, 0])
+    groups = mha_backends.masked_groups(q_lens, k_lens, True, cpu, torch.float32)
+    assert mha_backends.masked_groups(q_lens, k_lens, True, cpu, torch.float32) is groups
+    (group,) = groups  # both live sequences bucket to (16, 16)
+    assert (group.query_length, group.key_length, group.batch) == (16, 16, 2)
+    allowed = group.bias[:, 0] == 0
+    assert allowed[0, 0, :3].tolist() == [True, True, False]  # query 0 of 2 sits at row 1
+    assert allowed[0, 1, :3].tolist() == [True, True, True]
+    assert allowed[1, :3, :3].tolist() == torch.ones(3, 3).tril().bool().tolist()
+    assert allowed[0, 2:].sum(-1).tolist() == [1] * 14 and allowed[0, 2:, 0].all()
+    assert not allowed[:, :, 3:].any()
+    # Packed rows 0-1 and 2-4 to batch places 0-1 and 16-18; keys 0-2 and 3-5 likewise.
+    assert group.queries.tolist() == [[0, 1, 2, 3, 4], [0, 1, 16, 17, 18]]
+    assert group.keys.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 16, 17, 18]]
+    unmasked = mha_backends.masked_groups(q_lens, k_lens, False, cpu, torch.float32)
+    assert unmasked is not groups and (unmasked[0].bias[0, 0, :2, :3] == 0).all()
+
+
+def test_dense_masked_calls_match_plain_torch_with_a_keyless_sequence(monkeypatch):
+    dense_backend(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    q_lens, k_lens = np.array([2, 3, 4]), np.array([5, 3, 0])
+    q = torch.randn(9, 2, 24, generator=gen, dtype=torch.float64)
+    k = torch.randn(8, 2, 24, generator=gen, dtype=torch.float64)
+    v = torch.randn(8, 2, 8, generator=gen, dtype=torch.float64)
+    for causal in ("bottom_right", None):
+        out, lse = mha_form.varlen_attention(
+            "cudnn-dense", q, k, v, (q_lens, k_lens), causal, 0.3, True
+        )
+        want, want_lse = mha_backends.torch_varlen(q, k, v, q_lens, k_lens, causal, 0.3)
+        torch.testing.assert_close(out[:5], want[:5], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[:5], want_lse[:5].float(), rtol=1e-6, atol=1e-6)
+        assert not out[5:].any() and (lse[5:] == -math.inf).all()
