@@ -115,6 +115,8 @@ MLA_LATENT_ORDER = (
     "rope_cache_append",
     "mha_backends",
     "mha_chunks",
+    "mha_plan",
+    "mha_weights",
     "mha_form",
 )
 # The former import paths: shims that re-export the package's names for outside code.
