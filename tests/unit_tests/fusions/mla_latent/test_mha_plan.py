@@ -62,3 +62,36 @@ def test_layers_sharing_a_plan_get_their_own_answers():
         expected = reference(step, query, cache, weight, lengths)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
     assert len(mha_plan.MHA_PLANS) == 1, "the second layer planned the step again"
+
+
+def test_threads_sharing_the_caches_get_their_own_answers():
+    """Threads stepping at once (one model, several engines): each step's plan and each
+    weight's layout come from the shared caches, every answer its own step's."""
+    import threading
+
+    steps = [mha_step(requests, 2, seed=seed) for seed, requests in enumerate([MIXED, [(3, 4)]])]
+    expected = [reference(*step) for step in steps]
+    failures = []
+
+    def work(index):
+        step, query, cache, weight, lengths = steps[index % 2]
+        for _ in range(5):
+            got = mla_paged_mha_attention(
+                query,
+                cache,
+                step.block_table,
+                weight,
+                SCALE,
+                rope_dim=16,
+                backend="torch",
+                **lengths,
+            )
+            if not torch.allclose(got.double(), expected[index % 2], rtol=1e-5, atol=2e-5):
+                failures.append(index)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
