@@ -62,6 +62,7 @@ __all__ = [
     "MaskedGroup",
     "Ragged",
     "bucket",
+    "clear_groups",
     "dense_groups",
     "masked_groups",
     "empty_sequences_supported",
@@ -399,7 +400,8 @@ def _build_masked_groups(
         index = to_device(np.concatenate([queries, keys], axis=1), device).long()
         lengths = np.zeros((2, batch), dtype=np.int64)
         lengths[0, : len(members)], lengths[1, : len(members)] = q_lens[members], k_lens[members]
-        q_len, k_len = torch.from_numpy(lengths).to(device)[:, :, None, None, None]
+        # Through pinned memory, asynchronously: a pageable copy would wait for the stream.
+        q_len, k_len = to_device(lengths, device)[:, :, None, None, None]
         row = torch.arange(lq, device=device)[None, None, :, None]
         col = torch.arange(lk, device=device)[None, None, None, :]
         allowed = (col < k_len) & (row < q_len)
@@ -438,6 +440,12 @@ def masked_groups(
             key, _build_masked_groups(q_lens, k_lens, causal, device, dtype)
         )
     return groups
+
+
+def clear_groups() -> None:
+    """Forget the kept dense and masked groups (their index tensors and masks)."""
+    _DENSE_GROUPS.clear()
+    _MASKED_GROUPS.clear()
 
 
 def _cudnn_dense_masked(

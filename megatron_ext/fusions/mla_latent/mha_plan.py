@@ -20,13 +20,22 @@ from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent.mha_backends import (
     SPLIT_BACKENDS,
     bucket,
+    clear_groups,
     needs_offsets,
     ragged_offsets,
     to_device,
 )
 from megatron_ext.fusions.mla_latent.mha_chunks import call_tokens, each_token_once, plan_chunks
 
-__all__ = ["MHA_PLANS", "MhaPlan", "PlannedCall", "PlannedChunk", "mha_plan", "padded_size"]
+__all__ = [
+    "MHA_PLANS",
+    "MhaPlan",
+    "PlannedCall",
+    "PlannedChunk",
+    "clear_step_caches",
+    "mha_plan",
+    "padded_size",
+]
 
 # Steps' plans kept: a plan holds two int32 device arrays of its rows (and small offset arrays),
 # so the bound keeps their memory small; the layers of one step share one.
@@ -207,3 +216,10 @@ def mha_plan(
             key, _build(q_lens, kv_lens, backend, budget, block_size, max_blocks, device)
         )
     return plan
+
+
+def clear_step_caches() -> None:
+    """Forget every kept step plan and the backends' per-step groups (the next call of each
+    step builds them again)."""
+    MHA_PLANS.clear()
+    clear_groups()

@@ -18,6 +18,8 @@ import torch
 from megatron_ext.fusions.mla_latent import (
     mha_backends,
     mha_form,
+    mha_plan,
+    mha_weights,
 )
 from megatron_ext.fusions.mla_latent.mha_form import bucket, mla_paged_mha_attention
 from tests.unit_tests.fusions.mla_latent.mha_testlib import (
@@ -482,3 +484,26 @@ def test_dense_masked_calls_match_plain_torch_with_a_keyless_sequence(monkeypatc
         torch.testing.assert_close(out[:5], want[:5], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[:5], want_lse[:5].float(), rtol=1e-6, atol=1e-6)
         assert not out[5:].any() and (lse[5:] == -math.inf).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn-dense", "flash"])
+@pytest.mark.parametrize("requests", [PREFILL, CHUNKED, MIXED], ids=["prefill", "chunked", "mixed"])
+def test_gpu_building_a_steps_plan_and_masks_does_not_synchronise(backend, requests):
+    """A step's first call builds its plan, its groups or masks and the weights' layout: all of
+    it queued on the stream, no host synchronisation (the operators' own first-use planning is
+    done by a call before)."""
+    if backend not in mha_backends.present_backends():
+        pytest.skip(f"the {backend} backend is not available here")
+    step, query, cache, weight, lengths = deepseek_step(requests, 16, torch.bfloat16)
+    call = dict(rope_dim=64, backend=backend, **lengths)
+    expected = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    mha_plan.clear_step_caches()
+    mha_weights.clear_up_projections()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected), "a rebuilt plan moved the bits"
