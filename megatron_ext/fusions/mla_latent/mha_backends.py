@@ -358,6 +358,8 @@ class MaskedGroup(NamedTuple):
         bias: [batch, 1, query_length, key_length] in the operands' dtype: 0 where a query
             attends a key, -inf elsewhere (padding queries attend the first key, their outputs
             dropped).
+        query_rows, key_rows: the packed rows where that side's sequences lie back to back and
+            full (the batch is a view of them, no copy), else None.
     """
 
     query_length: int
@@ -366,6 +368,8 @@ class MaskedGroup(NamedTuple):
     queries: Tensor
     keys: Tensor
     bias: Tensor
+    query_rows: Optional[slice]
+    key_rows: Optional[slice]
 
 
 # A step's masks are the same for every layer: built once, kept like a step's plan (a mask is
@@ -381,6 +385,19 @@ def _rows_into_batch(
     within = offsets_within(lengths)
     places = np.repeat(np.arange(len(lengths), dtype=np.int64) * stride, lengths) + within
     return np.repeat(starts, lengths) + within, places
+
+
+def _back_to_back(
+    starts: np.ndarray, lengths: np.ndarray, rows: int, batch: int
+) -> Optional[slice]:
+    """The packed rows of sequences that fill a batch of ``rows`` per sequence back to back
+    (a view of them is the batch), else None."""
+    count = len(lengths)
+    if batch != count or not (lengths == rows).all():
+        return None
+    if not (starts == starts[0] + rows * np.arange(count)).all():
+        return None
+    return slice(int(starts[0]), int(starts[0]) + count * rows)
 
 
 def _build_masked_groups(
@@ -413,7 +430,13 @@ def _build_masked_groups(
         bias = torch.zeros(batch, 1, lq, width, dtype=dtype, device=device)[..., :lk]
         bias.masked_fill_(~allowed, -math.inf)
         split = queries.shape[1]
-        groups.append(MaskedGroup(lq, lk, batch, index[:, :split], index[:, split:], bias))
+        query_rows = _back_to_back(q_starts[members], q_lens[members], lq, batch)
+        key_rows = _back_to_back(k_starts[members], k_lens[members], lk, batch)
+        groups.append(
+            MaskedGroup(
+                lq, lk, batch, index[:, :split], index[:, split:], bias, query_rows, key_rows
+            )
+        )
     return tuple(groups)
 
 
@@ -481,16 +504,25 @@ def _cudnn_dense_masked(
     for group in masked_groups(q_lens, k_lens, causal, q.device, q.dtype):
         lq, lk, batch = group.query_length, group.key_length, group.batch
         dense = []
-        for packed, index, rows in (
-            (q, group.queries, lq),
-            (k, group.keys, lk),
-            (v, group.keys, lk),
-        ):
+        sides = (
+            (q, group.queries, lq, group.query_rows),
+            (k, group.keys, lk, group.key_rows),
+            (v, group.keys, lk, group.key_rows),
+        )
+        for packed, index, rows, view in sides:
+            if view is not None:  # back to back and full: the packed rows are the batch
+                dense.append(packed[view].view(batch, rows, heads, -1))
+                continue
             x = packed.new_zeros(batch * rows, heads, packed.shape[-1])
             x[index[1]] = packed[index[0]]
             dense.append(x.view(batch, rows, heads, -1))
         bias = group.bias.expand(batch, heads, lq, lk)
         dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
+        if group.query_rows is not None:
+            out[group.query_rows] = dense_out
+            if want_lse:
+                lse[group.query_rows] = dense_lse.float()
+            continue
         out[group.queries[0]] = dense_out[group.queries[1]]
         if want_lse:
             lse[group.queries[0]] = dense_lse[group.queries[1]].float()

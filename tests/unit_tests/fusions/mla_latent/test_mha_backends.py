@@ -507,3 +507,31 @@ def test_gpu_building_a_steps_plan_and_masks_does_not_synchronise(backend, reque
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, expected), "a rebuilt plan moved the bits"
+
+
+def test_dense_masked_calls_take_full_back_to_back_sequences_as_views(monkeypatch):
+    """A chunk of 16 new tokens on 32 rows (both buckets): the batch is a view of the packed
+    query, key and value rows (no gathered copies); the result plain torch's."""
+    seen = []
+    dense_backend(monkeypatch, seen)
+    gen = torch.Generator().manual_seed(8)
+    q_lens, k_lens = np.array([16]), np.array([32])
+    q = torch.randn(16, 2, 24, generator=gen, dtype=torch.float64)
+    k = torch.randn(32, 2, 24, generator=gen, dtype=torch.float64)
+    v = torch.randn(32, 2, 8, generator=gen, dtype=torch.float64)
+    (group,) = mha_backends.masked_groups(q_lens, k_lens, True, q.device, q.dtype)
+    assert group.query_rows == slice(0, 16) and group.key_rows == slice(0, 32)
+    out, lse = mha_form.varlen_attention(
+        "cudnn-dense", q, k, v, (q_lens, k_lens), "bottom_right", 0.3, True
+    )
+    assert [(b, n, ptr, masked) for b, n, ptr, masked in seen] == [
+        (1, 16, q.untyped_storage().data_ptr(), True)
+    ]
+    want, want_lse = mha_backends.torch_varlen(q, k, v, q_lens, k_lens, "bottom_right", 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+    # Two sequences of a group, the second not full: gathered.
+    (gathered,) = mha_backends.masked_groups(
+        np.array([16, 12]), np.array([32, 30]), True, q.device, q.dtype
+    )
+    assert gathered.query_rows is None and gathered.key_rows is None
