@@ -60,6 +60,7 @@ __all__ = [
     "BACKENDS",
     "CHECKED_BACKENDS",
     "FLASH_MAX_HEAD_DIM",
+    "MAX_TABLE_ENTRIES",
     "ROW_BUDGET",
     "SPLIT_BACKENDS",
     "bucket",
@@ -80,6 +81,8 @@ __all__ = [
 # with the flash backend's values padded to 192 columns). Unbounded, a 1024-token chunk behind
 # 32768 cached rows would hold 33792 rows, 2.6 GB. 6144 is a bucket, so the cuDNN plans stay few.
 ROW_BUDGET = 6144
+# The step's plan addresses the block table with int32 indices (one host-to-device copy of them).
+MAX_TABLE_ENTRIES = 2**31 - 1
 
 
 def _lengths(name: str, values: Sequence[int]) -> np.ndarray:
@@ -168,6 +171,11 @@ def check_mha_call(
         )
     if int(q_lens.sum()) > tokens:
         raise ValueError(f"query_lengths sum to {int(q_lens.sum())}, over the {tokens} tokens")
+    if block_table.numel() > MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"block_table has {block_table.numel()} entries; the MHA form addresses it with "
+            f"32-bit indices (at most {MAX_TABLE_ENTRIES})"
+        )
     capacity = block_table.shape[1] * kv_cache.shape[1]
     if (kv_lens > capacity).any():
         raise ValueError(

@@ -218,3 +218,17 @@ def test_a_step_in_one_call_returns_the_calls_output_without_a_copy(monkeypatch)
         assert torch.equal(got[:9], part[:9]) and not got[9:].any()
         expected = reference(step, query, cache, weight, lengths)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+
+
+def test_a_table_past_32_bit_indices_is_refused(monkeypatch):
+    """The plan's int32 table indices: a table with more entries is refused before any work
+    (the limit lowered here: a real one would take 8 GB)."""
+    step, query, cache, weight, lengths = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    monkeypatch.setattr(mha_form, "MAX_TABLE_ENTRIES", step.block_table.numel() - 1)
+    calls = []
+    monkeypatch.setattr(mha_form, "decompressed_keys_values", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="32-bit indices"):
+        mla_paged_mha_attention(
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
+        )
+    assert calls == []
