@@ -113,6 +113,8 @@ MLA_LATENT_ORDER = (
     "attention_plan",
     "attention",
     "rope_cache_append",
+    "mha_rows",
+    "mha_dense",
     "mha_backends",
     "mha_chunks",
     "mha_plan",

@@ -15,8 +15,9 @@ One concern per module, each importing only the ones before it and the ground fl
 * :mod:`.attention`: :func:`mla_paged_latent_attention` and its plan cache.
 * :mod:`.rope_cache_append`: the RoPE + append kernel, its plan and
   :func:`fused_mla_rope_cache_append`.
-* :mod:`.mha_backends`, :mod:`.mha_chunks`, :mod:`.mha_plan`, :mod:`.mha_weights`: the MHA
-  form's ragged attention backends, its chunks of rows, a step's plan and the decompression
+* :mod:`.mha_rows`, :mod:`.mha_dense`, :mod:`.mha_backends`, :mod:`.mha_chunks`,
+  :mod:`.mha_plan`, :mod:`.mha_weights`: the MHA form's row arithmetic, its dense cuDNN calls,
+  its ragged attention backends, its chunks of rows, a step's plan and the decompression
   weights' layout.
 * :mod:`.mha_form`: :func:`mla_paged_mha_attention`, the same attention in the MHA form
   (decompressed keys and values, dense ragged attention on FlashAttention, cuDNN, Transformer

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_ext.fusions.mla_latent.mha_backends import offsets_within
+from megatron_ext.fusions.mla_latent.mha_rows import offsets_within
 
 __all__ = ["Call", "Chunk", "call_tokens", "each_token_once", "merge_partials", "plan_chunks"]
 

@@ -44,7 +44,6 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     CHECKED_BACKENDS,
     FLASH_MAX_HEAD_DIM,
     SPLIT_BACKENDS,
-    bucket,
     empty_sequences_supported,
     flash_head_dim,
     present_backends,
@@ -53,6 +52,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
 )
 from megatron_ext.fusions.mla_latent.mha_chunks import merge_partials
 from megatron_ext.fusions.mla_latent.mha_plan import mha_plan
+from megatron_ext.fusions.mla_latent.mha_rows import bucket
 from megatron_ext.fusions.mla_latent.mha_weights import cached_up_projections, up_projections
 from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check_int, check_tensor
 

@@ -19,13 +19,12 @@ from torch import Tensor
 from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent.mha_backends import (
     SPLIT_BACKENDS,
-    bucket,
-    clear_groups,
     needs_offsets,
     ragged_offsets,
-    to_device,
 )
 from megatron_ext.fusions.mla_latent.mha_chunks import call_tokens, each_token_once, plan_chunks
+from megatron_ext.fusions.mla_latent.mha_dense import clear_groups
+from megatron_ext.fusions.mla_latent.mha_rows import bucket, to_device
 
 __all__ = [
     "MHA_PLANS",

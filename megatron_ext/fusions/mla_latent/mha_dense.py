@@ -1,0 +1,365 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The ``cudnn-dense`` backend's calls: torch's dense cuDNN attention
+(:data:`megatron_ext.internals.cudnn_dense_attention_forward`, whose execution plans torch keeps
+by shape) on packed sequences batched by bucketed length.
+
+* :func:`square_causal_attention`: square causal sequences (fresh prefills) with the entry's
+  causal flag, batched by length bucket (:func:`dense_groups`); sequences of one length back to
+  back are views.
+* :func:`masked_attention`: any query and key lengths, the mask (bottom-right causal, or only
+  the padding) an additive bias, batched by bucketed query and key lengths
+  (:func:`masked_groups`).
+
+The groups (their device indices and masks) are the same for every layer of a step: built once
+per lengths, device and stream, and kept (:func:`clear_groups` forgets them).
+"""
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from megatron_ext import internals
+from megatron_ext.fusions.launch_plans import PlanCache
+from megatron_ext.fusions.mla_latent.mha_rows import bucket, offsets_within, to_device
+
+__all__ = [
+    "DenseGroup",
+    "MaskedGroup",
+    "clear_groups",
+    "dense_groups",
+    "masked_attention",
+    "masked_groups",
+    "square_causal_attention",
+]
+
+
+class DenseGroup(NamedTuple):
+    """Sequences of one bucketed length run as one dense batch (:func:`dense_groups`).
+
+    Attributes:
+        length: the bucketed length (the batch's rows per sequence).
+        count: the sequences.
+        batch: the batch (``count`` rounded up to a bucket; the rest zero rows).
+        rows: the packed rows where the sequences lie back to back and full (views, no copies),
+            else None.
+        index: else [2, rows] int64 on the device: each packed row and its place in the batch.
+    """
+
+    length: int
+    count: int
+    batch: int
+    rows: Optional[slice]
+    index: Optional[Tensor]
+
+
+# Dense groups by the lengths, kept as a step's plan is: every layer's call of a step has the
+# same lengths (a group holds at most a small device index).
+_DENSE_GROUPS = PlanCache(max_entries=16)
+
+
+def _build_dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup, ...]:
+    starts = np.cumsum(lengths) - lengths
+    buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
+    groups = []
+    for length in np.unique(buckets[lengths > 0]).tolist():
+        members = np.flatnonzero((buckets == length) & (lengths > 0))
+        count, sizes = len(members), lengths[members]
+        batch = bucket(count, minimum=1)
+        within = offsets_within(sizes)
+        src = np.repeat(starts[members], sizes) + within
+        first = int(src[0])
+        if batch == count and (sizes == length).all() and src[-1] == first + count * length - 1:
+            groups.append(
+                DenseGroup(length, count, batch, slice(first, first + count * length), None)
+            )
+        else:
+            dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
+            index = to_device(np.stack([src, dst]), device).long()
+            groups.append(DenseGroup(length, count, batch, None, index))
+    return tuple(groups)
+
+
+def dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup, ...]:
+    """Square causal sequences grouped by bucketed length for dense batches (zero-length ones
+    left out), built once per lengths, device and stream.
+
+    Args:
+        lengths: int64 sequence lengths (host).
+        device: where the batches run.
+
+    Returns:
+        Tuple[DenseGroup, ...]: the groups, shortest bucket first.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (np.asarray(lengths, dtype=np.int64).tobytes(), device, stream)
+    groups = _DENSE_GROUPS.get(key)
+    if groups is None:
+        groups = _DENSE_GROUPS.put(key, _build_dense_groups(np.asarray(lengths), device))
+    return groups
+
+
+def _dense_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Optional[Tensor],
+    causal: bool,
+    scale: float,
+    want_lse: bool,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One call of torch's dense cuDNN entry on batches ``[batch, rows, heads, width]``.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: the output as [batch * rows, heads, v] and the
+        log-sum-exp as [batch * rows, heads] (or None).
+    """
+    batch, rows, heads = q.shape[:3]
+    result = internals.cudnn_dense_attention_forward(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        bias,
+        want_lse,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )
+    out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
+    if not want_lse:
+        return out, None
+    # [batch, heads, rows] (or with a trailing 1) as torch returns it.
+    return out, result[1].reshape(-1, heads, rows).transpose(1, 2).reshape(-1, heads)
+
+
+def square_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """torch's dense cuDNN attention of packed square causal sequences (query and key lengths
+    equal, so top-left is bottom-right), one call per bucket of lengths (:func:`dense_groups`).
+
+    Args:
+        q, k, v: [tokens, heads, qk], [tokens, heads, qk], [tokens, heads, v]: sequence ``i``'s
+            rows follow the earlier sequences' in each (rows past the lengths are ignored).
+        lengths: the sequences' lengths (host).
+        scale: the softmax scale.
+        want_lse: also return the log-sum-exps.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 or None
+        (zeros and -inf past the lengths).
+    """
+    tokens, heads = q.shape[:2]
+    groups = dense_groups(lengths, q.device)
+    # Every row in one group of back-to-back full sequences (a fresh prefill of equal prompts):
+    # cuDNN's own output is the result, no zeroed output to copy it into.
+    alone = len(groups) == 1 and groups[0].rows is not None and int(lengths.sum()) == tokens
+    out = lse = None
+    if not alone:
+        out = q.new_zeros(tokens, heads, v.shape[-1])
+        if want_lse:
+            lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    for group in groups:
+        length, rows = group.length, group.rows
+        if rows is not None:
+            qd, kd, vd = (x[rows].view(group.count, length, heads, -1) for x in (q, k, v))
+        else:
+            rows, padded = group.index[0], group.index[1]
+            qd, kd, vd = (x.new_zeros(group.batch * length, heads, x.shape[-1]) for x in (q, k, v))
+            for dense, packed in ((qd, q), (kd, k), (vd, v)):
+                dense[padded] = packed[rows]
+            qd, kd, vd = (x.view(group.batch, length, heads, -1) for x in (qd, kd, vd))
+        dense_out, dense_lse = _dense_call(qd, kd, vd, None, True, scale, want_lse)
+        if alone:
+            return dense_out, (dense_lse.float() if want_lse else None)
+        out[rows] = dense_out if isinstance(rows, slice) else dense_out[padded]
+        if want_lse:
+            lse[rows] = (dense_lse if isinstance(rows, slice) else dense_lse[padded]).float()
+    return out, lse
+
+
+class MaskedGroup(NamedTuple):
+    """Sequences of one (bucketed query length, bucketed key length) run as one dense batch
+    with an additive mask (:func:`masked_groups`).
+
+    Attributes:
+        query_length, key_length: the batch's rows per sequence.
+        batch: the batch (the sequences rounded up to a bucket; the rest zero rows).
+        queries, keys: [2, rows] int64 on the device: each packed row and its place in the
+            batch.
+        bias: [batch, 1, query_length, key_length] in the operands' dtype: 0 where a query
+            attends a key, -inf elsewhere (padding queries attend the first key, their outputs
+            dropped).
+        query_rows, key_rows: the packed rows where that side's sequences lie back to back and
+            full (the batch is a view of them, no copy), else None.
+    """
+
+    query_length: int
+    key_length: int
+    batch: int
+    queries: Tensor
+    keys: Tensor
+    bias: Tensor
+    query_rows: Optional[slice]
+    key_rows: Optional[slice]
+
+
+# A step's masks are the same for every layer: built once, kept like a step's plan (a mask is
+# query rows x key rows; the bound keeps few).
+_MASKED_GROUPS = PlanCache(max_entries=4)
+
+
+def _rows_into_batch(
+    starts: np.ndarray, lengths: np.ndarray, stride: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Packed rows of the sequences (``starts``, ``lengths``) and their places in a batch of
+    ``stride`` rows per sequence."""
+    within = offsets_within(lengths)
+    places = np.repeat(np.arange(len(lengths), dtype=np.int64) * stride, lengths) + within
+    return np.repeat(starts, lengths) + within, places
+
+
+def _back_to_back(
+    starts: np.ndarray, lengths: np.ndarray, rows: int, batch: int
+) -> Optional[slice]:
+    """The packed rows of sequences that fill a batch of ``rows`` per sequence back to back
+    (a view of them is the batch), else None."""
+    count = len(lengths)
+    if batch != count or not (lengths == rows).all():
+        return None
+    if not (starts == starts[0] + rows * np.arange(count)).all():
+        return None
+    return slice(int(starts[0]), int(starts[0]) + count * rows)
+
+
+def _build_masked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
+) -> Tuple[MaskedGroup, ...]:
+    q_starts, k_starts = np.cumsum(q_lens) - q_lens, np.cumsum(k_lens) - k_lens
+    q_buckets = np.array([bucket(int(n)) for n in q_lens], dtype=np.int64)
+    k_buckets = np.array([bucket(int(n)) for n in k_lens], dtype=np.int64)
+    # A sequence without keys (or queries) is left out: its rows keep zeros and -inf.
+    live = (q_lens > 0) & (k_lens > 0)
+    groups = []
+    for lq, lk in sorted(set(zip(q_buckets[live].tolist(), k_buckets[live].tolist()))):
+        members = np.flatnonzero(live & (q_buckets == lq) & (k_buckets == lk))
+        batch = bucket(len(members), minimum=1)
+        queries = np.stack(_rows_into_batch(q_starts[members], q_lens[members], lq))
+        keys = np.stack(_rows_into_batch(k_starts[members], k_lens[members], lk))
+        index = to_device(np.concatenate([queries, keys], axis=1), device).long()
+        lengths = np.zeros((2, batch), dtype=np.int64)
+        lengths[0, : len(members)], lengths[1, : len(members)] = q_lens[members], k_lens[members]
+        # Through pinned memory, asynchronously: a pageable copy would wait for the stream.
+        q_len, k_len = to_device(lengths, device)[:, :, None, None, None]
+        row = torch.arange(lq, device=device)[None, None, :, None]
+        col = torch.arange(lk, device=device)[None, None, None, :]
+        allowed = (col < k_len) & (row < q_len)
+        if causal:  # bottom-right: query i of q sits at key position k - q + i
+            allowed &= col <= k_len - q_len + row
+        allowed |= (row >= q_len) & (col == 0)
+        # Rows of the mask start on 16 bytes (cuDNN's alignment for its strides).
+        width = -(-lk // 8) * 8
+        bias = torch.zeros(batch, 1, lq, width, dtype=dtype, device=device)[..., :lk]
+        bias.masked_fill_(~allowed, -math.inf)
+        split = queries.shape[1]
+        query_rows = _back_to_back(q_starts[members], q_lens[members], lq, batch)
+        key_rows = _back_to_back(k_starts[members], k_lens[members], lk, batch)
+        groups.append(
+            MaskedGroup(
+                lq, lk, batch, index[:, :split], index[:, split:], bias, query_rows, key_rows
+            )
+        )
+    return tuple(groups)
+
+
+def masked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
+) -> Tuple[MaskedGroup, ...]:
+    """Sequences grouped by bucketed query and key lengths for dense batches with an additive
+    mask (bottom-right causal, or only the padding), built once per lengths, device and stream.
+
+    Args:
+        q_lens, k_lens: int64 query and key lengths per sequence (host).
+        causal: mask the keys past each query's position (bottom-right).
+        device, dtype: where the batches run, and the masks' dtype (the operands').
+
+    Returns:
+        Tuple[MaskedGroup, ...]: the groups.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    q_lens, k_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(k_lens, dtype=np.int64)
+    key = (q_lens.tobytes(), k_lens.tobytes(), causal, device, dtype, stream)
+    groups = _MASKED_GROUPS.get(key)
+    if groups is None:
+        groups = _MASKED_GROUPS.put(
+            key, _build_masked_groups(q_lens, k_lens, causal, device, dtype)
+        )
+    return groups
+
+
+def clear_groups() -> None:
+    """Forget the kept dense and masked groups (their index tensors and masks)."""
+    _DENSE_GROUPS.clear()
+    _MASKED_GROUPS.clear()
+
+
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_lens: np.ndarray,
+    k_lens: np.ndarray,
+    causal: bool,
+    scale: float,
+    want_lse: bool,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """torch's dense cuDNN attention of packed sequences of any query and key lengths, the mask
+    (bottom-right causal, or only the padding) an additive bias, one call per group of bucketed
+    lengths (:func:`masked_groups`: cuDNN plans per shape, and buckets keep the shapes few).
+
+    Args:
+        q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v], packed.
+        q_lens, k_lens: the sequences' lengths (host).
+        causal: bottom-right causal, else unmasked.
+        scale: the softmax scale.
+        want_lse: also return the log-sum-exps.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 or None
+        (zeros and -inf for a query without keys and past the lengths).
+    """
+    tokens, heads = q.shape[:2]
+    out = q.new_zeros(tokens, heads, v.shape[-1])
+    lse = None
+    if want_lse:
+        lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    for group in masked_groups(q_lens, k_lens, causal, q.device, q.dtype):
+        lq, lk, batch = group.query_length, group.key_length, group.batch
+        dense = []
+        sides = (
+            (q, group.queries, lq, group.query_rows),
+            (k, group.keys, lk, group.key_rows),
+            (v, group.keys, lk, group.key_rows),
+        )
+        for packed, index, rows, view in sides:
+            if view is not None:  # back to back and full: the packed rows are the batch
+                dense.append(packed[view].view(batch, rows, heads, -1))
+                continue
+            x = packed.new_zeros(batch * rows, heads, packed.shape[-1])
+            x[index[1]] = packed[index[0]]
+            dense.append(x.view(batch, rows, heads, -1))
+        bias = group.bias.expand(batch, heads, lq, lk)
+        dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
+        if group.query_rows is not None:
+            out[group.query_rows] = dense_out
+            if want_lse:
+                lse[group.query_rows] = dense_lse.float()
+            continue
+        out[group.queries[0]] = dense_out[group.queries[1]]
+        if want_lse:
+            lse[group.queries[0]] = dense_lse[group.queries[1]].float()
+    return out, lse
