@@ -24,7 +24,12 @@ from torch import Tensor
 
 from megatron_ext import internals
 from megatron_ext.fusions.launch_plans import PlanCache
-from megatron_ext.fusions.mla_latent.mha_rows import bucket, offsets_within, to_device
+from megatron_ext.fusions.mla_latent.mha_rows import (
+    bucket,
+    kept_for_step,
+    offsets_within,
+    to_device,
+)
 
 __all__ = [
     "DenseGroup",
@@ -94,12 +99,10 @@ def dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup,
     Returns:
         Tuple[DenseGroup, ...]: the groups, shortest bucket first.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (np.asarray(lengths, dtype=np.int64).tobytes(), device, stream)
-    groups = _DENSE_GROUPS.get(key)
-    if groups is None:
-        groups = _DENSE_GROUPS.put(key, _build_dense_groups(np.asarray(lengths), device))
-    return groups
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return kept_for_step(
+        _DENSE_GROUPS, lengths.tobytes(), device, lambda: _build_dense_groups(lengths, device)
+    )
 
 
 def _dense_call(
@@ -290,15 +293,13 @@ def masked_groups(
     Returns:
         Tuple[MaskedGroup, ...]: the groups.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     q_lens, k_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(k_lens, dtype=np.int64)
-    key = (q_lens.tobytes(), k_lens.tobytes(), causal, device, dtype, stream)
-    groups = _MASKED_GROUPS.get(key)
-    if groups is None:
-        groups = _MASKED_GROUPS.put(
-            key, _build_masked_groups(q_lens, k_lens, causal, device, dtype)
-        )
-    return groups
+    return kept_for_step(
+        _MASKED_GROUPS,
+        (q_lens.tobytes(), k_lens.tobytes(), causal, dtype),
+        device,
+        lambda: _build_masked_groups(q_lens, k_lens, causal, device, dtype),
+    )
 
 
 def clear_groups() -> None:

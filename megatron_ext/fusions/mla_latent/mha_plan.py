@@ -10,7 +10,7 @@ do no host planning and no host-to-device copy, only their GPU work. This is the
 counterpart of a paged-attention library's plan-once, run-per-layer split.
 """
 
-from typing import Hashable, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
 )
 from megatron_ext.fusions.mla_latent.mha_chunks import call_tokens, each_token_once, plan_chunks
 from megatron_ext.fusions.mla_latent.mha_dense import clear_groups
-from megatron_ext.fusions.mla_latent.mha_rows import bucket, to_device
+from megatron_ext.fusions.mla_latent.mha_rows import bucket, kept_for_step, to_device
 
 __all__ = [
     "MHA_PLANS",
@@ -182,10 +182,7 @@ def mha_plan(
     device: torch.device,
 ) -> MhaPlan:
     """The plan of a step with these (checked) lengths, built once and kept in
-    :data:`MHA_PLANS`.
-
-    A plan's device arrays are written by a copy queued on the stream current when it was built
-    and only read after; the stream is part of the key, so another stream builds its own.
+    :data:`MHA_PLANS` (per stream: :func:`~megatron_ext.fusions.mla_latent.mha_rows.kept_for_step`).
 
     Args:
         q_lens, kv_lens: int64 new tokens and attended rows per request (checked).
@@ -198,23 +195,9 @@ def mha_plan(
     Returns:
         MhaPlan: the plan.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key: Hashable = (
-        q_lens.tobytes(),
-        kv_lens.tobytes(),
-        backend,
-        budget,
-        block_size,
-        max_blocks,
-        device,
-        stream,
-    )
-    plan = MHA_PLANS.get(key)
-    if plan is None:
-        plan = MHA_PLANS.put(
-            key, _build(q_lens, kv_lens, backend, budget, block_size, max_blocks, device)
-        )
-    return plan
+    step = (q_lens, kv_lens, backend, budget, block_size, max_blocks, device)
+    key = (q_lens.tobytes(), kv_lens.tobytes(), backend, budget, block_size, max_blocks)
+    return kept_for_step(MHA_PLANS, key, device, lambda: _build(*step))
 
 
 def clear_step_caches() -> None:

@@ -1,14 +1,21 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Row arithmetic the MHA form's modules share: size buckets (:func:`bucket`), each row's place
-in its sequence (:func:`offsets_within`) and the one asynchronous host-to-device copy of host
-indices (:func:`to_device`)."""
+in its sequence (:func:`offsets_within`), the one asynchronous host-to-device copy of host
+indices (:func:`to_device`), and the keeping of what a step's layers share (:func:`kept_for_step`:
+built once from the step's host lengths, with such copies in it)."""
+
+from typing import Callable, Hashable, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["bucket", "offsets_within", "to_device"]
+from megatron_ext.fusions.launch_plans import PlanCache
+
+__all__ = ["bucket", "kept_for_step", "offsets_within", "to_device"]
+
+Kept = TypeVar("Kept")
 
 
 def bucket(value: int, minimum: int = 16) -> int:
@@ -40,3 +47,29 @@ def to_device(array: np.ndarray, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def kept_for_step(
+    cache: PlanCache, key: Hashable, device: torch.device, build: Callable[[], Kept]
+) -> Kept:
+    """``cache``'s entry for ``key`` on the current stream, built by ``build`` on a miss.
+
+    What is kept holds device arrays written by copies queued on the stream current when it was
+    built (:func:`to_device`) and only read after; the stream is part of the key, so another
+    stream builds its own.
+
+    Args:
+        cache: where the step's entries are kept.
+        key: what the entry depends on (the step's lengths and the layout), hashable.
+        device: where the step runs.
+        build: makes the entry.
+
+    Returns:
+        the entry.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    full_key = (key, device, stream)
+    kept = cache.get(full_key)
+    if kept is None:
+        kept = cache.put(full_key, build())
+    return kept
