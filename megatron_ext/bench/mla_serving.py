@@ -76,7 +76,7 @@ from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
 from megatron_ext.fusions.mla_latent import mha_form
-from megatron_ext.transformer.mla_prefill import backend_for, dense_usable, fresh_only
+from megatron_ext.transformer.mla_prefill import backend_for, split_backend
 
 __all__ = ["main", "parse_args"]
 
@@ -355,13 +355,14 @@ def _mha_contenders(
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
     contenders = {}
     for name, split in splits.items():
-        # The split contender is the dynamic path's step (its per-step backend); the whole step
-        # in the MHA form takes dense cuDNN by the same rule where every request is fresh.
-        call_backend = mha.backend if split == mha.split else backend
-        if split == 0 and MHA_BACKEND is None and fresh_only(mha.query_lengths, mha.kv_lengths):
+        # Each contender's MHA part takes the dynamic path's per-step backend (dense cuDNN for
+        # fresh prefills), unless the benchmark names one.
+        call_backend = backend
+        if MHA_BACKEND is None:
             head_dim = mha_form.flash_head_dim(mha.query.shape[-1], forms_lib.V_HEAD)
-            if dense_usable(backend, torch.device(DEVICE), head_dim):
-                call_backend = "cudnn-dense"
+            call_backend = split_backend(
+                backend, mha.query_lengths, mha.kv_lengths, split, torch.device(DEVICE), head_dim
+            )
         call = functools.partial(forms_lib.run_split, step, mha, call_backend, split)
         entry: Dict[str, Any] = {"split": split, "backend": call_backend}
         try:

@@ -50,7 +50,6 @@ class MhaStep:
     kv_lengths: np.ndarray  # rows per request, the new ones included (host)
     split: int  # the cost model's leading absorbed requests (all of them: absorbed form)
     split_tokens: int  # the tokens of those requests
-    backend: Optional[str]  # the per-step rule's backend for the requests after the split
 
     @property
     def requests(self) -> int:
@@ -74,8 +73,8 @@ def mha_step(
         step: the step (its query's RoPE part is kept).
         heads: query heads.
         seed: the random operands' seed.
-        backend: the rule's backend for the device (the split and the step's backend follow the
-            dynamic path's per-step rule); None: FlashAttention's rates, no backend.
+        backend: the rule's backend for the device (the split follows the dynamic path's
+            per-step rule); None: FlashAttention's rates.
 
     Returns:
         MhaStep: the operands, with the cost model's split.
@@ -99,8 +98,8 @@ def mha_step(
         split = absorbed_request_count(q_lens, kv_lens, heads, widths)
     else:
         head_dim = flash_head_dim(QK_HEAD + step.rope, V_HEAD)
-        backend, split = step_split(q_lens, kv_lens, heads, widths, backend, device, head_dim)
-    return MhaStep(query, weight, q_lens, kv_lens, split, int(q_lens[:split].sum()), backend)
+        _, split = step_split(q_lens, kv_lens, heads, widths, backend, device, head_dim)
+    return MhaStep(query, weight, q_lens, kv_lens, split, int(q_lens[:split].sum()))
 
 
 def run_split(

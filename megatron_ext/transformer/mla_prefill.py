@@ -69,6 +69,7 @@ __all__ = [
     "mha_form_core",
     "mha_form_mode",
     "mha_form_split",
+    "split_backend",
     "step_lengths",
     "step_split",
 ]
@@ -463,13 +464,40 @@ def step_split(
     split = split_for(backend)
     if split == len(query_lengths):
         return backend, split
-    fresh = fresh_only(query_lengths[split:], kv_lengths[split:])
-    if fresh and dense_usable(backend, device, head_dim):
-        dense_split = split_for("cudnn-dense")
+    after = split_backend(backend, query_lengths, kv_lengths, split, device, head_dim)
+    if after == "cudnn-dense":
+        dense_split = split_for(after)
         if fresh_only(query_lengths[dense_split:], kv_lengths[dense_split:]):
             split = dense_split
-        return "cudnn-dense", split
-    return backend, split
+    return after, split
+
+
+def split_backend(
+    backend: str,
+    query_lengths: np.ndarray,
+    kv_lengths: np.ndarray,
+    split: int,
+    device: torch.device,
+    head_dim: int,
+) -> str:
+    """The backend of the MHA-form requests after ``split``: ``cudnn-dense`` where they are all
+    fresh prefills and it may stand in for ``backend`` (:func:`dense_usable`), else
+    ``backend``.
+
+    Args:
+        backend: :func:`backend_for`'s backend.
+        query_lengths, kv_lengths: new tokens and rows per request (host).
+        split: the leading requests that stay absorbed.
+        device: the step's device.
+        head_dim: the head size FlashAttention would run at.
+
+    Returns:
+        str: the backend.
+    """
+    if fresh_only(query_lengths[split:], kv_lengths[split:]):
+        if dense_usable(backend, device, head_dim):
+            return "cudnn-dense"
+    return backend
 
 
 def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSplit]:

@@ -323,6 +323,10 @@ def test_fresh_prefill_steps_take_dense_cudnn_and_chunks_stay_on_flash(monkeypat
     # Decodes absorbed, fresh prefills after them: the MHA part is fresh.
     mixed = _split_of(monkeypatch, [1] * 8 + [2048], [4096] * 8 + [2048])
     assert mixed.backend == "cudnn-dense" and mixed.absorbed_requests == 8
+    # The backend after a split: dense only where every request after it is fresh.
+    q, kv, cuda = np.array([1] * 8 + [2048]), np.array([4096] * 8 + [2048]), torch.device("cuda")
+    assert mla_prefill.split_backend("flash", q, kv, 8, cuda, 192) == "cudnn-dense"
+    assert mla_prefill.split_backend("flash", q, kv, 0, cuda, 192) == "flash"
     # A request without new tokens does not make a step less fresh.
     assert mla_prefill.fresh_only(np.array([0, 5]), np.array([9, 5]))
     assert not mla_prefill.fresh_only(np.array([0, 0]), np.array([9, 5]))
