@@ -75,7 +75,7 @@ __all__ = [
 # with a bottom-right mask (a request's cached and new rows in one call).
 SPLIT_BACKENDS = ("cudnn", "torch")
 WHOLE_BACKENDS = ("te", "flash", "cudnn-dense", "torch-bottom-right")
-# FlashAttention-2's largest head size.
+# The largest head size of FlashAttention-2 (and what the dense cuDNN backend is held to).
 FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.

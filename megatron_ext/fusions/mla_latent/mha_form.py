@@ -153,9 +153,8 @@ def check_mha_call(
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend in ("flash", "cudnn-dense") and flash_head_dim(width, v_dim) > FLASH_MAX_HEAD_DIM:
         raise ValueError(
-            f"the {backend} backend runs FlashAttention's head sizes, up to "
-            f"{FLASH_MAX_HEAD_DIM}; query/key width "
-            f"{width} and value width {v_dim} need {flash_head_dim(width, v_dim)}"
+            f"the {backend} backend runs head sizes up to {FLASH_MAX_HEAD_DIM}; query/key "
+            f"width {width} and value width {v_dim} need {flash_head_dim(width, v_dim)}"
         )
     q_lens = _lengths("query_lengths", query_lengths)
     kv_lens = _lengths("kv_lengths", kv_lengths)
