@@ -168,21 +168,28 @@ def flash_stand_in(seen):
     return stand_in
 
 
-def matches_float64(requests, backend, budget, seed, **widths) -> dict:
-    """Run a 3-head step of ``requests`` through ``backend`` (stand-ins in place) and check it
-    against the float64 reference; return the step's host lengths."""
-    step, query, cache, weight, lengths = mha_step(requests, 3, seed=seed, **widths)
-    got = mla_paged_mha_attention(
+def attend(mha, backend, **kwargs):
+    """:func:`mla_paged_mha_attention` on an :func:`mha_step` (its tuple) through ``backend``."""
+    step, query, cache, weight, lengths = mha
+    return mla_paged_mha_attention(
         query,
         cache,
         step.block_table,
         weight,
         SCALE,
-        rope_dim=16,
+        rope_dim=step.rope_dim,
         backend=backend,
-        row_budget=budget,
         **lengths,
+        **kwargs,
     )
+
+
+def matches_float64(requests, backend, budget, seed, **widths) -> dict:
+    """Run a 3-head step of ``requests`` through ``backend`` (stand-ins in place) and check it
+    against the float64 reference; return the step's host lengths."""
+    mha = mha_step(requests, 3, seed=seed, **widths)
+    got = attend(mha, backend, row_budget=budget)
+    step, query, cache, weight, lengths = mha
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
     return lengths

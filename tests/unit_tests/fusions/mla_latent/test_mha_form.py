@@ -26,6 +26,7 @@ from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     PREFILL,
     SCALE,
     absorbed,
+    attend,
     deepseek_step,
     mha_step,
     reference,
@@ -202,21 +203,12 @@ def test_a_step_in_one_call_returns_the_calls_output_without_a_copy(monkeypatch)
     monkeypatch.setattr(mha_form, "varlen_attention", spy)
     for padding, shared in ((0, True), (3, False)):
         parts.clear()
-        step, query, cache, weight, lengths = mha_step([(0, 9)], 2, seed=4, padding_tokens=padding)
-        got = mla_paged_mha_attention(
-            query,
-            cache,
-            step.block_table,
-            weight,
-            SCALE,
-            rope_dim=16,
-            backend="torch-bottom-right",
-            **lengths,
-        )
+        mha = mha_step([(0, 9)], 2, seed=4, padding_tokens=padding)
+        got = attend(mha, "torch-bottom-right")
         (part,) = parts
         assert (got.data_ptr() == part.data_ptr()) == shared
         assert torch.equal(got[:9], part[:9]) and not got[9:].any()
-        expected = reference(step, query, cache, weight, lengths)
+        expected = reference(*mha)
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
 
 

@@ -7,10 +7,9 @@ import numpy as np
 import torch
 
 from megatron_ext.fusions.mla_latent import mha_plan
-from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     MIXED,
-    SCALE,
+    attend,
     mha_step,
     reference,
 )
@@ -55,12 +54,9 @@ def test_layers_sharing_a_plan_get_their_own_answers():
     matches its float64 reference."""
     mha_plan.MHA_PLANS.clear()
     for seed in (1, 2):
-        step, query, cache, weight, lengths = mha_step(MIXED, 3, seed=seed)
-        got = mla_paged_mha_attention(
-            query, cache, step.block_table, weight, SCALE, rope_dim=16, backend="torch", **lengths
-        )
-        expected = reference(step, query, cache, weight, lengths)
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=2e-5)
+        mha = mha_step(MIXED, 3, seed=seed)
+        got = attend(mha, "torch")
+        torch.testing.assert_close(got.double(), reference(*mha), rtol=1e-5, atol=2e-5)
     assert len(mha_plan.MHA_PLANS) == 1, "the second layer planned the step again"
 
 
@@ -74,18 +70,8 @@ def test_threads_sharing_the_caches_get_their_own_answers():
     failures = []
 
     def work(index):
-        step, query, cache, weight, lengths = steps[index % 2]
         for _ in range(5):
-            got = mla_paged_mha_attention(
-                query,
-                cache,
-                step.block_table,
-                weight,
-                SCALE,
-                rope_dim=16,
-                backend="torch",
-                **lengths,
-            )
+            got = attend(steps[index % 2], "torch")
             if not torch.allclose(got.double(), expected[index % 2], rtol=1e-5, atol=2e-5):
                 failures.append(index)
 
