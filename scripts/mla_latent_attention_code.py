@@ -20,6 +20,8 @@ The launches mirror ``mla_paged_latent_attention``'s launcher
 * ``prefill``: a 2048-token chunk (``max_query_len=2048``): ``BLOCK_Q=4``, ``BLOCK_H=16``,
   ``BLOCK_N=32``, 8 warps.
 * ``append``: the key RoPE + paged cache append (``fused_mla_rope_cache_append``), int64 indices.
+* ``gluon``: the warp-specialized decode kernel (``decode_gluon``, Triton >= 3.7) in the decode
+  launch's place, with ``--splits`` kv splits (1: it writes the output itself).
 
 ``--num-warps``, ``--num-stages``, ``--block-n`` and ``--page-tiles`` (``page_tiles``: one
 block id per key tile) override the launcher's choice for the attention kernel, to see which
@@ -49,8 +51,14 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+try:  # Triton >= 3.7 (the gluon launch)
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:
+    GluonASTSource = None
+
 from megatron_ext.fusions import mla_latent as mla
 from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
+from megatron_ext.fusions.mla_latent import decode_gluon
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # H200
@@ -74,6 +82,8 @@ KERNELS = {
     "combine": mla.COMBINE_LAUNCHES.kernel,
     "append": mla.APPEND_LAUNCHES.kernel,
 }
+if decode_gluon.GLUON_DECODE_LAUNCHES is not None:
+    KERNELS["gluon"] = decode_gluon.GLUON_DECODE_LAUNCHES.kernel
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
@@ -133,7 +143,6 @@ def attention_launch(
             None,
             target_programs=SMS * (2 if warps <= 4 else 1),
         )
-    part = dtype if splits == 1 else "fp32"
     constexprs = dict(
         LATENT_DIM=LATENT_DIM,
         ROPE_DIM=ROPE_DIM,
@@ -146,18 +155,32 @@ def attention_launch(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         PAGE_TILES=mla.page_tiles(PAGE, tile),
         WIDE_ROWS=False,
+        LARGE_SCALE=False,
+        Q_ROPE_COL=LATENT_DIM,
     )
-    pointers = dict(
+    return Launch(
+        name,
+        "attention",
+        constexprs,
+        attention_pointers(dtype, splits),
+        warps,
+        mla.pipeline_stages(SHARED_MEMORY),
+    )
+
+
+def attention_pointers(dtype: str, splits: int) -> Dict[str, str]:
+    """The element types of an attention kernel's pointers (stage 1's or the Gluon kernel's):
+    the output's dtype with one split, the fp32 workspace with several."""
+    out = dtype if splits == 1 else "fp32"
+    return dict(
         q_ptr=dtype,
+        q_rope_ptr=dtype,
         cache_ptr=dtype,
         block_table_ptr="i32",
         cu_q_ptr="i32",
         kv_len_ptr="i32",
-        out_ptr=part,
-        lse_ptr=part,
-    )
-    return Launch(
-        name, "attention", constexprs, pointers, warps, mla.pipeline_stages(SHARED_MEMORY)
+        out_ptr=out,
+        lse_ptr=out,
     )
 
 
@@ -208,6 +231,40 @@ def append_launch(name: str, dtype: str) -> Launch:
     return Launch(name, "append", constexprs, pointers, 4, 3)
 
 
+def gluon_launch(
+    name: str,
+    dtype: str,
+    splits: int,
+    *,
+    block_size: int = PAGE,
+    two_operands: bool = False,
+    large_scale: bool = False,
+) -> Launch:
+    """The warp-specialized decode kernel's launch (its tile is fixed: one token, 64 heads).
+
+    Args:
+        name: the launch's label.
+        dtype: ``bf16`` or ``fp16``, of the query and cache (the output's, or fp32 with splits).
+        splits: the kv split count.
+        block_size: the cache's block size.
+        two_operands: the query's RoPE part as its own operand.
+        large_scale: the raw-unit logits of a scale past ``LARGE_SCALE_LOG2``.
+
+    Returns:
+        Launch: the launch (4 warps: the default partition; the kernel adds two warpgroups).
+    """
+    constexprs = dict(
+        BLOCK_SIZE=block_size,
+        LATENT_DIM=LATENT_DIM,
+        ROPE_DIM=ROPE_DIM,
+        Q_ROPE_COL=0 if two_operands else LATENT_DIM,
+        NUM_SPLITS=splits,
+        SEQ_BLOCK=mla.SEQ_BLOCK,
+        LARGE_SCALE=large_scale,
+    )
+    return Launch(name, "gluon", constexprs, attention_pointers(dtype, splits), 4, 1)
+
+
 def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, str]:
     """Compile one launch for sm_90 and return its TTGIR, PTX and ptxas log.
 
@@ -237,7 +294,8 @@ def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, st
             signature[name] = "i32"
             if name not in RUNTIME_SIZES:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=launch.constexprs, attrs=attrs)
+    source = GluonASTSource if launch.kernel == "gluon" else ASTSource
+    src = source(fn=fn, signature=signature, constexprs=launch.constexprs, attrs=attrs)
     options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     if launch.kernel == "append":
         options["enable_fp_fusion"] = False
@@ -346,8 +404,8 @@ def print_table(rows: List[Dict[str, str]]) -> None:
 def main() -> None:
     """Parse the arguments, compile the launches and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    launches = ("decode", "decode-split", "combine", "prefill", "append")
-    parser.add_argument("--launch", nargs="+", choices=launches, default=list(launches))
+    launches = ("decode", "decode-split", "combine", "prefill", "append", "gluon")
+    parser.add_argument("--launch", nargs="+", choices=launches, default=list(launches[:-1]))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--heads", type=int, default=HEADS, help="query heads (16: a TP-8 shard)")
     parser.add_argument("--splits", type=int, default=4, help="kv splits of decode-split")
@@ -373,6 +431,7 @@ def main() -> None:
         "combine": lambda: combine_launch("combine", args.dtype, max(2, args.splits), args.heads),
         "prefill": lambda: attention_launch("prefill", args.dtype, 2048, 1, 2048, None, args.heads),
         "append": lambda: append_launch("append", args.dtype),
+        "gluon": lambda: gluon_launch("gluon", args.dtype, args.splits),
     }
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True

@@ -280,15 +280,39 @@ def _flashinfer_row(
     return {"max_abs_diff": diff}, (peer.run, fi_sets)
 
 
+def _gluon_contender(
+    step: cases.PagedStep, sets: List[tuple]
+) -> Tuple[Dict[str, Any], Optional[Tuple[Callable[..., Any], List[tuple]]]]:
+    """The warp-specialized decode kernel on the step (what the row reports, the contender to
+    time or None where the kernel does not take the step: the report says why)."""
+    from megatron_ext.fusions.mla_latent import gluon_decode_refusal
+
+    refusal = gluon_decode_refusal(
+        step.query, step.kv_cache, step.latent, step.max_query_len, enabled=True
+    )
+    if refusal is not None:
+        return {"refused": refusal}, None
+    call, splits = cases.planned_attention(step, sets[0][2], "gluon")
+    out = torch.empty_like(sets[0][2])
+    for cache, query, _ in sets[:2]:  # compiles outside any capture
+        call(cache, query, out)
+    call(*sets[0][:2], out)
+    _sync()
+    diff = (out.float() - sets[0][2].float()).abs().max().item()
+    return {"splits": splits, "max_abs_diff_vs_ours": diff}, (call, sets)
+
+
 def attention_row(
     requests: List[Tuple[int, int]],
     heads: int,
     quick: bool,
     flashinfer: bool,
     forms: bool = False,
+    gluon: bool = False,
 ) -> Dict[str, Any]:
     """Time one attention step: ours, and FlashInfer's where ``flashinfer``; with ``forms``,
-    ours in the MHA form too (:func:`_mha_contenders`)."""
+    ours in the MHA form too (:func:`_mha_contenders`); with ``gluon``, the warp-specialized
+    decode kernel beside ours (whatever the switch says: the benchmark is what decides it)."""
 
     step = cases.build_step(
         requests, heads, dtype=DTYPE, device=DEVICE, seed=len(requests) * 131 + heads
@@ -311,10 +335,17 @@ def attention_row(
     if mha is not None:
         forms_report, extra = _mha_contenders(step, mha, heads, sets)
         contenders.update(extra)
+    gluon_report: Dict[str, Any] = {}
+    if gluon:
+        gluon_report, contender = _gluon_contender(step, sets)
+        if contender is not None:
+            contenders["gluon"] = contender
     times = _timed(contenders, quick, eager_only=FORM_CONTENDERS)
     if "flashinfer" in times:
         fi_report.update(times["flashinfer"])
     row = {"heads": heads, "bytes": nbytes, "ours": times["ours"], "flashinfer": fi_report}
+    if gluon:
+        row["gluon"] = {**gluon_report, **times.get("gluon", {})}
     if mha is not None:
         for name in FORM_CONTENDERS:
             if name in times:
@@ -387,7 +418,7 @@ def decode_row(
     """One decode row: ``batch`` requests of ``context`` rows each."""
     from megatron_ext.fusions.mla_latent import default_num_kv_splits, tile_shape
 
-    row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer)
+    row = attention_row(cases.decode_requests(batch, context), heads, quick, flashinfer, gluon=True)
     blocks = -(-context // cases.BLOCK_SIZE)
     warps = tile_shape(batch, heads, cases.LATENT, 1, DTYPE == torch.float32).num_warps
     splits = default_num_kv_splits(
@@ -500,6 +531,9 @@ def _progress(row: Dict[str, Any]) -> str:
         line = f"ours {ours:.1f} us, {row['ours_pct_ceiling']:.1f}% of the copy ceiling"
     else:
         line = f"ours {ours:.1f} us, {row['ours_tflops']:.1f} TFLOP/s"
+    gluon = row.get("gluon")
+    if isinstance(gluon, dict) and "gpu_us" in gluon:
+        line += f"; Gluon {gluon['gpu_us']:.1f} us"
     peer = row.get("flashinfer")
     if isinstance(peer, dict) and "gpu_us" in peer:
         line += (

@@ -12,7 +12,7 @@ any device, so the no-GPU check uses the same code at small sizes.
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -236,6 +236,46 @@ def paged_attention(
         max_query_len=step.max_query_len,
         out=out,
     )
+
+
+def planned_attention(
+    step: PagedStep, out: torch.Tensor, kernel: str
+) -> Tuple[Callable[..., torch.Tensor], int]:
+    """megatron_ext's attention of ``step`` on the kernel named, through a plan made for it (the
+    public entry's plan cache chooses one kernel per layout; a benchmark times both).
+
+    Args:
+        step: the step (its block table and lengths).
+        out: an output of the step's layout.
+        kernel: ``"gluon"`` or ``"stage1"``.
+
+    Returns:
+        Tuple[Callable, int]: ``call(kv_cache, query, out)`` and the plan's split count.
+
+    Raises:
+        ValueError: where the kernel does not take the step (the reason in the message).
+    """
+    from megatron_ext.fusions.mla_latent import plan_for_call
+
+    plan = plan_for_call(
+        step.query,
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        SOFTMAX_SCALE,
+        out,
+        latent_dim=step.latent,
+        max_query_len=step.max_query_len,
+        num_kv_splits=None,
+        kernel=kernel,
+    )
+
+    def call(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        plan(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)
+        return out
+
+    return call, plan.workspace[0][1] if plan.workspace else 1
 
 
 def attention_reference(step: PagedStep, softmax_scale: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 from megatron_ext.bench.mla_serving_forms_report import forms_table, forms_verdicts
+from megatron_ext.bench.mla_serving_gluon_report import gluon_table, gluon_verdicts
 
 # The serving kernels' targets: decode attention reads the cache near the copy ceiling where a
 # step is memory-bound, at or above FlashInfer's speed there; the key RoPE + cache append is
@@ -189,7 +190,8 @@ def verdicts(result: Dict[str, Any]) -> List[Dict[str, str]]:
     out = []
     sections = {r["section"] for r in rows}
     if "decode" in sections:
-        out += _decode_verdicts([r for r in rows if r["section"] == "decode"], flashinfer)
+        decode = [r for r in rows if r["section"] == "decode"]
+        out += _decode_verdicts(decode, flashinfer) + gluon_verdicts(decode)
     if sections & {"decode", "prefill"}:
         out.append(_eager_verdict(rows, flashinfer))
     prefill = [r for r in rows if r["section"] == "prefill" and "forms" in r]
@@ -315,7 +317,7 @@ def tables(result: Dict[str, Any]) -> str:
     prefill = [r for r in rows if r["section"] == "prefill"]
     append = [r for r in rows if r["section"] == "rope_append"]
     if decode:
-        lines += _decode_table(decode, tb_per_s)
+        lines += _decode_table(decode, tb_per_s) + gluon_table(decode)
     if prefill:
         lines += _prefill_table(prefill, result["matmul_peak"]["tflops"])
         lines += forms_table([r for r in prefill if "forms" in r])
@@ -325,7 +327,7 @@ def tables(result: Dict[str, Any]) -> str:
         {
             r[who]["gpu_method"]
             for r in rows
-            for who in ("ours", "mcore", "flashinfer")
+            for who in ("ours", "mcore", "flashinfer", "gluon")
             if isinstance(r.get(who), dict) and r[who].get("gpu_method", "graph") != "graph"
         }
     )

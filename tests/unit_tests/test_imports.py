@@ -110,6 +110,7 @@ MLA_LATENT_ORDER = (
     "tile_rules",
     "checks",
     "attention_kernels",
+    "decode_gluon",
     "attention_plan",
     "attention",
     "rope_cache_append",

@@ -11,7 +11,10 @@ One concern per module, each importing only the ones before it and the ground fl
 * :mod:`.checks`: the host-side checks of the cache layout and of both kernels' calls.
 * :mod:`.attention_kernels`: the attention's ``@triton.jit`` kernels (stage 1, split combine) and
   the kernel design.
-* :mod:`.attention_plan`: :class:`LatentAttentionPlan`, a checked call's prepared launches.
+* :mod:`.decode_gluon`: the warp-specialized decode kernel in Gluon (Hopper, Triton >= 3.7; off
+  unless ``MEGATRON_EXT_MLA_GLUON_DECODE=on``), stage 1's replacement for decode tiles.
+* :mod:`.attention_plan`: :class:`LatentAttentionPlan`, a checked call's prepared launches, and
+  the choice between stage 1 and the Gluon kernel (:func:`gluon_decode_refusal`).
 * :mod:`.attention`: :func:`mla_paged_latent_attention` and its plan cache.
 * :mod:`.rope_cache_append`: the RoPE + append kernel, its plan and
   :func:`fused_mla_rope_cache_append`.
@@ -29,7 +32,12 @@ One concern per module, each importing only the ones before it and the ground fl
 
 from megatron_ext.fusions.mla_latent.attention import ATTENTION_PLANS, mla_paged_latent_attention
 from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
-from megatron_ext.fusions.mla_latent.attention_plan import LatentAttentionPlan, plan_for_call
+from megatron_ext.fusions.mla_latent.attention_plan import (
+    GLUON_DECODE_ENV,
+    LatentAttentionPlan,
+    gluon_decode_refusal,
+    plan_for_call,
+)
 from megatron_ext.fusions.mla_latent.checks import check_paged_cache, rows_of
 from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from megatron_ext.fusions.mla_latent.rope_cache_append import (
@@ -56,6 +64,7 @@ __all__ = [
     "APPEND_PLANS",
     "ATTENTION_PLANS",
     "COMBINE_LAUNCHES",
+    "GLUON_DECODE_ENV",
     "MAX_KV_SPLITS",
     "SEQ_BLOCK",
     "STAGE1_LAUNCHES",
@@ -67,6 +76,7 @@ __all__ = [
     "combine_tile",
     "default_num_kv_splits",
     "fused_mla_rope_cache_append",
+    "gluon_decode_refusal",
     "head_tile",
     "mla_paged_latent_attention",
     "mla_paged_mha_attention",

@@ -100,7 +100,9 @@ def mla_paged_latent_attention(
         max_query_len (Optional[int]): a static bound on the new tokens per request (1 in
             decode-only steps); it picks the tile shape, so any value is correct. None: tokens.
         num_kv_splits (Optional[int]): split-KV count, 1 to ``MAX_KV_SPLITS``; None picks one
-            from static sizes (:func:`~.tile_rules.default_num_kv_splits`).
+            from static sizes (:func:`~.tile_rules.default_num_kv_splits`, or
+            :func:`~.tile_rules.wave_num_kv_splits` where the warp-specialized decode kernel
+            runs: :func:`~.attention_plan.gluon_decode_refusal`).
         out (Optional[Tensor]): [tokens, heads, latent_dim] in query's dtype, unit last stride,
             any token and head strides whose elements do not share memory (e.g. a ``[heads,
             tokens, latent_dim]`` buffer viewed with ``.transpose(0, 1)``), to write to (a new

@@ -10,6 +10,7 @@ through Triton's JIT, later ones through the compiled kernel's C launcher, which
 Python dispatch. The plan holds no tensor; a call passes its own.
 """
 
+import os
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -19,11 +20,18 @@ from megatron_ext.fusions.direct_launch import PreparedLaunch
 from megatron_ext.fusions.launch_math import cdiv
 from megatron_ext.fusions.launch_plans import LaunchPlan
 from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, STAGE1_LAUNCHES
+from megatron_ext.fusions.mla_latent.decode_gluon import (
+    GLUON_DECODE_LAUNCHES,
+    GLUON_IMPORT_ERROR,
+    HEADS_PER_PROGRAM,
+    gluon_shared_memory,
+)
 from megatron_ext.fusions.mla_latent.tile_rules import (
     LARGE_SCALE_LOG2,
     LOG2E,
     ROW_OFFSET_LIMIT,
     SEQ_BLOCK,
+    TRITON_RELEASE,
     CombineTile,
     TileShape,
     combine_tile,
@@ -31,10 +39,94 @@ from megatron_ext.fusions.mla_latent.tile_rules import (
     launch_limits,
     page_tiles,
     tile_shape,
+    wave_num_kv_splits,
 )
 from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
 
-__all__ = ["LatentAttentionPlan", "SplitOutputs", "plan_for_call"]
+__all__ = [
+    "GLUON_DECODE_ENV",
+    "GLUON_MIN_HEADS",
+    "LatentAttentionPlan",
+    "SplitOutputs",
+    "gluon_decode_enabled",
+    "gluon_decode_refusal",
+    "plan_for_call",
+]
+
+# The warp-specialized decode kernel (:mod:`.decode_gluon`) is off unless this is "on": it has
+# not yet been measured against stage 1 on every Triton and GPU the project supports.
+GLUON_DECODE_ENV = "MEGATRON_EXT_MLA_GLUON_DECODE"
+# Below this many heads a 64-row program wastes most of its MMA rows; stage 1's 16- and 32-head
+# tiles are memory-bound there already.
+GLUON_MIN_HEADS = 32
+
+
+def gluon_decode_enabled(value: Optional[str] = None) -> bool:
+    """Whether :data:`GLUON_DECODE_ENV` turns the warp-specialized decode kernel on.
+
+    Args:
+        value: the variable's value (None: read the environment).
+
+    Returns:
+        bool: True for "on", False for "off" or unset.
+
+    Raises:
+        ValueError: for any other value, naming the variable and the accepted values.
+    """
+    value = os.environ.get(GLUON_DECODE_ENV, "off") if value is None else value
+    if value not in ("on", "off"):
+        raise ValueError(f"{GLUON_DECODE_ENV}={value!r}: expected 'on' or 'off'")
+    return value == "on"
+
+
+# Read once, at import (a bad value fails there); tests and tools may set it.
+GLUON_DECODE = gluon_decode_enabled()
+
+
+def gluon_decode_refusal(
+    query: Tensor,
+    kv_cache: Tensor,
+    latent_dim: int,
+    max_query_len: Optional[int],
+    *,
+    enabled: Optional[bool] = None,
+) -> Optional[str]:
+    """Why a checked call does not take the warp-specialized decode kernel, or None if it does.
+
+    The one place the launch layer chooses between it and stage 1: stage 1 runs wherever this
+    gives a reason.
+
+    Args:
+        query: the call's query (dtype, heads, device).
+        kv_cache: its cache (row width).
+        latent_dim: the latent width.
+        max_query_len: its static bound on new tokens per request.
+        enabled: the switch (None: :data:`GLUON_DECODE`; a benchmark passes True to time it).
+
+    Returns:
+        Optional[str]: the reason, or None.
+    """
+    if not (GLUON_DECODE if enabled is None else enabled):
+        return f"off ({GLUON_DECODE_ENV} is not 'on')"
+    if GLUON_IMPORT_ERROR is not None or TRITON_RELEASE < (3, 7):
+        return f"Triton {'.'.join(map(str, TRITON_RELEASE))} has no Gluon Hopper API of 3.7"
+    if max_query_len != 1:
+        return "not a decode step (max_query_len is not 1)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"{query.dtype} (wgmma here takes 16-bit inputs)"
+    if query.shape[1] < GLUON_MIN_HEADS:
+        return f"{query.shape[1]} heads (fewer than {GLUON_MIN_HEADS})"
+    rope_dim = kv_cache.shape[2] - latent_dim
+    if latent_dim not in (128, 256, 512) or rope_dim % 64 != 0:
+        return f"widths {latent_dim} + {rope_dim} (takes 128, 256 or 512 + multiples of 64)"
+    if query.device.type != "cuda":
+        return f"device {query.device} (Hopper only)"
+    limits = launch_limits(query.device)
+    if limits.capability != (9, 0):
+        return f"compute capability {limits.capability} (wgmma is sm_90a's)"
+    if limits.shared_memory < gluon_shared_memory(latent_dim, rope_dim):
+        return f"{limits.shared_memory} bytes of shared memory a block"
+    return None
 
 
 class SplitOutputs(NamedTuple):
@@ -223,8 +315,11 @@ class LatentAttentionPlan(LaunchPlan):
         combine: stage 2's tile (None: the launcher's).
         query_rope: the query's RoPE part as its own operand (its calls pass theirs), or None
             (one operand: the RoPE columns follow the latent ones in ``query``).
+        gluon: launch the warp-specialized decode kernel (:mod:`.decode_gluon`) in stage 1's
+            place (the caller checked :func:`gluon_decode_refusal`; ``tile`` is unused then).
 
     Attributes:
+        kernel: ``"gluon"`` or ``"stage1"``, what computes the splits.
         out_shape: the output's shape (a call without ``out`` allocates it).
         stage1, combine: the prepared launches (None where nothing, or no combine, is launched).
         workspace: the split-KV workspace's (partial, lse) shapes, None with one split.
@@ -232,7 +327,7 @@ class LatentAttentionPlan(LaunchPlan):
         spans: the byte spans of the call's tensors (:meth:`out_meets_an_input`).
     """
 
-    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device", "spans")
+    __slots__ = ("out_shape", "stage1", "combine", "workspace", "device", "spans", "kernel")
 
     def __init__(
         self,
@@ -250,8 +345,10 @@ class LatentAttentionPlan(LaunchPlan):
         num_stages: int,
         combine: Optional[CombineTile] = None,
         query_rope: Optional[Tensor] = None,
+        gluon: bool = False,
     ):
         tokens, heads = query.shape[:2]
+        self.kernel = "gluon" if gluon else "stage1"
         self.out_shape = (tokens, heads, latent_dim)
         self.device = query.device
         self.spans = tuple(
@@ -271,24 +368,36 @@ class LatentAttentionPlan(LaunchPlan):
         # cu_query_lengths[r] // block_q + r + 1 (_first_tile), the tiles before request 0's
         # holding the tokens before it, and the padding tokens' tiles follow the last request's.
         query_tiles = tokens if tile.block_q == 1 else tokens // tile.block_q + requests + 2
-        self.stage1 = PreparedLaunch(
-            STAGE1_LAUNCHES,
-            (query_tiles, cdiv(heads, tile.block_h), num_kv_splits),
-            stage1_args(
-                query,
-                kv_cache,
-                block_table,
-                cu_query_lengths,
-                kv_lengths,
-                outputs,
-                scale_log2,
-                latent_dim=latent_dim,
-                tile=tile,
-                num_kv_splits=num_kv_splits,
-                query_rope=query_rope,
-            ),
-            dict(num_warps=tile.num_warps, num_stages=num_stages),
+        args = stage1_args(
+            query,
+            kv_cache,
+            block_table,
+            cu_query_lengths,
+            kv_lengths,
+            outputs,
+            scale_log2,
+            latent_dim=latent_dim,
+            tile=tile,
+            num_kv_splits=num_kv_splits,
+            query_rope=query_rope,
         )
+        if gluon:
+            # Stage 1's arguments less its tile's: the kernel's tile is fixed (one token, 64
+            # heads, 64 keys), its three partitions one warpgroup each.
+            names = GLUON_DECODE_LAUNCHES.kernel.arg_names
+            self.stage1 = PreparedLaunch(
+                GLUON_DECODE_LAUNCHES,
+                (tokens, cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits),
+                {name: args[name] for name in names},
+                dict(num_warps=4, num_stages=1),
+            )
+        else:
+            self.stage1 = PreparedLaunch(
+                STAGE1_LAUNCHES,
+                (query_tiles, cdiv(heads, tile.block_h), num_kv_splits),
+                args,
+                dict(num_warps=tile.num_warps, num_stages=num_stages),
+            )
         if num_kv_splits > 1:
             combine = CombineTile(*(combine or combine_tile(heads, latent_dim, num_kv_splits)))
             self.combine = PreparedLaunch(
@@ -359,8 +468,9 @@ def plan_for_call(
     max_query_len: Optional[int],
     num_kv_splits: Optional[int],
     query_rope: Optional[Tensor] = None,
+    kernel: Optional[str] = None,
 ) -> LatentAttentionPlan:
-    """The launcher's tile, split count and stage count for a checked call, as a plan.
+    """The launcher's kernel, tile, split count and stage count for a checked call, as a plan.
 
     Args:
         query, kv_cache, block_table, cu_query_lengths, kv_lengths: the checked call's inputs.
@@ -368,17 +478,40 @@ def plan_for_call(
         out: its output.
         latent_dim: the latent width.
         max_query_len: its static bound on new tokens per request (None: the token count).
-        num_kv_splits: its split count (None: :func:`~.tile_rules.default_num_kv_splits`).
+        num_kv_splits: its split count (None: :func:`~.tile_rules.wave_num_kv_splits` for the
+            Gluon kernel, else :func:`~.tile_rules.default_num_kv_splits`).
         query_rope: its query's RoPE part, when given as a second operand.
+        kernel: ``"gluon"`` or ``"stage1"`` to choose the kernel (a benchmark timing both), None
+            for :func:`gluon_decode_refusal`'s choice.
 
     Returns:
         LatentAttentionPlan: the plan.
+
+    Raises:
+        ValueError: for another ``kernel``, or ``"gluon"`` where the kernel is refused (the
+            reason in the message).
     """
+    if kernel not in (None, "gluon", "stage1"):
+        raise ValueError(f"kernel must be None, 'gluon' or 'stage1', got {kernel!r}")
     tokens, heads = query.shape[:2]
-    stages = launch_limits(query.device).stages
+    limits = launch_limits(query.device)
+    stages = limits.stages
     fp32 = query.dtype == torch.float32
     tile = tile_shape(tokens, heads, latent_dim, max_query_len, fp32, num_stages=stages)
-    if num_kv_splits is None:
+    refusal = gluon_decode_refusal(
+        query, kv_cache, latent_dim, max_query_len, enabled=None if kernel is None else True
+    )
+    if kernel == "gluon" and refusal is not None:
+        raise ValueError(f"the Gluon decode kernel does not take this call: {refusal}")
+    gluon = refusal is None and kernel != "stage1"
+    if gluon and num_kv_splits is None:
+        # One program per SM (its shared memory): splits that fill the last wave.
+        num_kv_splits = wave_num_kv_splits(
+            tokens * cdiv(heads, HEADS_PER_PROGRAM),
+            limits.sms,
+            block_table.shape[1] * kv_cache.shape[1],
+        )
+    elif num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(
             cdiv(tokens, tile.block_q),
             cdiv(heads, tile.block_h),
@@ -400,4 +533,5 @@ def plan_for_call(
         num_stages=stages,
         combine=None,
         query_rope=query_rope,
+        gluon=gluon,
     )

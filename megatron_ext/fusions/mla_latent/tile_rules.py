@@ -15,7 +15,7 @@ import torch
 import triton
 from packaging.version import InvalidVersion, Version
 
-from megatron_ext.fusions.launch_math import next_power_of_2
+from megatron_ext.fusions.launch_math import cdiv, next_power_of_2
 
 __all__ = [
     "BLOCK_H",
@@ -50,6 +50,8 @@ MAX_KV_SPLITS = 64
 # A split attends to at least this many rows of the longest context the block table can hold, so
 # the partials' traffic stays small against the rows read.
 MIN_KEYS_PER_SPLIT = 256
+# wave_num_kv_splits takes the fewest splits within this fraction of the best waves per work.
+WAVE_TOLERANCE = 0.05
 # Stage 1 pipelines its key tiles in 3 stages (the tiles after the one being computed in flight
 # during its dots) where a block may use this much shared memory: the widest tile (64 rows of 576
 # 16-bit columns, 32 keys) takes about 180 KiB with 3 stages, 144 KiB with 2. Hopper's 227 KiB
@@ -115,6 +117,8 @@ class DeviceLaunchLimits(NamedTuple):
 
     sms: int  # streaming multiprocessors
     stages: int  # stage 1's pipelining stages
+    capability: Tuple[int, int] = (0, 0)  # compute capability; (0, 0) off CUDA
+    shared_memory: int = 0  # bytes a block may opt into; 0 when unknown
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,9 +128,12 @@ def launch_limits(device: torch.device) -> DeviceLaunchLimits:
     if device.type != "cuda":
         return DeviceLaunchLimits(2, 3)
     properties = torch.cuda.get_device_properties(device)
+    shared_memory = getattr(properties, "shared_memory_per_block_optin", None)
     return DeviceLaunchLimits(
         properties.multi_processor_count,
-        pipeline_stages(getattr(properties, "shared_memory_per_block_optin", None)),
+        pipeline_stages(shared_memory),
+        (properties.major, properties.minor),
+        shared_memory or 0,
     )
 
 
@@ -171,6 +178,35 @@ def default_num_kv_splits(
         target_programs = launch_limits(device).sms * (2 if num_warps <= 4 else 1)
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(MAX_KV_SPLITS, target_programs // programs, by_length))
+
+
+def wave_num_kv_splits(
+    programs: int, sms: int, max_context: int, *, max_splits: int = MAX_KV_SPLITS
+) -> int:
+    """The split count of a kernel that fits one program per SM, from static sizes only.
+
+    A launch of ``programs * s`` programs runs in ``ceil(programs * s / sms)`` waves of work
+    ``1 / s`` each. Each split also writes a partial output that stage 2 reads back, so the
+    count is the smallest whose waves per unit of work are within ``WAVE_TOLERANCE`` of the
+    fewest, each split covering at least ``MIN_KEYS_PER_SPLIT`` rows of the longest context the
+    block table holds. Where :func:`default_num_kv_splits` stops at one wave, this also takes
+    splits that fill a partial last wave: 192 programs on 132 SMs are 2 waves of whole
+    programs, 1.5 of halves (11 splits would give 1.45).
+
+    Args:
+        programs: programs of one split (query tiles times head tiles).
+        sms: programs resident at once (one per SM).
+        max_context: the longest context the block table can hold.
+        max_splits: the most splits taken.
+
+    Returns:
+        int: the split count, >= 1.
+    """
+    programs, sms = max(1, programs), max(1, sms)
+    by_length = max(1, min(max_splits, max_context // MIN_KEYS_PER_SPLIT))
+    cost = [cdiv(programs * s, sms) / s for s in range(1, by_length + 1)]
+    best = min(cost)
+    return next(s for s, c in enumerate(cost, 1) if c <= best * (1 + WAVE_TOLERANCE))
 
 
 class CombineTile(NamedTuple):

@@ -198,7 +198,11 @@ def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_pa
         assert "matplotlib" in printed
     for title in ("decode attention", "chunked prefill", "key RoPE + paged cache append"):
         assert f"=== table: {title}" in printed
-    assert "=== verdicts" in printed and printed.count("\n- ") == len(result["verdicts"]) == 8
+    assert "=== verdicts" in printed and printed.count("\n- ") == len(result["verdicts"]) == 10
+    # The Gluon decode kernel is not taken on the CPU: its table and verdicts say why.
+    assert decode["gluon"]["refused"] and f"not run: {decode['gluon']['refused']}" in printed
+    gluon = [v for v in result["verdicts"] if v["target"].startswith("Gluon")]
+    assert len(gluon) == 2 and all(v["status"].startswith("not measured") for v in gluon)
     # The MHA form (plain torch here) computes the same attention as ours, through W_UV.
     forms = prefill["forms"]
     assert forms["backend"] == "torch" and forms["mha"]["max_rel_diff"] < 1e-5, forms

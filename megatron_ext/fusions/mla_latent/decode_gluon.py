@@ -1,0 +1,685 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The warp-specialized decode kernel of the latent attention, in Gluon (Hopper, Triton >= 3.7).
+
+Stage 1 (:mod:`.attention_kernels`) gives its 64-head decode tile to one ``tl.dot`` of 8 warps:
+Triton lays the 64-row score product out as ``warpsPerCTA = [8, 1]``, so both warpgroups of a
+program compute the same 64 x 32 score tile, and every variant spills. Plain Triton cannot be
+told otherwise. This kernel writes the roles out instead, as FlashMLA and FlashInfer's Hopper MLA
+kernel do, in Gluon (``triton.experimental.gluon``), where layouts, warpgroup MMAs, shared memory
+and barriers are explicit:
+
+* one program per (token, 64 heads, split); 12 warps in three partitions of one warpgroup each;
+* the **producer** gathers each key tile's cache rows through the block table with ``cp.async``
+  (Hopper's TMA cannot gather rows by index, and one box per page would tie the block size to the
+  key tile) into a ring of ``NUM_BUFFERS`` key tiles, and signals a barrier when they land;
+* **consumer 0** computes each 64 x ``BLOCK_N`` score tile once (``wgmma``, K = latent + rope)
+  and the online softmax, writes P (16-bit) and the rows' rescale factors to shared memory, and
+  multiplies P by the first half of the value columns;
+* **consumer 1** multiplies the same P by the second half, so the 64 x 512 fp32 accumulator is
+  split between two warpgroups (128 registers a thread each) and no score is computed twice.
+
+It computes what stage 1 computes for a decode tile (``BLOCK_Q = 1``, ``BLOCK_H = 64``): the same
+positions, key ranges, split bounds, masking of block ids outside the cache, non-finite rules
+(an attended ``-inf`` score gives NaN), scale modes and padding-token handling, and it writes
+stage 1's outputs (the output itself with one split, else the fp32 split workspace and the
+log-sum-exps that :func:`~.attention_kernels._combine_splits_kernel` merges). Its bits are its
+own (another summation order), not stage 1's. The plan launches it where
+:func:`~.attention_plan.gluon_decode_refusal` finds no reason not to; everywhere else stage 1 runs.
+
+Graph safety as stage 1: no host synchronisation, grids and split counts from static sizes, the
+lengths and block ids read on the device; no atomics, so a launch's bits do not depend on timing.
+
+The barriers, each used once per key tile (phases alternate with the tile index ``j``):
+
+* ``kv_ready[b]``: the producer's copies into buffer ``b`` have landed (each producer thread's
+  ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
+* ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
+* ``p_ready`` / ``p_free``: consumer 0 has written P and the rescale factors / consumer 1 is done
+  with them (one buffer: shared memory holds the query, two key tiles and P, 230 KB of the 227 KiB
+  an H100 or H200 gives a block);
+* ``l_ready``: consumer 0's final row sums are in shared memory (consumer 1 normalises with them).
+"""
+
+try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_IMPORT_ERROR = None
+except ImportError as error:  # the kernel is not defined; the plan keeps stage 1
+    GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+from megatron_ext.fusions.direct_launch import KernelLaunches
+
+__all__ = [
+    "GLUON_DECODE_LAUNCHES",
+    "GLUON_IMPORT_ERROR",
+    "GLUON_WARPS",
+    "HEADS_PER_PROGRAM",
+    "KEY_TILE",
+    "NUM_BUFFERS",
+    "gluon_shared_memory",
+]
+
+# Query rows of one program: a warpgroup MMA's M.
+HEADS_PER_PROGRAM = 64
+# Keys per tile and tiles in flight: the query (64 x 576) and two 64-key tiles take 216 KiB of
+# the 227 KiB a block may have (16-bit, DeepSeek-V3's widths).
+KEY_TILE = 64
+NUM_BUFFERS = 2
+# Three partitions of one warpgroup each (the default partition is the launch's num_warps=4).
+PARTITION_WARPS = 4
+GLUON_WARPS = 3 * PARTITION_WARPS
+
+
+def gluon_shared_memory(latent_dim: int, rope_dim: int) -> int:
+    """Shared memory one program takes (16-bit inputs), against a device's limit per block.
+
+    Args:
+        latent_dim: the latent width.
+        rope_dim: the RoPE width.
+
+    Returns:
+        int: bytes: the query, the key ring, P and two row vectors, plus 1 KiB for the barriers
+        and the buffers' alignment (230,912 at DeepSeek-V3's widths, where the compiler
+        allocates 230,208; an H100 or H200 block may opt into 232,448).
+    """
+    row = (latent_dim + rope_dim) * 2
+    return (
+        HEADS_PER_PROGRAM * row
+        + NUM_BUFFERS * KEY_TILE * row
+        + HEADS_PER_PROGRAM * KEY_TILE * 2
+        + 2 * HEADS_PER_PROGRAM * 4
+        + 1024
+    )
+
+
+# Sizes that change from step to step: not specialised (as stage 1's).
+_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_blocks"]
+
+if GLUON_IMPORT_ERROR is None:
+    # The sizes above as the kernels see them (a kernel reads module globals only as constexprs).
+    _HEADS = gl.constexpr(HEADS_PER_PROGRAM)
+    _KEY_TILE = gl.constexpr(KEY_TILE)
+    _BUFFERS = gl.constexpr(NUM_BUFFERS)
+    _PWARPS = gl.constexpr(PARTITION_WARPS)
+    CONSUMER_REGS = gl.constexpr(232)
+    PRODUCER_REGS = gl.constexpr(40)
+
+    @gluon.jit
+    def _load_cu(cu_q_ptr, idx, mask, num_tokens):
+        """``cu_query_lengths[idx]`` clamped into ``[0, num_tokens]`` (as stage 1's)."""
+        cu_q = gl.load(cu_q_ptr + idx, mask=mask, other=0).to(gl.int64)
+        return gl.minimum(gl.maximum(cu_q, 0), num_tokens)
+
+    @gluon.jit
+    def _token_request(token, cu_q_ptr, num_tokens, num_requests, SEQ_BLOCK: gl.constexpr):
+        """The request holding ``token`` (``num_requests`` past the last) and whether the clamped
+        ``cu_query_lengths`` are non-decreasing: stage 1's ``_tile_request`` at ``BLOCK_Q = 1``."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [_PWARPS], [0])
+        request = gl.to_tensor(0)
+        decreases = gl.to_tensor(0)
+        for start in range(1, num_requests + 1, SEQ_BLOCK):
+            idx = start + gl.arange(0, SEQ_BLOCK, layout=layout)
+            valid = idx <= num_requests
+            cu_q = _load_cu(cu_q_ptr, idx, valid, num_tokens)
+            before = _load_cu(cu_q_ptr, idx - 1, valid, num_tokens)
+            request += gl.sum((valid & (cu_q <= token)).to(gl.int32), axis=0)
+            decreases += gl.sum((valid & (cu_q < before)).to(gl.int32), axis=0)
+        return request, decreases == 0
+
+    @gluon.jit
+    def _fill_rows(
+        out_ptr, token, heads, out_stride_t, out_stride_h, row_mask, value, LATENT_DIM: gl.constexpr
+    ):
+        """Write ``value`` into the output rows (token, head) where ``row_mask``, 64 columns at a
+        time (``heads`` and ``row_mask`` in the rows' slice of the fill layout)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        rows = out_ptr + token * out_stride_t + heads * out_stride_h
+        fill = gl.full([_HEADS, 64], value, out_ptr.dtype.element_ty, layout)
+        for c in gl.static_range(LATENT_DIM // 64):
+            gl.store(rows[:, None] + c * 64 + cols[None, :], fill, mask=row_mask[:, None])
+
+    @gluon.jit
+    def _tile_pages(first, hi, tile_keys, BLOCK_SIZE: gl.constexpr):
+        """The table column and row in its page of each key ``first + tile_keys``, and which
+        are below ``hi``.
+
+        One 64-bit division per tile (a scalar), the rest in 32 bits: a 64-bit division by an
+        odd block size per key spilled the producer's 40 registers.
+        """
+        page0 = first // BLOCK_SIZE
+        in_tile = (first - page0 * BLOCK_SIZE).to(gl.int32) + tile_keys
+        # hi is at most the block table's capacity, so a key below it has its page in the row.
+        in_range = first + tile_keys < hi
+        return page0 + in_tile // BLOCK_SIZE, in_tile % BLOCK_SIZE, in_range
+
+    @gluon.jit
+    def _producer(
+        kv_smem,
+        rope_smem,
+        kv_ready,
+        kv_free,
+        cache_ptr,
+        table_row,
+        lo,
+        hi,
+        num_tiles,
+        num_blocks,
+        cache_stride_b,
+        cache_stride_o,
+        BLOCK_SIZE: gl.constexpr,
+        LATENT_DIM: gl.constexpr,
+        ROPE_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        """Gather key tile after key tile into the ring (latent and RoPE columns in buffers of
+        their own: shared memory shapes are powers of two), 64 columns per copy."""
+        # 16-byte copies: a warp covers 4 rows of 64 columns.
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        for j in range(num_tiles):
+            buf = j % _BUFFERS
+            # The first round finds every buffer free (the phase before a barrier's first one
+            # counts as complete).
+            mbarrier.wait(kv_free.index(buf), ((j // _BUFFERS) & 1) ^ 1)
+            page, in_page, in_range = _tile_pages(lo + j * BLOCK_N, hi, tile_keys, BLOCK_SIZE)
+            block = gl.load(table_row + page, mask=in_range, other=-1).to(gl.int64)
+            # A block id outside the cache is skipped, never read (stage 1's rule); the copies
+            # of masked rows write zeros.
+            ok = in_range & (block >= 0) & (block < num_blocks)
+            rows = (
+                cache_ptr
+                + gl.where(ok, block, 0) * cache_stride_b
+                + in_page.to(gl.int64) * cache_stride_o
+            )
+            dst = kv_smem.index(buf)
+            for c in gl.static_range(LATENT_DIM // 64):
+                async_copy.async_load(
+                    dst.slice(c * 64, 64, dim=1),
+                    rows[:, None] + c * 64 + cols[None, :],
+                    mask=ok[:, None],
+                )
+            dst = rope_smem.index(buf)
+            for c in gl.static_range(ROPE_DIM // 64):
+                async_copy.async_load(
+                    dst.slice(c * 64, 64, dim=1),
+                    rows[:, None] + LATENT_DIM + c * 64 + cols[None, :],
+                    mask=ok[:, None],
+                )
+            # Each thread's arrival fires when its own copies have landed.
+            async_copy.mbarrier_arrive(kv_ready.index(buf), increment_count=False)
+
+    @gluon.jit
+    def _consumer_values(
+        kv_smem,
+        p_smem,
+        alpha_smem,
+        l_smem,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+        l_ready,
+        out_ptr,
+        token,
+        head0,
+        split,
+        num_heads,
+        num_tiles,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        LATENT_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        """Consumer 1: the second half of the value columns, with consumer 0's P."""
+        HALF: gl.constexpr = LATENT_DIM // 2
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
+        )
+        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
+        for j in range(num_tiles):
+            buf = j % _BUFFERS
+            mbarrier.wait(kv_ready.index(buf), (j // _BUFFERS) & 1)
+            mbarrier.wait(p_ready, j & 1)
+            # cp.async and st.shared wrote through the generic proxy; wgmma reads through the
+            # async one.
+            fence_async_shared()
+            alpha = alpha_smem.load(row_layout)
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(
+                p_smem, kv_smem.index(buf).slice(HALF, HALF, dim=1), acc, is_async=True
+            )
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(kv_free.index(buf), count=1)
+        mbarrier.wait(l_ready, 0)
+        l_i = l_smem.load(row_layout)
+        _store_half(
+            acc,
+            l_i,
+            out_ptr,
+            token,
+            head0,
+            split,
+            num_heads,
+            out_stride_s,
+            out_stride_t,
+            out_stride_h,
+            HALF,
+            HALF,
+        )
+
+    @gluon.jit
+    def _store_half(
+        acc,
+        l_i,
+        out_ptr,
+        token,
+        head0,
+        split,
+        num_heads,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        COL0: gl.constexpr,
+        HALF: gl.constexpr,
+    ):
+        """Normalise a consumer's accumulator by the row sums and store its columns."""
+        layout: gl.constexpr = acc.type.layout
+        heads = head0 + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
+        cols = COL0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        # Nothing attended (l = 0) gives zeros; a NaN l (a non-finite attended row) stays NaN.
+        o = acc / gl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        rows = out_ptr + split * out_stride_s + token * out_stride_t + heads * out_stride_h
+        gl.store(
+            rows[:, None] + cols[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=(heads < num_heads)[:, None],
+        )
+
+    @gluon.jit
+    def _consumer_scores(
+        q_smem,
+        q_rope_smem,
+        kv_smem,
+        rope_smem,
+        p_smem,
+        alpha_smem,
+        l_smem,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+        l_ready,
+        out_ptr,
+        lse_ptr,
+        table_row,
+        token,
+        head0,
+        split,
+        lo,
+        hi,
+        num_tiles,
+        num_heads,
+        num_blocks,
+        scale_log2,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        lse_stride_s,
+        lse_stride_t,
+        BLOCK_SIZE: gl.constexpr,
+        LATENT_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        LARGE_SCALE: gl.constexpr,
+    ):
+        """Consumer 0 (the default partition): scores, online softmax, P, first value half."""
+        HALF: gl.constexpr = LATENT_DIM // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
+        )
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([_HEADS], gl.float32, s_rows)
+        # An accumulator handle from the start: the loop leaves each tile's value product in
+        # flight and waits for it with the next tile's scores.
+        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
+        s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        for j in range(num_tiles):
+            buf = j % _BUFFERS
+            kv = kv_smem.index(buf)
+            mbarrier.wait(kv_ready.index(buf), (j // _BUFFERS) & 1)
+            fence_async_shared()
+            scores = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma(
+                q_rope_smem, rope_smem.index(buf).permute((1, 0)), scores, is_async=True
+            )
+            # Also completes the previous tile's value product (groups complete in order).
+            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+            if j > 0:
+                mbarrier.arrive(kv_free.index((j - 1) % _BUFFERS), count=1)
+            # The key mask as the producer built it, from the same block ids.
+            page, _, in_range = _tile_pages(lo + j * BLOCK_N, hi, tile_keys, BLOCK_SIZE)
+            block = gl.load(table_row + page, mask=in_range, other=-1)
+            attend = in_range & (block >= 0) & (block < num_blocks)
+            if not LARGE_SCALE:
+                scores = scores * scale_log2
+            # An attended score of -inf (a non-finite key element) would drop its key from the
+            # softmax, a finite answer from a row that is not finite: NaN instead (stage 1's rule).
+            scores = gl.where(scores == float("-inf"), float("nan"), scores)
+            scores = gl.where(attend[None, :], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            if LARGE_SCALE:
+                # Raw units, scaled after the subtraction (stage 1's overflow rule).
+                p = gl.exp2((scores - m_use[:, None]) * scale_log2)
+                alpha = gl.exp2((m_i - m_use) * scale_log2)
+            else:
+                p = gl.exp2(scores - m_use[:, None])
+                alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            # P's one buffer is free once consumer 1 has multiplied the previous tile's.
+            mbarrier.wait(p_free, (j & 1) ^ 1)
+            p_smem.store(p.to(p_smem.dtype))
+            alpha_smem.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready, count=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            acc = warpgroup_mma(p_smem, kv.slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if num_tiles > 0:
+            mbarrier.arrive(kv_free.index((num_tiles - 1) % _BUFFERS), count=1)
+        l_smem.store(l_i)
+        mbarrier.arrive(l_ready, count=1)
+        _store_half(
+            acc,
+            gl.convert_layout(l_i, o_rows),
+            out_ptr,
+            token,
+            head0,
+            split,
+            num_heads,
+            out_stride_s,
+            out_stride_t,
+            out_stride_h,
+            0,
+            HALF,
+        )
+        if NUM_SPLITS > 1:
+            nothing = l_i == 0.0
+            m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
+            if LARGE_SCALE:
+                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
+            else:
+                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i))
+            lse = gl.where(nothing, float("-inf"), lse)
+            heads = head0 + gl.arange(0, _HEADS, layout=s_rows)
+            gl.store(
+                lse_ptr + split * lse_stride_s + token * lse_stride_t + heads,
+                lse,
+                mask=heads < num_heads,
+            )
+
+    @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
+    def _gluon_decode_kernel(
+        q_ptr,
+        q_rope_ptr,
+        cache_ptr,
+        block_table_ptr,
+        cu_q_ptr,
+        kv_len_ptr,
+        out_ptr,
+        lse_ptr,
+        scale_log2,
+        num_tokens,
+        num_heads,
+        num_requests,
+        num_blocks,
+        BLOCK_SIZE: gl.constexpr,
+        max_blocks,
+        q_stride_t,
+        q_stride_h,
+        q_rope_stride_t,
+        q_rope_stride_h,
+        cache_stride_b,
+        cache_stride_o,
+        table_stride,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        lse_stride_s,
+        lse_stride_t,
+        LATENT_DIM: gl.constexpr,
+        ROPE_DIM: gl.constexpr,
+        Q_ROPE_COL: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        SEQ_BLOCK: gl.constexpr,
+        LARGE_SCALE: gl.constexpr,
+    ):
+        gl.static_assert(LATENT_DIM % 128 == 0, "the value columns split in two 64-column halves")
+        gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
+        BLOCK_N: gl.constexpr = _KEY_TILE
+        token = gl.program_id(0).to(gl.int64)
+        head0 = gl.program_id(1) * _HEADS
+        split = gl.program_id(2).to(gl.int64)
+        fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
+        fill_rows: gl.constexpr = gl.SliceLayout(1, fill_layout)
+        heads = head0 + gl.arange(0, _HEADS, layout=fill_rows)
+        head_ok = heads < num_heads
+
+        # Which request the token is, and the padding and malformed-metadata cases, as stage 1
+        # decides them for a one-token tile.
+        request, ordered = _token_request(token, cu_q_ptr, num_tokens, num_requests, SEQ_BLOCK)
+        q_start = _load_cu(cu_q_ptr, request, True, num_tokens)
+        local = token - q_start
+        cu_first = _load_cu(cu_q_ptr, 0, True, num_tokens)
+        cu_last = _load_cu(cu_q_ptr, num_requests, True, num_tokens)
+        if not ordered:
+            inside = (token >= cu_first) & (token < cu_last)
+            if NUM_SPLITS == 1:
+                _fill_rows(
+                    out_ptr,
+                    token,
+                    heads,
+                    out_stride_t,
+                    out_stride_h,
+                    head_ok & inside,
+                    float("nan"),
+                    LATENT_DIM,
+                )
+                _fill_rows(
+                    out_ptr,
+                    token,
+                    heads,
+                    out_stride_t,
+                    out_stride_h,
+                    head_ok & (token < num_tokens) & ~inside,
+                    0.0,
+                    LATENT_DIM,
+                )
+            else:
+                nan = gl.full([_HEADS], float("nan"), gl.float32, fill_rows)
+                lse_rows = lse_ptr + split * lse_stride_s + token * lse_stride_t + heads
+                gl.store(lse_rows, nan, mask=head_ok & inside)
+            return
+        if (request == num_requests) | (local < 0):
+            if NUM_SPLITS == 1:
+                after = (request == num_requests) & (local >= 0)
+                pad = head_ok & (token < gl.where(after, num_tokens, cu_first))
+                _fill_rows(out_ptr, token, heads, out_stride_t, out_stride_h, pad, 0.0, LATENT_DIM)
+            return
+        q_len = _load_cu(cu_q_ptr, request + 1, True, num_tokens) - q_start
+        if local >= q_len:
+            return
+        kv_len = gl.minimum(gl.maximum(gl.load(kv_len_ptr + request).to(gl.int64), 0), 2**62)
+        capacity = gl.minimum(kv_len, max_blocks * BLOCK_SIZE)
+        tile_end = gl.minimum(kv_len - q_len + local + 1, capacity)
+        tile_end = gl.where(token < num_tokens, tile_end, 0)
+        chunk = gl.cdiv(gl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, tile_end)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N).to(gl.int32)
+        table_row = block_table_ptr + request.to(gl.int64) * table_stride
+
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, LATENT_DIM], dtype)
+        q_rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_HEADS, ROPE_DIM], dtype
+        )
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT_DIM], dtype)
+        rope_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE_DIM], dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HEADS, BLOCK_N], dtype)
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_smem = gl.allocate_shared_memory(dtype, [_HEADS, LATENT_DIM], q_layout)
+        q_rope_smem = gl.allocate_shared_memory(dtype, [_HEADS, ROPE_DIM], q_rope_layout)
+        kv_smem = gl.allocate_shared_memory(dtype, [_BUFFERS, BLOCK_N, LATENT_DIM], kv_layout)
+        rope_smem = gl.allocate_shared_memory(dtype, [_BUFFERS, BLOCK_N, ROPE_DIM], rope_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
+        l_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(_BUFFERS):
+            mbarrier.init(kv_ready.index(b), count=_PWARPS * 32)
+            mbarrier.init(kv_free.index(b), count=2)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(l_ready, count=1)
+
+        # The query's two parts, 64 columns at a time, into shared memory (rows past the heads
+        # are zeros and never stored).
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, fill_layout))
+        q_rows = q_ptr + token * q_stride_t + heads * q_stride_h
+        for c in gl.static_range(LATENT_DIM // 64):
+            part = gl.load(
+                q_rows[:, None] + c * 64 + cols[None, :], mask=head_ok[:, None], other=0.0
+            )
+            q_smem.slice(c * 64, 64, dim=1).store(part)
+        q_rope_rows = q_rope_ptr + token * q_rope_stride_t + heads * q_rope_stride_h
+        for c in gl.static_range(ROPE_DIM // 64):
+            part = gl.load(
+                q_rope_rows[:, None] + Q_ROPE_COL + c * 64 + cols[None, :],
+                mask=head_ok[:, None],
+                other=0.0,
+            )
+            q_rope_smem.slice(c * 64, 64, dim=1).store(part)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (
+                    _consumer_scores,
+                    (
+                        q_smem,
+                        q_rope_smem,
+                        kv_smem,
+                        rope_smem,
+                        p_smem,
+                        alpha_smem,
+                        l_smem,
+                        kv_ready,
+                        kv_free,
+                        p_ready,
+                        p_free,
+                        l_ready,
+                        out_ptr,
+                        lse_ptr,
+                        table_row,
+                        token,
+                        head0,
+                        split,
+                        lo,
+                        hi,
+                        num_tiles,
+                        num_heads,
+                        num_blocks,
+                        scale_log2,
+                        out_stride_s,
+                        out_stride_t,
+                        out_stride_h,
+                        lse_stride_s,
+                        lse_stride_t,
+                        BLOCK_SIZE,
+                        LATENT_DIM,
+                        BLOCK_N,
+                        NUM_SPLITS,
+                        LARGE_SCALE,
+                    ),
+                ),
+                (
+                    _consumer_values,
+                    (
+                        kv_smem,
+                        p_smem,
+                        alpha_smem,
+                        l_smem,
+                        kv_ready,
+                        kv_free,
+                        p_ready,
+                        p_free,
+                        l_ready,
+                        out_ptr,
+                        token,
+                        head0,
+                        split,
+                        num_heads,
+                        num_tiles,
+                        out_stride_s,
+                        out_stride_t,
+                        out_stride_h,
+                        LATENT_DIM,
+                        BLOCK_N,
+                    ),
+                ),
+                (
+                    _producer,
+                    (
+                        kv_smem,
+                        rope_smem,
+                        kv_ready,
+                        kv_free,
+                        cache_ptr,
+                        table_row,
+                        lo,
+                        hi,
+                        num_tiles,
+                        num_blocks,
+                        cache_stride_b,
+                        cache_stride_o,
+                        BLOCK_SIZE,
+                        LATENT_DIM,
+                        ROPE_DIM,
+                        BLOCK_N,
+                    ),
+                ),
+            ],
+            [_PWARPS, _PWARPS],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+
+    GLUON_DECODE_LAUNCHES = KernelLaunches(_gluon_decode_kernel, _RUNTIME_SIZES)
+else:
+    GLUON_DECODE_LAUNCHES = None

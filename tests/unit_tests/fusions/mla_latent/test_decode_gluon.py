@@ -1,0 +1,229 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of the warp-specialized decode kernel that run without a GPU
+(megatron_ext.fusions.mla_latent.decode_gluon and its choice in attention_plan).
+
+Gluon kernels do not run in Triton's interpreter, so CI cannot run this kernel. What it can check
+is the code the installed Triton compiles for sm_90a (as ``scripts/mla_latent_attention_code.py``
+prints it): each score tile's MMAs issued once, the value columns split over two warpgroups, no
+register spills, the shared memory within a Hopper block's, the barrier counts the partitions'
+arrivals meet, and the register budget of the three partitions within the register file (an
+over-budget ``setmaxnreg.inc`` waits forever). The kernel's results are checked on the GPU
+(test_decode_gluon_gpu.py, the sanitizer driver); the choice between it and stage 1, and the
+split-count rule it uses, here.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_ext.fusions.mla_latent import attention_plan, decode_gluon, tile_rules
+from tests.unit_tests.fusions.mla_latent_cache_testlib import REPO_ROOT
+
+NEEDS_GLUON = pytest.mark.skipif(
+    decode_gluon.GLUON_IMPORT_ERROR is not None or tile_rules.TRITON_RELEASE < (3, 7),
+    reason=f"the installed Triton has no Gluon Hopper API: {decode_gluon.GLUON_IMPORT_ERROR}",
+)
+# What an H100 or H200 block may opt into.
+HOPPER_SHARED_MEMORY = 232448
+
+
+# The compile runs in a process of its own: the test session runs Triton in its interpreter
+# (TRITON_INTERPRET=1, set before Triton was imported), where Gluon kernels do not compile.
+_COMPILE = """
+import json, sys, tempfile
+from triton import knobs
+sys.path.insert(0, "scripts")
+import mla_latent_attention_code as code
+# Compiled anew (a cached kernel has no ptxas log), into a cache of its own.
+knobs.nvidia.dump_ptxas_log = True
+knobs.compilation.always_compile = True
+knobs.cache.dir = tempfile.mkdtemp()
+out = []
+for variant in json.loads(sys.argv[1]):
+    variant = dict(variant)
+    dtype, splits = variant.pop("dtype", "bf16"), variant.pop("splits", 1)
+    launch = code.gluon_launch("gluon", dtype, splits, **variant)
+    out.append(code.compile_launch(launch, None))
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The kernel compiled for sm_90a in each of VARIANTS (index -> TTGIR, PTX, ptxas log and
+    shared memory), by ``scripts/mla_latent_attention_code.py``'s functions."""
+    path = tmp_path_factory.mktemp("gluon") / "compiled.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(VARIANTS), str(path)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(path.read_text())
+
+
+def _instructions(pattern: str, ptx: str) -> Counter:
+    return Counter(re.findall(pattern, ptx))
+
+
+VARIANTS = [
+    dict(),
+    dict(dtype="fp16"),
+    dict(splits=4),
+    dict(block_size=1),
+    dict(block_size=37),
+    dict(block_size=128, two_operands=True),
+    dict(large_scale=True, splits=3),
+]
+
+
+@NEEDS_GLUON
+@pytest.mark.parametrize(
+    "index", range(len(VARIANTS)), ids=["-".join(f"{k}={v[k]}" for k in v) for v in VARIANTS]
+)
+def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
+    """Per key tile: (512 + 64) / 16 = 36 m64n64k16 score MMAs (one warpgroup, not two) and two
+    m64n256k16 value MMAs per 16 keys (each warpgroup's half of the 512 columns); 36 16-byte
+    copies per producer thread (64 rows x 576 columns over 128 threads); no spills."""
+    code = compiled[index]
+    ptx = code["ptx"]
+    mma = _instructions(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
+    assert mma == {"m64n64k16": 36, "m64n256k16": 2 * decode_gluon.KEY_TILE // 16}, mma
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)) == 36
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
+    assert spills is not None, code["log"][-2000:]
+    assert spills.groups() == ("0", "0"), code["log"][-2000:]
+
+
+@NEEDS_GLUON
+def test_shared_memory_fits_a_hopper_block_and_the_plan_bound(compiled):
+    """The compiler's figure is within what the plan checks against the device, which is within
+    an H100/H200 block's."""
+    shared = int(compiled[0]["shared"])
+    assert shared <= decode_gluon.gluon_shared_memory(512, 64) <= HOPPER_SHARED_MEMORY
+
+
+@NEEDS_GLUON
+def test_barrier_counts_match_the_partitions_arrivals(compiled):
+    """kv_ready expects one asynchronous arrival per producer thread (each thread's
+    cp.async.mbarrier.arrive.noinc), kv_free one per consumer warpgroup, the P and row-sum
+    barriers one; a count that the arrivals never meet hangs the kernel."""
+    ptx = compiled[0]["ptx"]
+    inits = Counter(
+        int(n) for n in re.findall(r"mbarrier\.init\.shared[\w:.]*\s+\[[^]]+\],\s*(\d+)", ptx)
+    )
+    producer_threads = decode_gluon.PARTITION_WARPS * 32
+    assert inits == {producer_threads: 2, 2: 2, 1: 3}, inits
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 1
+    # P and the copies are written through the generic proxy and read by wgmma through the
+    # asynchronous one: a proxy fence orders them.
+    assert "fence.proxy.async" in ptx
+
+
+@NEEDS_GLUON
+def test_partition_registers_fit_the_register_file(compiled):
+    """The partitions' register shares were applied (setmaxnreg to each), and the three fit 64 Ki
+    registers over 3 x 128 threads: an over-budget ``setmaxnreg.inc`` would wait forever. The
+    default partition takes what the workers leave of the kernel's ``.maxnreg`` per warpgroup."""
+    ptx = compiled[0]["ptx"]
+    values = [
+        int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    ]
+    assert values and all(v % 8 == 0 and 24 <= v <= 256 for v in values), values
+    maxnreg = int(re.search(r"\.maxnreg\s+(\d+)", ptx).group(1))
+    consumer, producer = int(decode_gluon.CONSUMER_REGS), int(decode_gluon.PRODUCER_REGS)
+    default = (3 * maxnreg - consumer - producer) // 8 * 8
+    assert {consumer, producer, default} <= set(values), (values, maxnreg)
+    assert (default + consumer + producer) * 128 <= 64 * 1024
+
+
+def test_wave_split_rule_fills_the_last_wave():
+    rule = tile_rules.wave_num_kv_splits
+    assert rule(192, 132, 4096) == 2  # 2 waves of whole programs, 1.5 of halves
+    assert rule(64, 132, 4096) == 2  # one wave either way: the fewer splits
+    assert rule(32, 132, 8192) == 4
+    assert rule(128, 132, 1024) == 1  # the device is full
+    assert rule(1, 132, 1024) == 1024 // tile_rules.MIN_KEYS_PER_SPLIT  # rows per split bound
+    assert rule(1, 132, 10**6) <= tile_rules.MAX_KV_SPLITS
+    for programs in range(1, 400, 7):
+        for context in (256, 3000, 32768):
+            s = rule(programs, 132, context)
+            assert 1 <= s <= max(1, context // tile_rules.MIN_KEYS_PER_SPLIT)
+
+
+def _call(heads=128, dtype=torch.bfloat16, latent=512, rope=64, device="cpu"):
+    query = torch.empty(4, heads, latent + rope, dtype=dtype, device=device)
+    cache = torch.empty(8, 64, latent + rope, dtype=dtype, device=device)
+    return query, cache
+
+
+def test_the_kernel_is_off_unless_switched_on(monkeypatch):
+    monkeypatch.setattr(attention_plan, "GLUON_DECODE", False)
+    query, cache = _call()
+    assert "off" in attention_plan.gluon_decode_refusal(query, cache, 512, 1)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (dict(max_query_len=None), "not a decode step"),
+        (dict(max_query_len=2), "not a decode step"),
+        (dict(dtype=torch.float32), "16-bit"),
+        (dict(heads=16), "16 heads"),
+        (dict(latent=64), "widths"),
+        (dict(rope=32), "widths"),
+        (dict(), "device cpu"),
+    ],
+)
+def test_refusal_names_the_reason(monkeypatch, case, expected):
+    monkeypatch.setattr(attention_plan, "GLUON_DECODE", True)
+    max_query_len = case.pop("max_query_len", 1)
+    query, cache = _call(**case)
+    reason = attention_plan.gluon_decode_refusal(
+        query, cache, case.get("latent", 512), max_query_len
+    )
+    if decode_gluon.GLUON_IMPORT_ERROR is not None or tile_rules.TRITON_RELEASE < (3, 7):
+        assert "Gluon" in reason
+    else:
+        assert expected in reason, reason
+
+
+def test_the_switch_takes_on_and_off_only():
+    assert attention_plan.gluon_decode_enabled("on") is True
+    assert attention_plan.gluon_decode_enabled("off") is False
+    with pytest.raises(ValueError, match=attention_plan.GLUON_DECODE_ENV):
+        attention_plan.gluon_decode_enabled("1")
+
+
+def test_a_refused_call_plans_stage_1(monkeypatch):
+    """Where the kernel is refused (here: the CPU), the plan is stage 1's, with its own split
+    rule, even with the switch on."""
+    from megatron_ext.fusions.mla_latent import attention
+    from tests.unit_tests.fusions.mla_latent_cache_testlib import build_step, fresh_plan_caches
+
+    monkeypatch.setattr(attention_plan, "GLUON_DECODE", True)
+    fresh_plan_caches(monkeypatch)
+    step = build_step([(5, 1), (9, 1)], heads=32, latent_dim=32, rope_dim=16)
+    attention.mla_paged_latent_attention(
+        step.query,
+        step.kv_cache,
+        step.block_table,
+        step.cu_query_lengths,
+        step.kv_lengths,
+        0.1,
+        rope_dim=16,
+        max_query_len=1,
+    )
+    plans = attention.ATTENTION_PLANS.plans()
+    assert plans and all(plan.kernel == "stage1" for plan in plans)
