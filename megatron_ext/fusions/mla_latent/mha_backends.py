@@ -66,6 +66,7 @@ __all__ = [
     "needs_offsets",
     "present_backends",
     "ragged_check",
+    "ragged_metadata",
     "ragged_offsets",
     "torch_varlen",
     "varlen_attention",
@@ -200,11 +201,13 @@ def _flash_varlen(
             f"FlashAttention's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = "
             f"{(q.shape[1], q.shape[0])}"
         )
+    if out.shape[-1] != v_dim:  # v padded here (the MHA form's come padded: no view to take)
+        out = out[..., :v_dim]
     if not want_lse:
-        return out[..., :v_dim], None
+        return out, None
     # A query with no key gets +inf (and zeros): -inf is what the merge takes for "nothing".
     lse = lse.t().float()
-    return out[..., :v_dim], lse.masked_fill(lse == math.inf, -math.inf)
+    return out, lse.masked_fill(lse == math.inf, -math.inf)
 
 
 # TE's attention modules by shape and scale: built once per process (threads serving one model
@@ -274,6 +277,29 @@ def needs_offsets(backend: str, causal: Optional[str]) -> bool:
     return backend not in ("torch", "torch-bottom-right", "cudnn-dense")
 
 
+def ragged_metadata(backend: str, q_lens: np.ndarray, k_lens: np.ndarray, cu: Tensor) -> Ragged:
+    """A fused call's :class:`Ragged` from its host lengths and its offsets on the device.
+
+    Args:
+        backend: a backend that takes offsets (:func:`needs_offsets`).
+        q_lens, k_lens: the call's query and key lengths per sequence (host).
+        cu: ``ragged_offsets(backend, q_lens, k_lens)`` on the device (or an array that starts
+            with it).
+
+    Returns:
+        Ragged: views of ``cu`` and the bucketed maxima.
+    """
+    requests, k_start = _offsets_layout(backend, q_lens)
+    return Ragged(
+        cu[: requests + 1],
+        cu[k_start : k_start + requests + 1],
+        # At least 2: newer cuDNN releases take a single-query ragged call for a decode and
+        # refuse it on some GPUs; the maximum only has to bound the lengths.
+        bucket(int(q_lens.max(initial=1)), minimum=2),
+        bucket(int(k_lens.max(initial=1)), minimum=1),
+    )
+
+
 def varlen_attention(
     backend: str,
     q: Tensor,
@@ -284,6 +310,7 @@ def varlen_attention(
     scale: float,
     want_lse: bool,
     cu: Optional[Tensor] = None,
+    ragged: Optional[Ragged] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Ragged attention of packed sequences: request ``r``'s queries and keys follow the earlier
     requests' in ``q`` and in ``k``/``v`` (rows past the lengths are ignored).
@@ -301,6 +328,8 @@ def varlen_attention(
         cu: the call's cumulative lengths already on the device (a copy of
             ``ragged_offsets(backend, *lengths)``, made with others in one transfer); None:
             copied here.
+        ragged: the call's :func:`ragged_metadata` already built (a step's plan keeps it for
+            every layer); None: built here from ``cu``.
 
     Returns:
         Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 (-inf for a
@@ -320,25 +349,19 @@ def varlen_attention(
                 f"lengths {q_lens.tolist()} and key lengths {k_lens.tolist()}"
             )
         return masked_attention(q, k, v, q_lens, k_lens, causal is not None, scale, want_lse)
-    if cu is None:
-        cu = to_device(ragged_offsets(backend, q_lens, k_lens), q.device)
-    requests, k_start = _offsets_layout(backend, q_lens)
-    ragged = Ragged(
-        cu[: requests + 1],
-        cu[k_start : k_start + requests + 1],
-        # At least 2: newer cuDNN releases take a single-query ragged call for a decode and
-        # refuse it on some GPUs; the maximum only has to bound the lengths.
-        bucket(int(q_lens.max(initial=1)), minimum=2),
-        bucket(int(k_lens.max(initial=1)), minimum=1),
-    )
+    if ragged is None:
+        if cu is None:
+            cu = to_device(ragged_offsets(backend, q_lens, k_lens), q.device)
+        ragged = ragged_metadata(backend, q_lens, k_lens, cu)
     if backend == "te":
         return _te_varlen(q, k, v, ragged, scale), None
     if backend == "flash":
         out, lse = _flash_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
     else:
         out, lse = _cudnn_varlen(q, k, v, ragged, causal is not None, scale, want_lse)
-    if want_lse:
-        # A request with no keys (a fresh one beside a chunked one) attends to nothing.
+    # A request with no keys (a fresh one beside a chunked one) attends to nothing (never one
+    # of a step's plan: every planned sequence has keys).
+    if want_lse and not k_lens.all():
         empty = np.repeat(k_lens == 0, q_lens)
         if empty.any():
             mask = to_device(np.pad(empty, (0, q.shape[0] - len(empty))), q.device).bool()

@@ -159,8 +159,13 @@ def square_causal_attention(
     tokens, heads = q.shape[:2]
     groups = dense_groups(lengths, q.device)
     # Every row in one group of back-to-back full sequences (a fresh prefill of equal prompts):
-    # cuDNN's own output is the result, no zeroed output to copy it into.
-    alone = len(groups) == 1 and groups[0].rows is not None and int(lengths.sum()) == tokens
+    # cuDNN's own output is the result, no zeroed output to copy it into. (Such a group holds
+    # every nonzero length, all equal to its own: ``count * length`` rows in all.)
+    alone = (
+        len(groups) == 1
+        and groups[0].rows is not None
+        and groups[0].count * groups[0].length == tokens
+    )
     out = lse = None
     if not alone:
         out = q.new_zeros(tokens, heads, v.shape[-1])

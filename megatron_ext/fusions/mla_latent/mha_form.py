@@ -19,20 +19,24 @@ results are merged by their log-sum-exps (:mod:`~megatron_ext.fusions.mla_latent
 The attention runs on one of the backends of
 :mod:`~megatron_ext.fusions.mla_latent.mha_backends` (:data:`BACKENDS`).
 
-What a step's layers share is worked out once: the step's plan (chunks, calls, the rows' cache
-addresses and the calls' offsets on the device: :mod:`~megatron_ext.fusions.mla_latent.mha_plan`),
-and per layer the decompression weights' layout, kept while the weight is unchanged
-(:mod:`~megatron_ext.fusions.mla_latent.mha_weights`). A layer's call then checks its
-arguments and launches its GPU work: the gather of the rows, two GEMMs, the attention.
+What a step's layers share is worked out once: the checks of the lengths' own values, the step's
+plan (chunks, calls, the rows' cache addresses, the calls' offsets on the device and their
+packed-sequence metadata: :mod:`~megatron_ext.fusions.mla_latent.mha_plan`), and per layer the
+decompression weights' layout, kept while the weight is unchanged
+(:mod:`~megatron_ext.fusions.mla_latent.mha_weights`). A layer's call then checks its tensors
+(and the lengths against them) and launches its GPU work: the gather of the rows, two GEMMs, the
+attention.
 """
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent.checks import (
     check_block_table,
     check_cache_for_query,
@@ -86,15 +90,77 @@ MAX_TABLE_ENTRIES = 2**31 - 1
 
 
 def _lengths(name: str, values: Sequence[int]) -> np.ndarray:
-    try:
-        array = np.asarray(values)
-    except (TypeError, ValueError):
-        array = np.asarray([], dtype=object)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
+    array = _host_ints(values)
+    if array is None:
         raise TypeError(f"{name} must be a sequence of ints on the host; got {values!r}")
     if (array < 0).any():
         raise ValueError(f"{name} must be >= 0; got {array.tolist()}")
     return array.astype(np.int64)
+
+
+def _host_ints(values: Sequence[int]) -> Optional[np.ndarray]:
+    """``values`` as a 1-d integer array (not copied where it is one), or None."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError):
+        return None
+    return array if array.ndim == 1 and array.dtype.kind in "iu" else None
+
+
+class _Lengths(NamedTuple):
+    """A step's lengths that passed the checks that depend on them alone (ints >= 0, as many
+    of each, the new tokens within the rows): int64 and read-only, with their sums and the
+    longest request's rows."""
+
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    used: int
+    rows: int
+    longest: int
+
+
+# Checked lengths by their values (dtype and bytes, as given): every layer of a step passes the
+# same lengths, and only the first pays for the checks of their values (a handful of numpy
+# reductions); the other layers check them against their own tensors only.
+_CHECKED_LENGTHS: PlanCache = PlanCache(max_entries=16)
+
+
+def _checked_lengths(
+    query_lengths: Sequence[int], kv_lengths: Sequence[int], requests: int
+) -> _Lengths:
+    """The lengths, checked by themselves (once per step's values) and against the block
+    table's ``requests``, in the order and with the messages of :func:`check_mha_call`."""
+    q_given, kv_given = _host_ints(query_lengths), _host_ints(kv_lengths)
+    key = None
+    if q_given is not None and kv_given is not None:
+        key = (q_given.dtype.str, q_given.tobytes(), kv_given.dtype.str, kv_given.tobytes())
+        kept = _CHECKED_LENGTHS.lookup(key)
+        if kept is not None:
+            if len(kept.q_lens) > requests:
+                _count_error(kept.q_lens, kept.kv_lens, requests)
+            return kept
+    q_lens = _lengths("query_lengths", query_lengths)
+    kv_lens = _lengths("kv_lengths", kv_lengths)
+    if len(q_lens) != len(kv_lens) or len(q_lens) > requests:
+        _count_error(q_lens, kv_lens, requests)
+    if (q_lens > kv_lens).any():
+        raise ValueError(
+            "each request's kv length must count its new tokens too; got query lengths "
+            f"{q_lens.tolist()}, kv lengths {kv_lens.tolist()}"
+        )
+    q_lens.setflags(write=False)
+    kv_lens.setflags(write=False)
+    checked = _Lengths(
+        q_lens, kv_lens, int(q_lens.sum()), int(kv_lens.sum()), int(kv_lens.max(initial=0))
+    )
+    return checked if key is None else _CHECKED_LENGTHS.put(key, checked)
+
+
+def _count_error(q_lens: np.ndarray, kv_lens: np.ndarray, requests: int) -> NoReturn:
+    raise ValueError(
+        f"query_lengths ({len(q_lens)}) and kv_lengths ({len(kv_lens)}) must name the same "
+        f"requests, at most the block table's {requests}"
+    )
 
 
 def check_mha_call(
@@ -112,9 +178,35 @@ def check_mha_call(
     messages for the arguments the two share (cache, block table, scale, RoPE width).
 
     Returns:
-        Tuple[np.ndarray, np.ndarray, int, int]: the query and KV lengths as int64 arrays, the
-        latent width and the value head size.
+        Tuple[np.ndarray, np.ndarray, int, int]: the query and KV lengths as int64 arrays
+        (read-only: kept for the step's other layers), the latent width and the value head size.
     """
+    lengths, latent_dim, v_dim = _checked_call(
+        query,
+        kv_cache,
+        block_table,
+        kv_up_weight,
+        softmax_scale,
+        rope_dim,
+        query_lengths,
+        kv_lengths,
+        backend,
+    )
+    return lengths.q_lens, lengths.kv_lens, latent_dim, v_dim
+
+
+def _checked_call(
+    query: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    kv_up_weight: Tensor,
+    softmax_scale: float,
+    rope_dim: int,
+    query_lengths: Sequence[int],
+    kv_lengths: Sequence[int],
+    backend: str,
+) -> Tuple[_Lengths, int, int]:
+    """:func:`check_mha_call`, returning the checked lengths with their sums."""
     check_tensor("query", query, FLOAT_DTYPES + (torch.float64,))
     device = query.device
     if query.dim() != 3:
@@ -156,37 +248,27 @@ def check_mha_call(
             f"the {backend} backend runs head sizes up to {FLASH_MAX_HEAD_DIM}; query/key "
             f"width {width} and value width {v_dim} need {flash_head_dim(width, v_dim)}"
         )
-    q_lens = _lengths("query_lengths", query_lengths)
-    kv_lens = _lengths("kv_lengths", kv_lengths)
-    if len(q_lens) != len(kv_lens) or len(q_lens) > requests:
-        raise ValueError(
-            f"query_lengths ({len(q_lens)}) and kv_lengths ({len(kv_lens)}) must name the same "
-            f"requests, at most the block table's {requests}"
-        )
-    if (q_lens > kv_lens).any():
-        raise ValueError(
-            "each request's kv length must count its new tokens too; got query lengths "
-            f"{q_lens.tolist()}, kv lengths {kv_lens.tolist()}"
-        )
-    if int(q_lens.sum()) > tokens:
-        raise ValueError(f"query_lengths sum to {int(q_lens.sum())}, over the {tokens} tokens")
+    lengths = _checked_lengths(query_lengths, kv_lengths, requests)
+    if lengths.used > tokens:
+        raise ValueError(f"query_lengths sum to {lengths.used}, over the {tokens} tokens")
     if block_table.numel() > MAX_TABLE_ENTRIES:
         raise ValueError(
             f"block_table has {block_table.numel()} entries; the MHA form addresses it with "
             f"32-bit indices (at most {MAX_TABLE_ENTRIES})"
         )
     capacity = block_table.shape[1] * kv_cache.shape[1]
-    if (kv_lens > capacity).any():
+    if lengths.longest > capacity:
         raise ValueError(
-            f"kv_lengths {kv_lens.tolist()} exceed the block table's capacity of {capacity} rows"
+            f"kv_lengths {lengths.kv_lens.tolist()} exceed the block table's capacity of "
+            f"{capacity} rows"
         )
-    return q_lens, kv_lens, latent_dim, v_dim
+    return lengths, latent_dim, v_dim
 
 
 def decompressed_keys_values(
     kv_cache: Tensor,
     block_table: Tensor,
-    rows: Tensor,
+    rows: Union[Tensor, Tuple[Tensor, Tensor]],
     up_weights: Tuple[Tensor, Tensor],
     heads: int,
     rope_dim: int,
@@ -196,9 +278,10 @@ def decompressed_keys_values(
     Args:
         kv_cache: [blocks, block_size, latent + rope].
         block_table: [requests, max_blocks], contiguous.
-        rows: [2, rows] int32 or int64: each row's place in the block table
-            (``request * max_blocks + position // block_size``) and in its block
-            (``position % block_size``), worked out on the host where the positions are.
+        rows: [2, rows] int32 or int64 (or its two rows, as a step's plan keeps them): each
+            row's place in the block table (``request * max_blocks + position // block_size``)
+            and in its block (``position % block_size``), worked out on the host where the
+            positions are.
         up_weights: the keys' and the values' GEMM weights from
             :func:`~megatron_ext.fusions.mla_latent.mha_weights.up_projections`.
         heads: the query heads.
@@ -221,10 +304,11 @@ def decompressed_keys_values(
         cached = kv_cache.flatten(0, 1).index_select(0, rows[1].add(ids, alpha=block_size))
     else:
         cached = kv_cache[ids, rows[1]]
-    # The decompression GEMMs. The zero rows' outputs are exact zeros for the finite rows a
-    # query attends (a non-finite padding row's can be anything: no query reads it).
-    keys = (cached @ up_weights[0].t()).view(cached.shape[0], heads, -1)
-    values = (cached[:, :latent_dim] @ up_weights[1].t()).view(cached.shape[0], heads, -1)
+    # The decompression GEMMs (``linear``: ``x @ w.t()`` in one call from Python, the same
+    # matmul). The zero rows' outputs are exact zeros for the finite rows a query attends (a
+    # non-finite padding row's can be anything: no query reads it).
+    keys = F.linear(cached, up_weights[0]).view(cached.shape[0], heads, -1)
+    values = F.linear(cached[:, :latent_dim], up_weights[1]).view(cached.shape[0], heads, -1)
     return keys, values
 
 
@@ -279,7 +363,7 @@ def mla_paged_mha_attention(
         TypeError, ValueError: for arguments of other types, dtypes, shapes or devices, or
             lengths that do not fit, before any launch.
     """
-    q_lens, kv_lens, _, v_dim = check_mha_call(
+    lengths, _, v_dim = _checked_call(
         query,
         kv_cache,
         block_table,
@@ -294,14 +378,20 @@ def mla_paged_mha_attention(
     check_int("row_budget", budget, 1)
     tokens, heads, width = query.shape
     qk_dim = width - rope_dim
-    used = int(q_lens.sum())
+    used = lengths.used
     if used == 0:
         return query.new_zeros(tokens, heads, v_dim)
     if backend == "te":
-        budget = max(int(kv_lens.sum()), 1)
+        budget = max(lengths.rows, 1)
     block_size = kv_cache.shape[1]
     plan = mha_plan(
-        q_lens, kv_lens, backend, budget, block_size, block_table.shape[1], query.device
+        lengths.q_lens,
+        lengths.kv_lens,
+        backend,
+        budget,
+        block_size,
+        block_table.shape[1],
+        query.device,
     )
     direct = plan.direct
     if backend == "te" and not direct:
@@ -310,14 +400,7 @@ def mla_paged_mha_attention(
         )
     # A step in one call that covers every token (a fresh prefill, on a backend whose output
     # comes packed at v_dim) returns the call's own output: no result to allocate and copy into.
-    whole = (
-        direct
-        and used == tokens
-        and len(plan.chunks) == 1
-        and len(plan.chunks[0].calls) == 1
-        and isinstance(plan.chunks[0].calls[0].tokens, slice)
-        and plan.chunks[0].calls[0].count == tokens
-    )
+    whole = direct and plan.single and used == tokens
     # Otherwise every used token's row is written below (straight, or from the accumulator).
     out = None if whole else query.new_empty(tokens, heads, v_dim)
     if used < tokens:
@@ -337,7 +420,7 @@ def mla_paged_mha_attention(
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
     for chunk in plan.chunks:
         keys, values = decompressed_keys_values(
-            kv_cache, table, chunk.rows, up_weights, heads, rope_dim
+            kv_cache, table, chunk.places, up_weights, heads, rope_dim
         )
         for call in chunk.calls:
             ids, n = call.tokens, call.count
@@ -354,14 +437,16 @@ def mla_paged_mha_attention(
                 scale,
                 not direct,
                 call.offsets,
+                call.ragged,
             )
-            # The flash backend's values carry zero columns past v_dim.
-            part = part[:n, :, :v_dim]
-            if whole and part.is_contiguous():
-                return part
+            # The flash backend's values carry zero columns past v_dim (and the fused backends
+            # that plan per shape return bucket padding past n).
+            if part.shape[0] != n or part.shape[2] != v_dim:
+                part = part[:n, :, :v_dim]
+            if whole:
+                # The one call's output is the result (copied where it is a strided view).
+                return part if part.is_contiguous() else part.contiguous()
             if direct:
-                if out is None:
-                    out = query.new_empty(tokens, heads, v_dim)
                 out[ids] = part
                 continue
             acc_out[ids], acc_lse[ids] = merge_partials(

@@ -17,9 +17,12 @@ import torch
 from torch import Tensor
 
 from megatron_ext.fusions.launch_plans import PlanCache
+from megatron_ext.fusions.mla_latent import mha_backends
 from megatron_ext.fusions.mla_latent.mha_backends import (
     SPLIT_BACKENDS,
+    Ragged,
     needs_offsets,
+    ragged_metadata,
     ragged_offsets,
 )
 from megatron_ext.fusions.mla_latent.mha_chunks import call_tokens, each_token_once, plan_chunks
@@ -55,6 +58,8 @@ class PlannedCall(NamedTuple):
         lengths: its query and key lengths per sequence, on the host.
         offsets: its cumulative lengths on the device in the backend's layout, or None where the
             backend takes none.
+        ragged: the backend's packed-sequence metadata (views of ``offsets``, the bucketed
+            maxima), or None where the backend takes none.
     """
 
     causal: Optional[str]
@@ -64,6 +69,7 @@ class PlannedCall(NamedTuple):
     rows: slice
     lengths: Tuple[np.ndarray, np.ndarray]
     offsets: Optional[Tensor]
+    ragged: Optional[Ragged]
 
 
 class PlannedChunk(NamedTuple):
@@ -74,10 +80,12 @@ class PlannedChunk(NamedTuple):
             table, ``request * max_blocks + position // block_size``, and its place in its
             block, ``position % block_size``.
         calls: the chunk's attention calls.
+        places: ``rows[0]`` and ``rows[1]`` (views taken once for every layer).
     """
 
     rows: Tensor
     calls: Tuple[PlannedCall, ...]
+    places: Tuple[Tensor, Tensor]
 
 
 class MhaPlan(NamedTuple):
@@ -88,11 +96,14 @@ class MhaPlan(NamedTuple):
         direct: whether each token is in exactly one call, so that a call's output is the
             token's answer (written straight into the result, no merge).
         chunks: the chunks, in order.
+        single: whether the plan is one chunk of one call whose tokens are ``0..used`` in order
+            (a slice).
     """
 
     used: int
     direct: bool
     chunks: Tuple[PlannedChunk, ...]
+    single: bool
 
 
 def padded_size(backend: str, n: int) -> int:
@@ -153,6 +164,10 @@ def _build(
         ):
             n, lo = len(token_ids), int(token_ids[0])
             begin = starts[call.section] + call.offset
+            offsets = ragged = None
+            if needs_offsets(backend, call.causal):
+                offsets = device_copy[offset_place:]
+                ragged = ragged_metadata(backend, q_counts, k_counts, offsets)
             calls.append(
                 PlannedCall(
                     call.causal,
@@ -165,11 +180,15 @@ def _build(
                     padded_size(backend, n),
                     slice(begin, begin + padded_size(backend, int(k_counts.sum()))),
                     (q_counts, k_counts),
-                    device_copy[offset_place:] if needs_offsets(backend, call.causal) else None,
+                    offsets,
+                    ragged,
                 )
             )
-        chunks.append(PlannedChunk(device_copy[: index.size].view(2, -1), tuple(calls)))
-    return MhaPlan(used, direct, tuple(chunks))
+        rows = device_copy[: index.size].view(2, -1)
+        chunks.append(PlannedChunk(rows, tuple(calls), (rows[0], rows[1])))
+    only = chunks[0].calls[0] if len(chunks) == 1 and len(chunks[0].calls) == 1 else None
+    single = only is not None and isinstance(only.tokens, slice) and only.tokens == slice(0, used)
+    return MhaPlan(used, direct, tuple(chunks), single)
 
 
 def mha_plan(
@@ -196,7 +215,10 @@ def mha_plan(
         MhaPlan: the plan.
     """
     step = (q_lens, kv_lens, backend, budget, block_size, max_blocks, device)
-    key = (q_lens.tobytes(), kv_lens.tobytes(), backend, budget, block_size, max_blocks)
+    # The cuDNN backend's offsets (and the metadata kept with them) are laid out by whether
+    # cuDNN takes empty sequences.
+    empty = backend == "cudnn" and mha_backends.empty_sequences_supported()
+    key = (q_lens.tobytes(), kv_lens.tobytes(), backend, budget, block_size, max_blocks, empty)
     return kept_for_step(MHA_PLANS, key, device, lambda: _build(*step))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megatron_ext import internals
 from megatron_ext.fusions.launch_plans import PlanCache
 
 __all__ = ["bucket", "kept_for_step", "offsets_within", "to_device"]
@@ -67,7 +68,12 @@ def kept_for_step(
     Returns:
         the entry.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    stream = None
+    if device.type == "cuda":
+        # The raw stream handle, without the public call's Stream object (a few microseconds
+        # per layer, with each cache's lookup).
+        index = device.index if device.index is not None else internals.cuda_current_device()
+        stream = internals.cuda_current_raw_stream(index)
     full_key = (key, device, stream)
     kept = cache.get(full_key)
     if kept is None:

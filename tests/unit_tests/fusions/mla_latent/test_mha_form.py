@@ -10,10 +10,12 @@ request's rows page by page, and against the absorbed Triton kernel (interpreter
 inputs; the refusal of bad input before any work.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_ext.fusions.mla_latent import (
+    mha_backends,
     mha_form,
     mla_paged_latent_attention,
 )
@@ -28,6 +30,7 @@ from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     absorbed,
     attend,
     deepseek_step,
+    flash_stand_in,
     mha_step,
     reference,
 )
@@ -224,3 +227,62 @@ def test_a_table_past_32_bit_indices_is_refused(monkeypatch):
             query, cache, step.block_table, weight, SCALE, rope_dim=16, **lengths
         )
     assert calls == []
+
+
+def test_a_steps_lengths_are_checked_once_and_against_every_calls_tensors(monkeypatch):
+    """The checks of the lengths' own values run once per step (its other layers pass the same
+    lengths); every call still checks them against its own query and block table, before any
+    work, and lengths of other values (int32 halves with the same bytes) are checked anew."""
+    mha = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    step, query, cache, weight, lengths = mha
+    first = attend(mha, "torch")
+    checked = []
+    original = mha_form._lengths
+    monkeypatch.setattr(mha_form, "_lengths", lambda *args: checked.append(args) or original(*args))
+    assert torch.equal(attend(mha, "torch"), first)
+    assert checked == [], "a later layer checked the step's lengths again"
+    q_lens, kv_lens, _, _ = mha_form.check_mha_call(
+        query, cache, step.block_table, weight, SCALE, 16, backend="torch", **lengths
+    )
+    assert not q_lens.flags.writeable and not kv_lens.flags.writeable  # kept: read-only
+
+    calls = []
+    monkeypatch.setattr(mha_form, "decompressed_keys_values", lambda *a, **k: calls.append(1))
+    good = dict(query=query, block_table=step.block_table)
+    for change, match in (
+        (dict(block_table=step.block_table[:1]), "same requests"),
+        (dict(query=query[:4]), "over the 4 tokens"),
+        (dict(block_table=step.block_table[:, :0]), "capacity of 0 rows"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            arguments = {**good, **change, **lengths}
+            mla_paged_mha_attention(
+                kv_cache=cache, kv_up_weight=weight, softmax_scale=SCALE, rope_dim=16, **arguments
+            )
+    halves = {name: np.array(value).view(np.int32) for name, value in lengths.items()}
+    assert halves["kv_lengths"].tobytes() == np.array(lengths["kv_lengths"]).tobytes()
+    with pytest.raises(ValueError, match="same requests"):
+        mla_paged_mha_attention(
+            query, cache, step.block_table, weight, SCALE, rope_dim=16, **halves
+        )
+    assert calls == []
+
+
+def test_a_step_in_one_strided_call_returns_a_packed_copy_of_it(monkeypatch):
+    """A fresh prefill in one FlashAttention call whose values are padded to the query's head
+    size: the result is the call's output without the padding columns, packed."""
+    parts = []
+    stand_in = flash_stand_in([])
+
+    def operator(*args, **kwargs):
+        result = stand_in(*args, **kwargs)
+        parts.append(result[0])
+        return result
+
+    monkeypatch.setattr(mha_backends.internals, "flash_attention_forward", operator)
+    mha = mha_step([(0, 9), (0, 4)], 2, seed=6, qk_dim=32, v_dim=16)
+    got = attend(mha, "flash")
+    (part,) = parts
+    assert part.shape[-1] == 48 and got.shape == (13, 2, 16) and got.is_contiguous()
+    assert torch.equal(got, part[..., :16])
+    torch.testing.assert_close(got.double(), reference(*mha), rtol=1e-5, atol=2e-5)

@@ -6,7 +6,7 @@ step's lengths and shared by the layers, each layer still getting its own answer
 import numpy as np
 import torch
 
-from megatron_ext.fusions.mla_latent import mha_plan
+from megatron_ext.fusions.mla_latent import mha_backends, mha_plan
 from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     MIXED,
     attend,
@@ -81,3 +81,23 @@ def test_threads_sharing_the_caches_get_their_own_answers():
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+def test_a_plan_keeps_each_fused_calls_metadata(monkeypatch):
+    """A fused backend's calls carry their packed-sequence metadata, built once with the plan
+    (views of the offsets on the device, the bucketed maxima); for the cuDNN backend laid out by
+    whether cuDNN takes empty sequences, which is part of the plan's key."""
+    nine = ([2 + 3 * i for i in range(9)], [9 + 10 * i for i in range(9)])
+    for backend in ("flash", "cudnn"):
+        for call in _plan(*nine, backend=backend).chunks[0].calls:
+            built = mha_backends.ragged_metadata(backend, *call.lengths, call.offsets)
+            assert call.ragged[2:] == built[2:]
+            for kept, fresh in zip(call.ragged[:2], built[:2]):
+                assert kept.data_ptr() == fresh.data_ptr() and torch.equal(kept, fresh)
+    assert _plan(*nine, backend="torch").chunks[0].calls[0].ragged is None
+    sequences = {}
+    for supported in (True, False):
+        monkeypatch.setattr(mha_backends, "empty_sequences_supported", lambda s=supported: s)
+        call, *_ = _plan(*nine, backend="cudnn").chunks[0].calls
+        sequences[supported] = len(call.ragged.cu_q) - 1
+    assert sequences == {True: 10, False: 9}
