@@ -379,19 +379,22 @@ def mla_dynamic_attention(
             kv_lengths,
             max(1, int(max_query_len)),
         )
+    elif not split.absorbed_requests:
+        # Every request in the MHA form (a prefill step): its result is the core output, with
+        # no buffer to copy it into.
+        core = mha_form_core(module, q, kv_cache, block_table, split).reshape(n, heads * v_dim)
     else:
         first, tokens_first = split.absorbed_requests, split.absorbed_tokens
         core = q.new_empty(n, heads * v_dim)
-        if first:
-            core[:tokens_first] = absorbed_core(
-                module,
-                q[:tokens_first],
-                kv_cache,
-                block_table[:first],
-                cu_query_lengths[: first + 1],
-                kv_lengths[:first],
-                split.absorbed_max_query_len,
-            )
+        core[:tokens_first] = absorbed_core(
+            module,
+            q[:tokens_first],
+            kv_cache,
+            block_table[:first],
+            cu_query_lengths[: first + 1],
+            kv_lengths[:first],
+            split.absorbed_max_query_len,
+        )
         mha = mha_form_core(module, q[tokens_first:], kv_cache, block_table, split)
         core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
     return module.linear_proj(core.view(n, 1, heads * v_dim))

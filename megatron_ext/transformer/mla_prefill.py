@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from megatron_ext import internals
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent import mha_form
 from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_attention
 
@@ -164,6 +165,12 @@ COST_MODELS: Dict[str, CostModel] = {
 COST_MODEL = COST_MODELS["flash"]
 
 
+# Splits by everything they depend on (the lengths' values, heads, widths, rates, row budget):
+# every layer of a step asks with the same (once per backend it weighs), and the cost model is
+# some twenty numpy operations and a loop over the requests.
+_SPLITS: PlanCache = PlanCache(max_entries=64)
+
+
 def absorbed_request_count(
     query_lengths: np.ndarray,
     kv_lengths: np.ndarray,
@@ -171,7 +178,8 @@ def absorbed_request_count(
     widths: Tuple[int, int, int, int],
     model: CostModel = COST_MODEL,
 ) -> int:
-    """How many leading requests to run in the absorbed form (the rest in the MHA form).
+    """How many leading requests to run in the absorbed form (the rest in the MHA form),
+    worked out once per step's lengths and kept for its other layers.
 
     Args:
         query_lengths, kv_lengths: the step's new tokens and rows per request (host).
@@ -183,6 +191,30 @@ def absorbed_request_count(
         int: ``s`` in ``0..requests``; ``requests`` means all absorbed. Ties go to the absorbed
         form.
     """
+    key = (
+        query_lengths.dtype.str,
+        query_lengths.tobytes(),
+        kv_lengths.dtype.str,
+        kv_lengths.tobytes(),
+        heads,
+        widths,
+        model,
+        mha_form.ROW_BUDGET,
+    )
+    split = _SPLITS.get(key)
+    if split is None:
+        split = _SPLITS.put(key, _cheapest_split(query_lengths, kv_lengths, heads, widths, model))
+    return split
+
+
+def _cheapest_split(
+    query_lengths: np.ndarray,
+    kv_lengths: np.ndarray,
+    heads: int,
+    widths: Tuple[int, int, int, int],
+    model: CostModel,
+) -> int:
+    """:func:`absorbed_request_count`'s cost model, worked out."""
     latent, rope, qk, v = widths
     q = query_lengths.astype(np.float64)
     rows = kv_lengths.astype(np.float64)
@@ -561,7 +593,7 @@ def mha_form_core(
     return mla_paged_mha_attention(
         q,
         kv_cache,
-        block_table[first:],
+        block_table[first:] if first else block_table,  # a prefill step's: no view to take
         module.linear_kv_up_proj.weight,
         module.softmax_scale,
         query_lengths=split.query_lengths[first:],

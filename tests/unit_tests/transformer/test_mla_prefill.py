@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent import mha_form
 from megatron_ext.inference.contexts.static_slices_context_base import UPSTREAM_HAS_ACTIVE_SLICES
 from megatron_ext.testing import small_mla_gpt
@@ -127,6 +128,32 @@ def test_prefill_step_equals_the_absorbed_form(stack, monkeypatch, mha_calls):
     scale = float(absorbed[:active].abs().max())
     assert scale > 0
     assert float((mha - absorbed).abs().max()) <= 2**-18 * scale
+
+
+def test_a_step_all_in_the_mha_form_hands_its_result_to_the_output_projection(stack, monkeypatch):
+    """Every request in the MHA form (a prefill step): the form's result is the core output
+    the output projection reads, with no buffer to copy it into."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19, 3])
+    module, hidden = _attention(model), _hidden(context, 3)
+    results, inputs = [], []
+    original = mla_prefill.mla_paged_mha_attention
+
+    def spy(*args, **kwargs):
+        results.append(original(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(mla_prefill, "mla_paged_mha_attention", spy)
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    hook = module.linear_proj.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    try:
+        with torch.no_grad():
+            mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    finally:
+        hook.remove()
+    (result,) = results
+    (core,) = inputs
+    assert core.data_ptr() == result.data_ptr() and core.numel() == result.numel()
 
 
 def test_split_step_runs_the_leading_requests_absorbed(stack, monkeypatch, mha_calls):
@@ -261,6 +288,37 @@ def test_cost_model_takes_the_slower_of_host_and_gpu():
     host_bound = mla_prefill.CostModel(mha_fixed_seconds=20e-3)
     assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, gpu_bound) == 0
     assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, host_bound) == 1
+
+
+def test_the_cost_models_split_is_worked_out_once_per_lengths_and_rates(monkeypatch):
+    """Every layer of a step asks for the same split: worked out once, then kept by what it
+    depends on (the lengths' values, heads, widths, rates, row budget), never by the arrays'
+    identity."""
+    worked_out = []
+    original = mla_prefill._cheapest_split
+
+    def counted(*args):
+        worked_out.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(mla_prefill, "_cheapest_split", counted)
+    monkeypatch.setattr(mla_prefill, "_SPLITS", PlanCache(max_entries=64))
+    # A short chunk behind a long prefix (absorbed), then a prefill (in the MHA form).
+    q, kv = np.array([64, 4096]), np.array([64 + 32768, 4096])
+
+    def split(model=mla_prefill.COST_MODEL, heads=128):
+        return mla_prefill.absorbed_request_count(q, kv, heads, DEEPSEEK_WIDTHS, model)
+
+    assert [split() for _ in range(4)] == [1] * 4 and len(worked_out) == 1
+    q[1] = 1  # the same array, new values: a decode, absorbed too
+    assert split() == 2 and len(worked_out) == 2
+    q[1] = 4096  # the first values again: kept
+    assert split() == 1 and len(worked_out) == 2
+    assert split(mla_prefill.CostModel(mha_fixed_seconds=1.0)) == 2 and len(worked_out) == 3
+    assert split(heads=1) == 2 and len(worked_out) == 4
+    monkeypatch.setattr(mha_form, "ROW_BUDGET", 1)
+    split()
+    assert len(worked_out) == 5
 
 
 def test_backend_rule(monkeypatch):
