@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from megatron_ext.fusions.launch_plans import PlanCache, layout_key
+from megatron_ext.fusions.mla_latent import attention_plan
 from megatron_ext.fusions.mla_latent.attention_plan import LatentAttentionPlan, plan_for_call
 from megatron_ext.fusions.mla_latent.checks import (
     check_attention_call,
@@ -123,7 +124,8 @@ def mla_paged_latent_attention(
     """
     key = layout_key(
         (query, kv_cache, block_table, cu_query_lengths, kv_lengths, out, query_rope),
-        (softmax_scale, rope_dim, max_query_len, num_kv_splits),
+        # The kernel switch too: a plan keeps the kernel it was made with.
+        (softmax_scale, rope_dim, max_query_len, num_kv_splits, attention_plan.GLUON_DECODE),
     )
     plan = ATTENTION_PLANS.get(key)
     if plan is None:

@@ -79,7 +79,8 @@ def gluon_decode_enabled(value: Optional[str] = None) -> bool:
     return value == "on"
 
 
-# Read once, at import (a bad value fails there); tests and tools may set it.
+# Read once, at import (a bad value fails there); tests and tools may set it (the plan cache is
+# keyed by it).
 GLUON_DECODE = gluon_decode_enabled()
 
 
@@ -119,6 +120,14 @@ def gluon_decode_refusal(
     rope_dim = kv_cache.shape[2] - latent_dim
     if latent_dim not in (128, 256, 512) or rope_dim % 64 != 0:
         return f"widths {latent_dim} + {rope_dim} (takes 128, 256 or 512 + multiples of 64)"
+    # Its rows are copied 16 bytes at a time, which Triton compiles only where the pointer and
+    # strides are known to be 16-byte multiples (its specialisation: divisible by 16).
+    if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16:
+        return (
+            f"a cache at byte {kv_cache.data_ptr() % 16} of 16 or with strides "
+            f"{kv_cache.stride()[:2]} (the rows are copied 16 bytes at a time: 16-byte aligned, "
+            "strides multiples of 16)"
+        )
     if query.device.type != "cuda":
         return f"device {query.device} (Hopper only)"
     limits = launch_limits(query.device)

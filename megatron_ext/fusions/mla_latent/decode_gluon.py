@@ -20,8 +20,9 @@ and barriers are explicit:
   split between two warpgroups (128 registers a thread each) and no score is computed twice.
 
 It computes what stage 1 computes for a decode tile (``BLOCK_Q = 1``, ``BLOCK_H = 64``): the same
-positions, key ranges, split bounds, masking of block ids outside the cache, non-finite rules
-(an attended ``-inf`` score gives NaN), scale modes and padding-token handling, and it writes
+positions, key ranges, masking of block ids outside the cache, non-finite rules (an attended
+``-inf`` score gives NaN), scale modes and padding-token handling (its splits' bounds are
+multiples of its 64-key tiles, stage 1's of its own), and it writes
 stage 1's outputs (the output itself with one split, else the fp32 split workspace and the
 log-sum-exps that :func:`~.attention_kernels._combine_splits_kernel` merges). Its bits are its
 own (another summation order), not stage 1's. The plan launches it where
@@ -241,7 +242,6 @@ if GLUON_IMPORT_ERROR is None:
         out_stride_t,
         out_stride_h,
         LATENT_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr,
     ):
         """Consumer 1: the second half of the value columns, with consumer 0's P."""
         HALF: gl.constexpr = LATENT_DIM // 2
@@ -534,7 +534,6 @@ if GLUON_IMPORT_ERROR is None:
         kv_len = gl.minimum(gl.maximum(gl.load(kv_len_ptr + request).to(gl.int64), 0), 2**62)
         capacity = gl.minimum(kv_len, max_blocks * BLOCK_SIZE)
         tile_end = gl.minimum(kv_len - q_len + local + 1, capacity)
-        tile_end = gl.where(token < num_tokens, tile_end, 0)
         chunk = gl.cdiv(gl.cdiv(tile_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = gl.minimum(lo + chunk, tile_end)
@@ -651,7 +650,6 @@ if GLUON_IMPORT_ERROR is None:
                         out_stride_t,
                         out_stride_h,
                         LATENT_DIM,
-                        BLOCK_N,
                     ),
                 ),
                 (

@@ -35,6 +35,9 @@ GUARD = 1234.5
 # What an output holds before a call: a row the kernel forgot stays NaN.
 POISON = float("nan")
 GUARD_ELEMENTS = 97
+# A cache offset that keeps a cache 16-byte aligned (64 elements: 128 bytes at 16 bits), for the
+# kernels that copy rows 16 bytes at a time and take only such caches.
+ALIGNED_CACHE_OFFSET = 64
 
 
 def guarded_tensor(shape: Sequence[int], dtype, device, fill: float) -> Tuple[torch.Tensor, ...]:
@@ -87,6 +90,7 @@ def build_step(
     padding_tokens: int = 0,
     spare_blocks: int = 3,
     index_dtype=torch.int32,
+    cache_offset: int = GUARD_ELEMENTS,
 ) -> Step:
     """A step with ``requests`` = [(cached tokens, new tokens), ...].
 
@@ -95,6 +99,8 @@ def build_step(
     the longest request needs; padded requests (length 0, table row -1) and padded tokens follow
     the real ones, as megatron-core pads them for CUDA graphs. Every cache row holds random values
     (rows no request owns too), and the query random values.
+    The cache sits ``cache_offset`` elements into a buffer whose other elements hold GUARD (by
+    default 97: a cache no 16-byte multiple from the allocation's start).
     """
     gen = torch.Generator().manual_seed(seed)
     width = latent_dim + rope_dim
@@ -113,14 +119,14 @@ def build_step(
     cu[1:] = torch.tensor(new_counts, dtype=torch.int64).cumsum(0).to(index_dtype)
     tokens = sum(new_counts) + padding_tokens
     cache = torch.randn(num_blocks, block_size, width, generator=gen).to(dtype)
-    buffer = torch.full((2 * GUARD_ELEMENTS + cache.numel(),), GUARD, dtype=dtype)
-    view = buffer[GUARD_ELEMENTS : GUARD_ELEMENTS + cache.numel()].view(cache.shape)
+    buffer = torch.full((cache_offset + GUARD_ELEMENTS + cache.numel(),), GUARD, dtype=dtype)
+    view = buffer[cache_offset : cache_offset + cache.numel()].view(cache.shape)
     view.copy_(cache)
     buffer = buffer.to(device)
     query = torch.randn(tokens, heads, width, generator=gen).to(dtype)
     return Step(
         query=query.to(device),
-        kv_cache=buffer[GUARD_ELEMENTS : GUARD_ELEMENTS + cache.numel()].view(cache.shape),
+        kv_cache=buffer[cache_offset : cache_offset + cache.numel()].view(cache.shape),
         cache_buffer=buffer,
         block_table=table.to(device),
         cu_query_lengths=cu.to(device),

@@ -11,7 +11,10 @@ The RoPE + append (bf16, fp16, fp32; rows out of the cache and positions out of 
 the tokens) and the paged attention (DeepSeek-V3's 512 + 64 widths; 1, 32, 40 and 128 heads; block
 sizes 16 and 64; decode with and without split-KV, a mixed prefill/chunked/decode step; padded
 requests and tokens; a -1 block id where the lengths say a row is used; lengths that are
-negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal).
+negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal), and the
+warp-specialized Gluon decode kernel in stage 1's place where this GPU and Triton take it
+(``gluon_decode_refusal``; 128 and 40 heads, block sizes 16 and 64, one and three splits, padded
+requests, a -1 block id; ``--quick`` runs one small case, for racecheck's view of its barriers).
 PyTorch's caching allocator is disabled so that every tensor is its own allocation and an
 out-of-bounds access is one memcheck can see. Exits non-zero if an appended row differs from
 megatron-core's or an attention output from float64 by more than the unit tests allow.
@@ -27,9 +30,15 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 import torch  # noqa: E402
 
-from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append  # noqa: E402
+from megatron_ext.fusions.mla_latent import (  # noqa: E402
+    attention,
+    attention_plan,
+    fused_mla_rope_cache_append,
+)
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
+    ALIGNED_CACHE_OFFSET,
+    GUARD_ELEMENTS,
     build_step,
     check_attention_step,
     megatron_core_append,
@@ -70,7 +79,9 @@ def check_append(config, yarn, tokens: int, dtype: torch.dtype, seed: int) -> bo
     return same
 
 
-def check_attention(requests, heads, block_size, dtype, splits, seed) -> bool:
+def check_attention(
+    requests, heads, block_size, dtype, splits, seed, cache_offset=GUARD_ELEMENTS
+) -> bool:
     step = build_step(
         requests,
         heads=heads,
@@ -82,6 +93,7 @@ def check_attention(requests, heads, block_size, dtype, splits, seed) -> bool:
         seed=seed,
         padding_requests=2,
         padding_tokens=3,
+        cache_offset=cache_offset,
     )
     if step.block_table.shape[1] > 2:
         step.block_table[0, 1] = -1  # inconsistent metadata: skipped, never read out of bounds
@@ -95,6 +107,42 @@ def check_attention(requests, heads, block_size, dtype, splits, seed) -> bool:
         print(error)
         return False
     return True
+
+
+def gluon_decode_refusal():
+    """Why this GPU and Triton would not run the Gluon decode kernel on the cases below (bf16,
+    DeepSeek-V3's widths), with its switch on; None if they would."""
+    query = torch.empty(1, 128, 576, dtype=torch.bfloat16, device="cuda")
+    kv_cache = torch.empty(1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    switch = attention_plan.GLUON_DECODE
+    attention_plan.GLUON_DECODE = True
+    try:
+        return attention_plan.gluon_decode_refusal(query, kv_cache, 512, 1)
+    finally:
+        attention_plan.GLUON_DECODE = switch
+
+
+def check_gluon_decode(requests, heads, block_size, splits, seed) -> bool:
+    """One decode step (padded requests and tokens, a -1 block id in request 0's used rows)
+    through the Gluon kernel against float64; False also if stage 1 ran instead."""
+    switch = attention_plan.GLUON_DECODE
+    attention_plan.GLUON_DECODE = True
+    attention.ATTENTION_PLANS.clear()
+    try:
+        # A 16-byte-aligned cache: the kernel copies its rows 16 bytes at a time and is refused
+        # for any other (gluon_decode_refusal).
+        if not check_attention(
+            requests, heads, block_size, torch.bfloat16, splits, seed, ALIGNED_CACHE_OFFSET
+        ):
+            return False
+        kernels = [plan.kernel for plan in attention.ATTENTION_PLANS.plans()]
+        if kernels != ["gluon"]:
+            print(f"the Gluon decode kernel did not run: plans {kernels}")
+            return False
+        return True
+    finally:
+        attention_plan.GLUON_DECODE = switch
+        attention.ATTENTION_PLANS.clear()
 
 
 def check_bad_metadata(heads: int, dtype: torch.dtype, splits: int, seed: int) -> bool:
@@ -181,6 +229,20 @@ def main() -> int:
             if not check_bad_metadata(heads, dtype, splits, seed=heads):
                 failures += 1
                 print(f"BAD metadata heads={heads} splits={splits} {dtype}")
+    # Request 0 spans several pages, so check_attention's -1 at its second is a used row.
+    gluon_decode = [(700, 1), (0, 1), (63, 1), (64, 1), (129, 1)]
+    gluon_cases = [(128, 16, 1), (128, 64, 3), (40, 16, 3), (40, 64, 1)]
+    if args.quick:
+        gluon_decode, gluon_cases = [(129, 1), (0, 1), (63, 1)], [(40, 16, 3)]
+    refusal = gluon_decode_refusal()
+    if refusal is not None:
+        print(f"Gluon decode cases skipped: {refusal}")
+        gluon_cases = []
+    for heads, block_size, splits in gluon_cases:
+        checks += 1
+        if not check_gluon_decode(gluon_decode, heads, block_size, splits, seed=heads + splits):
+            failures += 1
+            print(f"BAD gluon decode heads={heads} block={block_size} splits={splits}")
     print(f"{checks} checks, {failures} failed")
     return 1 if failures else 0
 

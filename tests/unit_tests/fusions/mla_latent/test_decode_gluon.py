@@ -162,10 +162,12 @@ def test_wave_split_rule_fills_the_last_wave():
             assert 1 <= s <= max(1, context // tile_rules.MIN_KEYS_PER_SPLIT)
 
 
-def _call(heads=128, dtype=torch.bfloat16, latent=512, rope=64, device="cpu"):
+def _call(heads=128, dtype=torch.bfloat16, latent=512, rope=64, device="cpu", misaligned=False):
     query = torch.empty(4, heads, latent + rope, dtype=dtype, device=device)
-    cache = torch.empty(8, 64, latent + rope, dtype=dtype, device=device)
-    return query, cache
+    cache = torch.empty(8 * 64 * (latent + rope) + 1, dtype=dtype, device=device)
+    # One element in: a cache whose rows cannot be copied 16 bytes at a time.
+    cache = cache[1:] if misaligned else cache[:-1]
+    return query, cache.view(8, 64, latent + rope)
 
 
 def test_the_kernel_is_off_unless_switched_on(monkeypatch):
@@ -183,6 +185,7 @@ def test_the_kernel_is_off_unless_switched_on(monkeypatch):
         (dict(heads=16), "16 heads"),
         (dict(latent=64), "widths"),
         (dict(rope=32), "widths"),
+        (dict(misaligned=True), "a cache at byte 2 of 16"),
         (dict(), "device cpu"),
     ],
 )
