@@ -112,6 +112,11 @@ if GLUON_IMPORT_ERROR is None:
     _KEY_TILE = gl.constexpr(KEY_TILE)
     _BUFFERS = gl.constexpr(NUM_BUFFERS)
     _PWARPS = gl.constexpr(PARTITION_WARPS)
+    # The one call whose name differs between the Gluon releases taken: Triton 3.7's cp.async
+    # copy is async_copy_global_to_shared, 3.9's async_load (where the old name raises). Bound
+    # here: a kernel's source may not name an attribute its Triton lacks, even in a branch it
+    # does not take (the JIT resolves every name it reads to hash the kernel).
+    _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     CONSUMER_REGS = gl.constexpr(232)
     PRODUCER_REGS = gl.constexpr(40)
 
@@ -206,14 +211,14 @@ if GLUON_IMPORT_ERROR is None:
             )
             dst = kv_smem.index(buf)
             for c in gl.static_range(LATENT_DIM // 64):
-                async_copy.async_load(
+                _copy_rows(
                     dst.slice(c * 64, 64, dim=1),
                     rows[:, None] + c * 64 + cols[None, :],
                     mask=ok[:, None],
                 )
             dst = rope_smem.index(buf)
             for c in gl.static_range(ROPE_DIM // 64):
-                async_copy.async_load(
+                _copy_rows(
                     dst.slice(c * 64, 64, dim=1),
                     rows[:, None] + LATENT_DIM + c * 64 + cols[None, :],
                     mask=ok[:, None],
