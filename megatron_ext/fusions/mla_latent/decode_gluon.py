@@ -37,9 +37,9 @@ The barriers, each used once per key tile (phases alternate with the tile index 
   ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
 * ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
 * ``p_ready`` / ``p_free``: consumer 0 has written P and the rescale factors / consumer 1 is done
-  with them (one buffer: shared memory holds the query, two key tiles and P, 230 KB of the 227 KiB
-  an H100 or H200 gives a block);
-* ``l_ready``: consumer 0's final row sums are in shared memory (consumer 1 normalises with them).
+  with them (one buffer: shared memory holds the query, two key tiles and P, 225 KiB of the 227 KiB
+  an H100 or H200 gives a block); after the last tile the same handoff carries the final row sums
+  that consumer 1 normalises with.
 """
 
 try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
@@ -89,16 +89,16 @@ def gluon_shared_memory(latent_dim: int, rope_dim: int) -> int:
         rope_dim: the RoPE width.
 
     Returns:
-        int: bytes: the query, the key ring, P and two row vectors, plus 1 KiB for the barriers
-        and the buffers' alignment (230,912 at DeepSeek-V3's widths, where the compiler
-        allocates 230,208; an H100 or H200 block may opt into 232,448).
+        int: bytes: the query, the key ring, P and a row vector, plus 1 KiB for the barriers
+        and the buffers' alignment (230,656 at DeepSeek-V3's widths, where the compiler
+        allocates 229,920; an H100 or H200 block may opt into 232,448).
     """
     row = (latent_dim + rope_dim) * 2
     return (
         HEADS_PER_PROGRAM * row
         + NUM_BUFFERS * KEY_TILE * row
         + HEADS_PER_PROGRAM * KEY_TILE * 2
-        + 2 * HEADS_PER_PROGRAM * 4
+        + HEADS_PER_PROGRAM * 4
         + 1024
     )
 
@@ -231,12 +231,10 @@ if GLUON_IMPORT_ERROR is None:
         kv_smem,
         p_smem,
         alpha_smem,
-        l_smem,
         kv_ready,
         kv_free,
         p_ready,
         p_free,
-        l_ready,
         out_ptr,
         token,
         head0,
@@ -270,8 +268,9 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(p_free, count=1)
             mbarrier.arrive(kv_free.index(buf), count=1)
-        mbarrier.wait(l_ready, 0)
-        l_i = l_smem.load(row_layout)
+        # The row sums come through the rescale factors' buffer, as one more tile's would.
+        mbarrier.wait(p_ready, num_tiles & 1)
+        l_i = alpha_smem.load(row_layout)
         _store_half(
             acc,
             l_i,
@@ -323,12 +322,10 @@ if GLUON_IMPORT_ERROR is None:
         rope_smem,
         p_smem,
         alpha_smem,
-        l_smem,
         kv_ready,
         kv_free,
         p_ready,
         p_free,
-        l_ready,
         out_ptr,
         lse_ptr,
         table_row,
@@ -414,8 +411,11 @@ if GLUON_IMPORT_ERROR is None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if num_tiles > 0:
             mbarrier.arrive(kv_free.index((num_tiles - 1) % _BUFFERS), count=1)
-        l_smem.store(l_i)
-        mbarrier.arrive(l_ready, count=1)
+        # The row sums to consumer 1 through the rescale factors' buffer, once it has read the
+        # last tile's (the handoff of every tile, one more time).
+        mbarrier.wait(p_free, (num_tiles & 1) ^ 1)
+        alpha_smem.store(l_i)
+        mbarrier.arrive(p_ready, count=1)
         _store_half(
             acc,
             gl.convert_layout(l_i, o_rows),
@@ -560,18 +560,15 @@ if GLUON_IMPORT_ERROR is None:
         rope_smem = gl.allocate_shared_memory(dtype, [_BUFFERS, BLOCK_N, ROPE_DIM], rope_layout)
         p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
-        l_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for b in gl.static_range(_BUFFERS):
             mbarrier.init(kv_ready.index(b), count=_PWARPS * 32)
             mbarrier.init(kv_free.index(b), count=2)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
-        mbarrier.init(l_ready, count=1)
 
         # The query's two parts, 64 columns at a time, into shared memory (rows past the heads
         # are zeros and never stored).
@@ -603,12 +600,10 @@ if GLUON_IMPORT_ERROR is None:
                         rope_smem,
                         p_smem,
                         alpha_smem,
-                        l_smem,
                         kv_ready,
                         kv_free,
                         p_ready,
                         p_free,
-                        l_ready,
                         out_ptr,
                         lse_ptr,
                         table_row,
@@ -639,12 +634,10 @@ if GLUON_IMPORT_ERROR is None:
                         kv_smem,
                         p_smem,
                         alpha_smem,
-                        l_smem,
                         kv_ready,
                         kv_free,
                         p_ready,
                         p_free,
-                        l_ready,
                         out_ptr,
                         token,
                         head0,
