@@ -106,7 +106,13 @@ def gluon_decode_refusal(
 
     Returns:
         Optional[str]: the reason, or None.
+
+    Raises:
+        TypeError: if ``query`` or ``kv_cache`` is not a tensor.
     """
+    for name, value in (("query", query), ("kv_cache", kv_cache)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not (GLUON_DECODE if enabled is None else enabled):
         return f"off ({GLUON_DECODE_ENV} is not 'on')"
     if GLUON_IMPORT_ERROR is not None or TRITON_RELEASE < (3, 7):

@@ -59,6 +59,7 @@ except ImportError as error:  # the kernel is not defined; the plan keeps stage 
     GLUON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
 from megatron_ext.fusions.direct_launch import KernelLaunches
+from megatron_ext.fusions.mla_latent.attention_kernels import STAGE1_LAUNCHES
 
 __all__ = [
     "GLUON_DECODE_LAUNCHES",
@@ -103,8 +104,8 @@ def gluon_shared_memory(latent_dim: int, rope_dim: int) -> int:
     )
 
 
-# Sizes that change from step to step: not specialised (as stage 1's).
-_RUNTIME_SIZES = ["num_tokens", "num_heads", "num_requests", "num_blocks", "max_blocks"]
+# Sizes that change from step to step: not specialised (stage 1's, the same arguments).
+_RUNTIME_SIZES = sorted(STAGE1_LAUNCHES.unspecialized)
 
 if GLUON_IMPORT_ERROR is None:
     # The sizes above as the kernels see them (a kernel reads module globals only as constexprs).

@@ -339,3 +339,13 @@ def assert_refused_after_a_call_of_its_layout(function, module, launcher_names, 
     assert launches == [], name
     if before is not None:
         assert torch.equal(cache, before), name
+
+
+def gluon_decode_refusal_here(device="cuda"):
+    """Why a DeepSeek-V3 bf16 decode call on ``device`` (this GPU and Triton) would not take the
+    Gluon decode kernel with its switch on; None if it would."""
+    from megatron_ext.fusions.mla_latent import gluon_decode_refusal
+
+    query = torch.empty(1, 128, 576, dtype=torch.bfloat16, device=device)
+    kv_cache = torch.empty(1, 64, 576, dtype=torch.bfloat16, device=device)
+    return gluon_decode_refusal(query, kv_cache, 512, 1, enabled=True)

@@ -41,6 +41,7 @@ from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
     GUARD_ELEMENTS,
     build_step,
     check_attention_step,
+    gluon_decode_refusal_here,
     megatron_core_append,
     mla_rope_config,
 )
@@ -107,19 +108,6 @@ def check_attention(
         print(error)
         return False
     return True
-
-
-def gluon_decode_refusal():
-    """Why this GPU and Triton would not run the Gluon decode kernel on the cases below (bf16,
-    DeepSeek-V3's widths), with its switch on; None if they would."""
-    query = torch.empty(1, 128, 576, dtype=torch.bfloat16, device="cuda")
-    kv_cache = torch.empty(1, 64, 576, dtype=torch.bfloat16, device="cuda")
-    switch = attention_plan.GLUON_DECODE
-    attention_plan.GLUON_DECODE = True
-    try:
-        return attention_plan.gluon_decode_refusal(query, kv_cache, 512, 1)
-    finally:
-        attention_plan.GLUON_DECODE = switch
 
 
 def check_gluon_decode(requests, heads, block_size, splits, seed) -> bool:
@@ -234,7 +222,7 @@ def main() -> int:
     gluon_cases = [(128, 16, 1), (128, 64, 3), (40, 16, 3), (40, 64, 1)]
     if args.quick:
         gluon_decode, gluon_cases = [(129, 1), (0, 1), (63, 1)], [(40, 16, 3)]
-    refusal = gluon_decode_refusal()
+    refusal = gluon_decode_refusal_here()
     if refusal is not None:
         print(f"Gluon decode cases skipped: {refusal}")
         gluon_cases = []

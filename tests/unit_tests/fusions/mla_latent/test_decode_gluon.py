@@ -230,3 +230,11 @@ def test_a_refused_call_plans_stage_1(monkeypatch):
     )
     plans = attention.ATTENTION_PLANS.plans()
     assert plans and all(plan.kernel == "stage1" for plan in plans)
+
+
+def test_refusal_refuses_what_is_not_a_tensor():
+    query, cache = _call()
+    with pytest.raises(TypeError, match="kv_cache must be a torch.Tensor, got list"):
+        attention_plan.gluon_decode_refusal(query, [0], 512, 1)
+    with pytest.raises(TypeError, match="query must be a torch.Tensor, got NoneType"):
+        attention_plan.gluon_decode_refusal(None, cache, 512, 1)

@@ -39,6 +39,7 @@ from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     build_step,
     check_attention_step,
     fresh_plan_caches,
+    gluon_decode_refusal_here,
 )
 
 if not torch.cuda.is_available():
@@ -47,20 +48,7 @@ if not torch.cuda.is_available():
     )
 
 
-def _refusal():
-    """Why a DeepSeek-V3 bf16 decode call on this GPU and Triton would not take the kernel, with
-    the switch on (None: it would)."""
-    query = torch.empty(1, 128, 576, dtype=torch.bfloat16, device="cuda")
-    kv_cache = torch.empty(1, 64, 576, dtype=torch.bfloat16, device="cuda")
-    switch = attention_plan.GLUON_DECODE
-    attention_plan.GLUON_DECODE = True
-    try:
-        return attention_plan.gluon_decode_refusal(query, kv_cache, 512, 1)
-    finally:
-        attention_plan.GLUON_DECODE = switch
-
-
-_REASON = _refusal()
+_REASON = gluon_decode_refusal_here()
 if _REASON is not None:
     pytest.skip(f"the Gluon decode kernel is refused here: {_REASON}", allow_module_level=True)
 
