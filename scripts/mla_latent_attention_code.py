@@ -239,8 +239,11 @@ def gluon_launch(
     block_size: int = PAGE,
     two_operands: bool = False,
     large_scale: bool = False,
+    key_tile: int = decode_gluon.KEY_TILE,
+    buffers: int = decode_gluon.NUM_BUFFERS,
+    values_lag: bool = decode_gluon.VALUES_LAG,
 ) -> Launch:
-    """The warp-specialized decode kernel's launch (its tile is fixed: one token, 64 heads).
+    """The warp-specialized decode kernel's launch (one token and 64 heads a program).
 
     Args:
         name: the launch's label.
@@ -249,6 +252,10 @@ def gluon_launch(
         block_size: the cache's block size.
         two_operands: the query's RoPE part as its own operand.
         large_scale: the raw-unit logits of a scale past ``LARGE_SCALE_LOG2``.
+        key_tile: keys per tile (the launcher's by default).
+        buffers: key tiles in the ring (the launcher's by default).
+        values_lag: consumer 0's value product behind the next tile's scores (the launcher's
+            choice by default).
 
     Returns:
         Launch: the launch (4 warps: the default partition; the kernel adds two warpgroups).
@@ -261,6 +268,9 @@ def gluon_launch(
         NUM_SPLITS=splits,
         SEQ_BLOCK=mla.SEQ_BLOCK,
         LARGE_SCALE=large_scale,
+        KEY_TILE=key_tile,
+        BUFFERS=buffers,
+        VALUES_LAG=values_lag,
     )
     return Launch(name, "gluon", constexprs, attention_pointers(dtype, splits), 4, 1)
 

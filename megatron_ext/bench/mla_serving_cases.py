@@ -238,11 +238,9 @@ def paged_attention(
     )
 
 
-def planned_attention(
-    step: PagedStep, out: torch.Tensor, kernel: str
-) -> Tuple[Callable[..., torch.Tensor], int]:
-    """megatron_ext's attention of ``step`` on the kernel named, through a plan made for it (the
-    public entry's plan cache chooses one kernel per layout; a benchmark times both).
+def step_plan(step: PagedStep, out: torch.Tensor, kernel: str):
+    """The launcher's plan for ``step`` on the kernel named (the public entry's plan cache chooses
+    one kernel per layout; a benchmark times both).
 
     Args:
         step: the step (its block table and lengths).
@@ -250,14 +248,14 @@ def planned_attention(
         kernel: ``"gluon"`` or ``"stage1"``.
 
     Returns:
-        Tuple[Callable, int]: ``call(kv_cache, query, out)`` and the plan's split count.
+        LatentAttentionPlan: the plan.
 
     Raises:
         ValueError: where the kernel does not take the step (the reason in the message).
     """
     from megatron_ext.fusions.mla_latent import plan_for_call
 
-    plan = plan_for_call(
+    return plan_for_call(
         step.query,
         step.kv_cache,
         step.block_table,
@@ -270,6 +268,25 @@ def planned_attention(
         num_kv_splits=None,
         kernel=kernel,
     )
+
+
+def planned_attention(
+    step: PagedStep, out: torch.Tensor, kernel: str
+) -> Tuple[Callable[..., torch.Tensor], int]:
+    """megatron_ext's attention of ``step`` on the kernel named, through :func:`step_plan`.
+
+    Args:
+        step: the step (its block table and lengths).
+        out: an output of the step's layout.
+        kernel: ``"gluon"`` or ``"stage1"``.
+
+    Returns:
+        Tuple[Callable, int]: ``call(kv_cache, query, out)`` and the plan's split count.
+
+    Raises:
+        ValueError: where the kernel does not take the step (the reason in the message).
+    """
+    plan = step_plan(step, out, kernel)
 
     def call(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         plan(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)

@@ -24,6 +24,9 @@ from megatron_ext.fusions.mla_latent.decode_gluon import (
     GLUON_DECODE_LAUNCHES,
     GLUON_IMPORT_ERROR,
     HEADS_PER_PROGRAM,
+    KEY_TILE,
+    NUM_BUFFERS,
+    VALUES_LAG,
     gluon_shared_memory,
 )
 from megatron_ext.fusions.mla_latent.tile_rules import (
@@ -400,10 +403,11 @@ class LatentAttentionPlan(LaunchPlan):
             # Stage 1's arguments less its tile's: the kernel's tile is fixed (one token, 64
             # heads, 64 keys), its three partitions one warpgroup each.
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
+            ring = dict(KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, VALUES_LAG=VALUES_LAG)
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,
                 (tokens, cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits),
-                {name: args[name] for name in names},
+                {name: ring[name] if name in ring else args[name] for name in names},
                 dict(num_warps=4, num_stages=1),
             )
         else:

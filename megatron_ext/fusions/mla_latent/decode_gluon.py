@@ -68,6 +68,7 @@ __all__ = [
     "HEADS_PER_PROGRAM",
     "KEY_TILE",
     "NUM_BUFFERS",
+    "VALUES_LAG",
     "gluon_shared_memory",
 ]
 
@@ -77,17 +78,24 @@ HEADS_PER_PROGRAM = 64
 # the 227 KiB a block may have (16-bit, DeepSeek-V3's widths).
 KEY_TILE = 64
 NUM_BUFFERS = 2
+# Whether consumer 0 issues a tile's value product behind the next tile's scores (see
+# _consumer_scores).
+VALUES_LAG = False
 # Three partitions of one warpgroup each (the default partition is the launch's num_warps=4).
 PARTITION_WARPS = 4
 GLUON_WARPS = 3 * PARTITION_WARPS
 
 
-def gluon_shared_memory(latent_dim: int, rope_dim: int) -> int:
+def gluon_shared_memory(
+    latent_dim: int, rope_dim: int, key_tile: int = KEY_TILE, buffers: int = NUM_BUFFERS
+) -> int:
     """Shared memory one program takes (16-bit inputs), against a device's limit per block.
 
     Args:
         latent_dim: the latent width.
         rope_dim: the RoPE width.
+        key_tile: keys per tile.
+        buffers: key tiles in the ring.
 
     Returns:
         int: bytes: the query, the key ring, P and a row vector, plus 1 KiB for the barriers
@@ -97,8 +105,8 @@ def gluon_shared_memory(latent_dim: int, rope_dim: int) -> int:
     row = (latent_dim + rope_dim) * 2
     return (
         HEADS_PER_PROGRAM * row
-        + NUM_BUFFERS * KEY_TILE * row
-        + HEADS_PER_PROGRAM * KEY_TILE * 2
+        + buffers * key_tile * row
+        + HEADS_PER_PROGRAM * key_tile * 2
         + HEADS_PER_PROGRAM * 4
         + 1024
     )
@@ -110,15 +118,13 @@ _RUNTIME_SIZES = sorted(STAGE1_LAUNCHES.unspecialized)
 if GLUON_IMPORT_ERROR is None:
     # The sizes above as the kernels see them (a kernel reads module globals only as constexprs).
     _HEADS = gl.constexpr(HEADS_PER_PROGRAM)
-    _KEY_TILE = gl.constexpr(KEY_TILE)
-    _BUFFERS = gl.constexpr(NUM_BUFFERS)
     _PWARPS = gl.constexpr(PARTITION_WARPS)
     # The one call whose name differs between the Gluon releases taken: Triton 3.7's cp.async
     # copy is async_copy_global_to_shared, 3.9's async_load (where the old name raises). Bound
     # here: a kernel's source may not name an attribute its Triton lacks, even in a branch it
     # does not take (the JIT resolves every name it reads to hash the kernel).
     _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    CONSUMER_REGS = gl.constexpr(232)
+    CONSUMER_REGS = gl.constexpr(216)
     PRODUCER_REGS = gl.constexpr(40)
 
     @gluon.jit
@@ -171,6 +177,31 @@ if GLUON_IMPORT_ERROR is None:
         return page0 + in_tile // BLOCK_SIZE, in_tile % BLOCK_SIZE, in_range
 
     @gluon.jit
+    def _tile_blocks(
+        table_row,
+        first,
+        hi,
+        tile_keys,
+        num_blocks,
+        BLOCK_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        """The block id of each key ``first + tile_keys``, its row in the page, and whether it is
+        attended (below ``hi``, in a block inside the cache)."""
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # Tiles start at multiples of BLOCK_N, so a tile lies in one page: one block id, a
+            # scalar (a vector of 64-bit ids and pointers per key cost the consumer its
+            # registers).
+            page = first // BLOCK_SIZE
+            block = gl.load(table_row + page, mask=first < hi, other=-1).to(gl.int64)
+            in_page = (first - page * BLOCK_SIZE).to(gl.int32) + tile_keys
+            in_range = first + tile_keys < hi
+        else:
+            page, in_page, in_range = _tile_pages(first, hi, tile_keys, BLOCK_SIZE)
+            block = gl.load(table_row + page, mask=in_range, other=-1).to(gl.int64)
+        return block, in_page, in_range & (block >= 0) & (block < num_blocks)
+
+    @gluon.jit
     def _producer(
         kv_smem,
         rope_smem,
@@ -188,6 +219,7 @@ if GLUON_IMPORT_ERROR is None:
         LATENT_DIM: gl.constexpr,
         ROPE_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr,
+        BUFFERS: gl.constexpr,
     ):
         """Gather key tile after key tile into the ring (latent and RoPE columns in buffers of
         their own: shared memory shapes are powers of two), 64 columns per copy."""
@@ -196,15 +228,15 @@ if GLUON_IMPORT_ERROR is None:
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         for j in range(num_tiles):
-            buf = j % _BUFFERS
+            buf = j % BUFFERS
             # The first round finds every buffer free (the phase before a barrier's first one
             # counts as complete).
-            mbarrier.wait(kv_free.index(buf), ((j // _BUFFERS) & 1) ^ 1)
-            page, in_page, in_range = _tile_pages(lo + j * BLOCK_N, hi, tile_keys, BLOCK_SIZE)
-            block = gl.load(table_row + page, mask=in_range, other=-1).to(gl.int64)
+            mbarrier.wait(kv_free.index(buf), ((j // BUFFERS) & 1) ^ 1)
             # A block id outside the cache is skipped, never read (stage 1's rule); the copies
             # of masked rows write zeros.
-            ok = in_range & (block >= 0) & (block < num_blocks)
+            block, in_page, ok = _tile_blocks(
+                table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+            )
             rows = (
                 cache_ptr
                 + gl.where(ok, block, 0) * cache_stride_b
@@ -246,6 +278,7 @@ if GLUON_IMPORT_ERROR is None:
         out_stride_t,
         out_stride_h,
         LATENT_DIM: gl.constexpr,
+        BUFFERS: gl.constexpr,
     ):
         """Consumer 1: the second half of the value columns, with consumer 0's P."""
         HALF: gl.constexpr = LATENT_DIM // 2
@@ -255,8 +288,8 @@ if GLUON_IMPORT_ERROR is None:
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
         for j in range(num_tiles):
-            buf = j % _BUFFERS
-            mbarrier.wait(kv_ready.index(buf), (j // _BUFFERS) & 1)
+            buf = j % BUFFERS
+            mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
             mbarrier.wait(p_ready, j & 1)
             # cp.async and st.shared wrote through the generic proxy; wgmma reads through the
             # async one.
@@ -316,6 +349,52 @@ if GLUON_IMPORT_ERROR is None:
         )
 
     @gluon.jit
+    def _issue_scores(
+        q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS: gl.constexpr
+    ):
+        """Wait for key tile ``j`` and issue its score product (two MMA groups, in flight)."""
+        buf = j % BUFFERS
+        mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
+        # cp.async wrote through the generic proxy; wgmma reads through the async one.
+        fence_async_shared()
+        kv = kv_smem.index(buf)
+        scores = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(
+            q_rope_smem, rope_smem.index(buf).permute((1, 0)), scores, is_async=True
+        )
+
+    @gluon.jit
+    def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
+        """A key tile's online-softmax step over its attended keys: P, the rescale factors and
+        the new row maxima and sums."""
+        if not LARGE_SCALE:
+            scores = scores * scale_log2
+        # An attended score of -inf (a non-finite key element) would drop its key from the
+        # softmax, a finite answer from a row that is not finite: NaN instead (stage 1's rule).
+        scores = gl.where(scores == float("-inf"), float("nan"), scores)
+        scores = gl.where(attend[None, :], scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        if LARGE_SCALE:
+            # Raw units, scaled after the subtraction (stage 1's overflow rule).
+            p = gl.exp2((scores - m_use[:, None]) * scale_log2)
+            alpha = gl.exp2((m_i - m_use) * scale_log2)
+        else:
+            p = gl.exp2(scores - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j):
+        """Write tile ``j``'s P and rescale factors for consumer 1 once it is done with the
+        previous tile's (P has one buffer)."""
+        mbarrier.wait(p_free, (j & 1) ^ 1)
+        p_smem.store(p.to(p_smem.dtype))
+        alpha_smem.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+
+    @gluon.jit
     def _consumer_scores(
         q_smem,
         q_rope_smem,
@@ -349,8 +428,15 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_N: gl.constexpr,
         NUM_SPLITS: gl.constexpr,
         LARGE_SCALE: gl.constexpr,
+        BUFFERS: gl.constexpr,
+        VALUES_LAG: gl.constexpr,
     ):
-        """Consumer 0 (the default partition): scores, online softmax, P, first value half."""
+        """Consumer 0 (the default partition): scores, online softmax, P, first value half.
+
+        With ``VALUES_LAG`` a tile's value product is issued behind the next tile's scores, so
+        it runs on the tensor cores while this warpgroup computes that tile's softmax; without,
+        it is issued first and both are waited for before the softmax.
+        """
         HALF: gl.constexpr = LATENT_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
@@ -363,55 +449,74 @@ if GLUON_IMPORT_ERROR is None:
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
-        # An accumulator handle from the start: the loop leaves each tile's value product in
-        # flight and waits for it with the next tile's scores.
-        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
         s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        for j in range(num_tiles):
-            buf = j % _BUFFERS
-            kv = kv_smem.index(buf)
-            mbarrier.wait(kv_ready.index(buf), (j // _BUFFERS) & 1)
-            fence_async_shared()
-            scores = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            scores = warpgroup_mma(
-                q_rope_smem, rope_smem.index(buf).permute((1, 0)), scores, is_async=True
-            )
-            # Also completes the previous tile's value product (groups complete in order).
-            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
-            if j > 0:
-                mbarrier.arrive(kv_free.index((j - 1) % _BUFFERS), count=1)
-            # The key mask as the producer built it, from the same block ids.
-            page, _, in_range = _tile_pages(lo + j * BLOCK_N, hi, tile_keys, BLOCK_SIZE)
-            block = gl.load(table_row + page, mask=in_range, other=-1)
-            attend = in_range & (block >= 0) & (block < num_blocks)
-            if not LARGE_SCALE:
-                scores = scores * scale_log2
-            # An attended score of -inf (a non-finite key element) would drop its key from the
-            # softmax, a finite answer from a row that is not finite: NaN instead (stage 1's rule).
-            scores = gl.where(scores == float("-inf"), float("nan"), scores)
-            scores = gl.where(attend[None, :], scores, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            if LARGE_SCALE:
-                # Raw units, scaled after the subtraction (stage 1's overflow rule).
-                p = gl.exp2((scores - m_use[:, None]) * scale_log2)
-                alpha = gl.exp2((m_i - m_use) * scale_log2)
-            else:
-                p = gl.exp2(scores - m_use[:, None])
-                alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            # P's one buffer is free once consumer 1 has multiplied the previous tile's.
-            mbarrier.wait(p_free, (j & 1) ^ 1)
-            p_smem.store(p.to(p_smem.dtype))
-            alpha_smem.store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_ready, count=1)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            acc = warpgroup_mma(p_smem, kv.slice(0, HALF, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if num_tiles > 0:
-            mbarrier.arrive(kv_free.index((num_tiles - 1) % _BUFFERS), count=1)
+        if VALUES_LAG:
+            acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
+            if num_tiles > 0:
+                scores = _issue_scores(
+                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                )
+                # The key mask's block-id load in flight beside the MMAs, not after them.
+                _, _, attend = _tile_blocks(
+                    table_row, lo + 0 * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
+                scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+                p, alpha, m_i, l_i = _tile_softmax(
+                    scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
+                )
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, 0)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            for j in range(1, num_tiles):
+                scores = _issue_scores(
+                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                )
+                # The key mask's block-id load in flight beside the MMAs, not after them.
+                _, _, attend = _tile_blocks(
+                    table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
+                prev = kv_smem.index((j - 1) % BUFFERS)
+                acc = warpgroup_mma(p_smem, prev.slice(0, HALF, dim=1), acc, is_async=True)
+                # Groups complete in order: the scores are done, the value product runs on.
+                scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+                p, alpha, m_i, l_i = _tile_softmax(
+                    scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
+                )
+                # P's buffer and the previous key tile are read until the product completes.
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            if num_tiles > 0:
+                last = kv_smem.index((num_tiles - 1) % BUFFERS)
+                acc = warpgroup_mma(p_smem, last.slice(0, HALF, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
+        else:
+            # An accumulator handle from the start: the loop leaves each tile's value product
+            # in flight and waits for it with the next tile's scores.
+            acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
+            for j in range(num_tiles):
+                scores = _issue_scores(
+                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                )
+                # The key mask's block-id load in flight beside the MMAs, not after them.
+                _, _, attend = _tile_blocks(
+                    table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
+                # Also completes the previous tile's value product (groups complete in order).
+                scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+                if j > 0:
+                    mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
+                p, alpha, m_i, l_i = _tile_softmax(
+                    scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
+                )
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                kv = kv_smem.index(j % BUFFERS)
+                acc = warpgroup_mma(p_smem, kv.slice(0, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if num_tiles > 0:
+                mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
         # The row sums to consumer 1 through the rescale factors' buffer, once it has read the
         # last tile's (the handoff of every tile, one more time).
         mbarrier.wait(p_free, (num_tiles & 1) ^ 1)
@@ -481,10 +586,13 @@ if GLUON_IMPORT_ERROR is None:
         NUM_SPLITS: gl.constexpr,
         SEQ_BLOCK: gl.constexpr,
         LARGE_SCALE: gl.constexpr,
+        KEY_TILE: gl.constexpr,
+        BUFFERS: gl.constexpr,
+        VALUES_LAG: gl.constexpr,
     ):
         gl.static_assert(LATENT_DIM % 128 == 0, "the value columns split in two 64-column halves")
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
-        BLOCK_N: gl.constexpr = _KEY_TILE
+        BLOCK_N: gl.constexpr = KEY_TILE
         token = gl.program_id(0).to(gl.int64)
         head0 = gl.program_id(1) * _HEADS
         split = gl.program_id(2).to(gl.int64)
@@ -557,15 +665,15 @@ if GLUON_IMPORT_ERROR is None:
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         q_smem = gl.allocate_shared_memory(dtype, [_HEADS, LATENT_DIM], q_layout)
         q_rope_smem = gl.allocate_shared_memory(dtype, [_HEADS, ROPE_DIM], q_rope_layout)
-        kv_smem = gl.allocate_shared_memory(dtype, [_BUFFERS, BLOCK_N, LATENT_DIM], kv_layout)
-        rope_smem = gl.allocate_shared_memory(dtype, [_BUFFERS, BLOCK_N, ROPE_DIM], rope_layout)
+        kv_smem = gl.allocate_shared_memory(dtype, [BUFFERS, BLOCK_N, LATENT_DIM], kv_layout)
+        rope_smem = gl.allocate_shared_memory(dtype, [BUFFERS, BLOCK_N, ROPE_DIM], rope_layout)
         p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
-        kv_free = gl.allocate_shared_memory(gl.int64, [_BUFFERS, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(_BUFFERS):
+        for b in gl.static_range(BUFFERS):
             mbarrier.init(kv_ready.index(b), count=_PWARPS * 32)
             mbarrier.init(kv_free.index(b), count=2)
         mbarrier.init(p_ready, count=1)
@@ -627,6 +735,8 @@ if GLUON_IMPORT_ERROR is None:
                         BLOCK_N,
                         NUM_SPLITS,
                         LARGE_SCALE,
+                        BUFFERS,
+                        VALUES_LAG,
                     ),
                 ),
                 (
@@ -649,6 +759,7 @@ if GLUON_IMPORT_ERROR is None:
                         out_stride_t,
                         out_stride_h,
                         LATENT_DIM,
+                        BUFFERS,
                     ),
                 ),
                 (
@@ -670,6 +781,7 @@ if GLUON_IMPORT_ERROR is None:
                         LATENT_DIM,
                         ROPE_DIM,
                         BLOCK_N,
+                        BUFFERS,
                     ),
                 ),
             ],

@@ -85,6 +85,10 @@ VARIANTS = [
     dict(block_size=37),
     dict(block_size=128, two_operands=True),
     dict(large_scale=True, splits=3),
+    # The ring's other shapes and consumer 0's other order, as the launcher may choose them.
+    dict(values_lag=not decode_gluon.VALUES_LAG),
+    dict(key_tile=32, buffers=4, values_lag=True, splits=2),
+    dict(key_tile=32, buffers=4, values_lag=False, block_size=37),
 ]
 
 
@@ -93,17 +97,28 @@ VARIANTS = [
     "index", range(len(VARIANTS)), ids=["-".join(f"{k}={v[k]}" for k in v) for v in VARIANTS]
 )
 def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
-    """Per key tile: (512 + 64) / 16 = 36 m64n64k16 score MMAs (one warpgroup, not two) and two
-    m64n256k16 value MMAs per 16 keys (each warpgroup's half of the 512 columns); 36 16-byte
-    copies per producer thread (64 rows x 576 columns over 128 threads); no spills."""
-    code = compiled[index]
+    """Per key tile of N keys: (512 + 64) / 16 = 36 m64nNk16 score MMAs (one warpgroup, not two)
+    and N / 16 m64n256k16 value MMAs in each warpgroup (its half of the 512 columns); N x 576 /
+    (8 x 128) 16-byte copies per producer thread; no spills. Where consumer 0 issues a tile's
+    value product behind the next tile's scores, the first tile's scores and the last tile's
+    value product are issued outside the loop, so its code holds them twice. The spill check
+    holds the launcher's own ring and schedule; the others (which the sweep script times) may
+    spill a few bytes under some ptxas releases, and are compiled to keep them buildable."""
+    variant, code = VARIANTS[index], compiled[index]
+    key_tile = variant.get("key_tile", decode_gluon.KEY_TILE)
+    copies = 2 if variant.get("values_lag", decode_gluon.VALUES_LAG) else 1
     ptx = code["ptx"]
     mma = _instructions(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
-    assert mma == {"m64n64k16": 36, "m64n256k16": 2 * decode_gluon.KEY_TILE // 16}, mma
-    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)) == 36
+    assert mma == {
+        f"m64n{key_tile}k16": 36 * copies,
+        "m64n256k16": (1 + copies) * key_tile // 16,
+    }, mma
+    copy = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10"
+    assert len(re.findall(copy, ptx)) == key_tile * 576 // (8 * 128)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     assert spills is not None, code["log"][-2000:]
-    assert spills.groups() == ("0", "0"), code["log"][-2000:]
+    if not {"key_tile", "buffers", "values_lag"} & set(variant):
+        assert spills.groups() == ("0", "0"), code["log"][-2000:]
 
 
 @NEEDS_GLUON

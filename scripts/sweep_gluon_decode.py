@@ -1,0 +1,166 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Sweep the warp-specialized decode kernel's ring and schedule on a GPU against stage 1 and
+FlashInfer in the same run: GPU time by CUDA-graph replay, TFLOP/s, and each variant's output
+against stage 1's.
+
+    python scripts/sweep_gluon_decode.py [--shapes B,CTX,HEADS ...]
+        [--variants KEY_TILE,BUFFERS,LAG ...] [--out FILE.json]
+
+A variant is the kernel's key tile, the number of key tiles in its shared-memory ring and whether
+consumer 0 issues a tile's value product behind the next tile's scores (``VALUES_LAG``). Every
+variant runs with the launcher's plan for the step (its split count, its workspace and combine),
+only those three constexprs changed, so a variant found here is one the launcher can take by
+changing the constants in ``decode_gluon``. Prints one table, a row per shape, last.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
+from megatron_ext.bench.mla_serving import _attention_sets, graph_us  # noqa: E402
+from megatron_ext.fusions.mla_latent import decode_gluon  # noqa: E402
+
+DEFAULT_SHAPES = [
+    "128,1024,32",
+    "64,2048,32",
+    "64,4096,64",
+    "16,8192,64",
+    "32,8192,128",
+    "96,3072,128",
+    "16,16384,128",
+    "128,2048,128",
+]
+DEFAULT_VARIANTS = ["64,2,0", "64,2,1", "32,4,0", "32,4,1", "32,3,1"]
+# Tolerance of a variant's output against stage 1's (bf16 outputs of two summation orders).
+TOLERANCE = 0.05
+
+
+def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, int, int]):
+    """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
+    the launcher's plan for the step otherwise; and the plan's split count."""
+    key_tile, buffers, lag = variant
+    plan = cases.step_plan(step, out, "gluon")
+    launch = plan.stage1
+    args = dict(launch.args)
+    args.update(KEY_TILE=key_tile, BUFFERS=buffers, VALUES_LAG=bool(lag))
+    kernel = decode_gluon.GLUON_DECODE_LAUNCHES.kernel[launch.grid]
+
+    def call(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        tensors = [query, query, kv_cache, step.block_table, step.cu_query_lengths]
+        tensors.append(step.kv_lengths)
+        if plan.workspace is None:
+            tensors += [out, out]
+        else:
+            partial_shape, lse_shape = plan.workspace
+            partial = torch.empty(partial_shape, dtype=torch.float32, device=out.device)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
+            tensors += [partial, lse]
+        kernel(**{**args, **dict(zip(launch.names, tensors))}, **launch.options)
+        if plan.workspace is not None:
+            plan.combine(partial, lse, step.cu_query_lengths, out)
+        return out
+
+    return call, plan.workspace[0][1] if plan.workspace else 1
+
+
+def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, int, int]]) -> Dict:
+    batch, context, heads = shape
+    step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
+    nbytes = cases.step_bytes(step.requests, heads)["minimum"]
+    flops = cases.step_flops(step.requests, heads)
+    sets = _attention_sets(step, nbytes)
+    row: Dict = {"shape": list(shape), "flops": flops, "times": {}, "diffs": {}, "errors": {}}
+    stage1, _ = cases.planned_attention(step, sets[0][2], "stage1")
+    for cache, query, out in sets:
+        stage1(cache, query, out)
+    torch.cuda.synchronize()
+    reference = sets[0][2].clone()
+    contenders = {"stage1": (stage1, sets)}
+    ok, version = cases.flashinfer_available()
+    if ok:
+        try:
+            peer = cases.FlashInferMLA(step, heads, cases.SOFTMAX_SCALE, False)
+            fi_sets = [peer.inputs(cache, query) for cache, query, _ in sets]
+            peer.run(*fi_sets[0])
+            torch.cuda.synchronize()
+            row["diffs"]["flashinfer"] = (
+                (fi_sets[0][-1].float() - reference.float()).abs().max().item()
+            )
+            contenders["flashinfer"] = (peer.run, fi_sets)
+        except Exception as error:  # the row goes on without the peer
+            row["errors"]["flashinfer"] = f"{type(error).__name__}: {error}"[:200]
+    for variant in variants:
+        name = "gluon {},{},{}".format(*variant)
+        try:
+            call, splits = _variant_call(step, sets[0][2], variant)
+            out = torch.empty_like(reference)
+            call(sets[0][0], sets[0][1], out)
+            torch.cuda.synchronize()
+            row["splits"] = splits
+            row["diffs"][name] = (out.float() - reference.float()).abs().max().item()
+            contenders[name] = (call, sets)
+        except Exception as error:
+            row["errors"][name] = f"{type(error).__name__}: {error}"[:300]
+    for name, (call, call_sets) in contenders.items():
+        try:
+            row["times"][name] = graph_us(call, call_sets, quick=True)["gpu_us"]
+        except Exception as error:
+            row["errors"][name] = f"timing: {type(error).__name__}: {error}"[:300]
+    del sets, contenders
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or decode_gluon.GLUON_DECODE_LAUNCHES is None:
+        print("the sweep needs a GPU and a Triton with Gluon")
+        return 2
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    rows: List[Dict] = []
+    for shape in shapes:
+        row = _row(shape, variants)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    names = ["stage1", "flashinfer"] + ["gluon {},{},{}".format(*v) for v in variants]
+    print(f"\n{torch.cuda.get_device_name()}, GPU us per call (CUDA-graph replay), bf16, page 64")
+    print("shape (B x ctx, heads)  " + "  ".join(f"{n:>14}" for n in names) + "  best/FI  TF/s")
+    for row in rows:
+        times = row["times"]
+        cells = []
+        for name in names:
+            t = times.get(name)
+            bad = row["diffs"].get(name, 0.0) > TOLERANCE
+            cells.append(f"{t:>13.1f}{'!' if bad else ' '}" if t else f"{'-':>14}")
+        gluon = {n: t for n, t in times.items() if n.startswith("gluon")}
+        best = min(gluon, key=gluon.get) if gluon else None
+        ratio = (
+            f"{gluon[best] / times['flashinfer']:.2f}" if best and "flashinfer" in times else "-"
+        )
+        tflops = f"{row['flops'] / gluon[best] / 1e6:.0f}" if best else "-"
+        b, c, h = row["shape"]
+        print(f"{b:>4} x {c:>5}, {h:>3}        " + "  ".join(cells) + f"  {ratio:>7}  {tflops:>4}")
+        for name, error in row["errors"].items():
+            print(f"    {name}: {error}")
+    print("(! : output differs from stage 1's by more than the bf16 tolerance)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
