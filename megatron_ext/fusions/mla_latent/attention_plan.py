@@ -400,8 +400,8 @@ class LatentAttentionPlan(LaunchPlan):
             query_rope=query_rope,
         )
         if gluon:
-            # Stage 1's arguments less its tile's: the kernel's tile is fixed (one token, 64
-            # heads, 64 keys), its three partitions one warpgroup each.
+            # Stage 1's arguments less its tile's: the kernel's tile is its module's (one token,
+            # 64 heads, its key ring), its three partitions one warpgroup each.
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
             ring = dict(KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, VALUES_LAG=VALUES_LAG)
             self.stage1 = PreparedLaunch(

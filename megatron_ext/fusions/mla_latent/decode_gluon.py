@@ -22,7 +22,7 @@ and barriers are explicit:
 It computes what stage 1 computes for a decode tile (``BLOCK_Q = 1``, ``BLOCK_H = 64``): the same
 positions, key ranges, masking of block ids outside the cache, non-finite rules (an attended
 ``-inf`` score gives NaN), scale modes and padding-token handling (its splits' bounds are
-multiples of its 64-key tiles, stage 1's of its own), and it writes
+multiples of its key tiles, stage 1's of its own), and it writes
 stage 1's outputs (the output itself with one split, else the fp32 split workspace and the
 log-sum-exps that :func:`~.attention_kernels._combine_splits_kernel` merges). Its bits are its
 own (another summation order), not stage 1's. The plan launches it where
@@ -37,9 +37,9 @@ The barriers, each used once per key tile (phases alternate with the tile index 
   ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
 * ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
 * ``p_ready`` / ``p_free``: consumer 0 has written P and the rescale factors / consumer 1 is done
-  with them (one buffer: shared memory holds the query, two key tiles and P, 225 KiB of the 227 KiB
-  an H100 or H200 gives a block); after the last tile the same handoff carries the final row sums
-  that consumer 1 normalises with.
+  with them (one buffer: shared memory holds the query, the key ring and P, 221 KiB of the 227
+  KiB an H100 or H200 gives a block); after the last tile the same handoff carries the final row
+  sums that consumer 1 normalises with.
 """
 
 try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
@@ -74,13 +74,15 @@ __all__ = [
 
 # Query rows of one program: a warpgroup MMA's M.
 HEADS_PER_PROGRAM = 64
-# Keys per tile and tiles in flight: the query (64 x 576) and two 64-key tiles take 216 KiB of
-# the 227 KiB a block may have (16-bit, DeepSeek-V3's widths).
-KEY_TILE = 64
-NUM_BUFFERS = 2
-# Whether consumer 0 issues a tile's value product behind the next tile's scores (see
-# _consumer_scores).
-VALUES_LAG = False
+# Keys per tile and tiles in flight: the query (64 x 576) and four 32-key tiles take 216 KiB of
+# the 227 KiB a block may have (16-bit, DeepSeek-V3's widths). Whether consumer 0 issues a tile's
+# value product behind the next tile's scores (see _consumer_scores). On an H100 (Triton 3.7.1,
+# scripts/sweep_gluon_decode.py) this ring and order were the fastest by 0-4% at 32-128 heads
+# against two 64-key tiles in either order, where the later order (the buffer freed a softmax
+# later) lost up to 18% at 128 heads.
+KEY_TILE = 32
+NUM_BUFFERS = 4
+VALUES_LAG = True
 # Three partitions of one warpgroup each (the default partition is the launch's num_warps=4).
 PARTITION_WARPS = 4
 GLUON_WARPS = 3 * PARTITION_WARPS
@@ -99,8 +101,8 @@ def gluon_shared_memory(
 
     Returns:
         int: bytes: the query, the key ring, P and a row vector, plus 1 KiB for the barriers
-        and the buffers' alignment (230,656 at DeepSeek-V3's widths, where the compiler
-        allocates 229,920; an H100 or H200 block may opt into 232,448).
+        and the buffers' alignment (226,560 with the default ring at DeepSeek-V3's widths; an
+        H100 or H200 block may opt into 232,448).
     """
     row = (latent_dim + rope_dim) * 2
     return (
@@ -124,7 +126,7 @@ if GLUON_IMPORT_ERROR is None:
     # here: a kernel's source may not name an attribute its Triton lacks, even in a branch it
     # does not take (the JIT resolves every name it reads to hash the kernel).
     _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    CONSUMER_REGS = gl.constexpr(216)
+    CONSUMER_REGS = gl.constexpr(208)
     PRODUCER_REGS = gl.constexpr(40)
 
     @gluon.jit

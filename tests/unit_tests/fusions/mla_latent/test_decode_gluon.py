@@ -87,8 +87,8 @@ VARIANTS = [
     dict(large_scale=True, splits=3),
     # The ring's other shapes and consumer 0's other order, as the launcher may choose them.
     dict(values_lag=not decode_gluon.VALUES_LAG),
-    dict(key_tile=32, buffers=4, values_lag=True, splits=2),
-    dict(key_tile=32, buffers=4, values_lag=False, block_size=37),
+    dict(key_tile=64, buffers=2, values_lag=False, splits=2),
+    dict(key_tile=64, buffers=2, values_lag=True, block_size=37),
 ]
 
 
@@ -139,7 +139,8 @@ def test_barrier_counts_match_the_partitions_arrivals(compiled):
         int(n) for n in re.findall(r"mbarrier\.init\.shared[\w:.]*\s+\[[^]]+\],\s*(\d+)", ptx)
     )
     producer_threads = decode_gluon.PARTITION_WARPS * 32
-    assert inits == {producer_threads: 2, 2: 2, 1: 2}, inits
+    buffers = decode_gluon.NUM_BUFFERS
+    assert inits == {producer_threads: buffers, 2: buffers, 1: 2}, inits
     assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 1
     # P and the copies are written through the generic proxy and read by wgmma through the
     # asynchronous one: a proxy fence orders them.

@@ -54,7 +54,8 @@ if _REASON is not None:
 
 DEVICE = torch.device("cuda")
 LATENT, ROPE = 512, 64
-# Contexts (cached rows, the new one included) around the 64-key tile's edges, one long one.
+# Contexts (cached rows, the new one included) around the edges of 32- and 64-key tiles, one
+# long one.
 CONTEXTS = [1, 63, 64, 65, 1000, 4096]
 
 
