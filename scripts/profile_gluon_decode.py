@@ -1,0 +1,131 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Profile one launch of the warp-specialized decode kernel with Nsight Compute: where its time
+goes (tensor pipe, shared memory, warp stalls), on one decode step of the serving benchmark.
+
+    python scripts/profile_gluon_decode.py [--shape B CTX HEADS] [--out DIR]
+
+Runs ``ncu --set full`` on the Gluon kernel of one step (built as ``bench mla-serving`` builds
+it: bf16, page 64, shuffled pages; the launcher's plan and split count), keeps the report
+(``DIR/gluon.ncu-rep``, ``DIR/raw.csv``, ``DIR/details.txt``) and prints the figures that decide
+what bounds the kernel: duration, SM and memory throughput, the tensor pipe's and shared memory's
+shares of their peaks, L2 hit rate, and the warp-stall reasons by share. ``--launch-only`` is the
+launch ncu profiles (it compiles first, outside the profile).
+"""
+
+import argparse
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Raw metrics printed: those whose names start with one of these (ncu's "full" set; which of
+# them a release reports varies).
+METRICS = (
+    "gpu__time_duration.sum",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_op",
+    "sm__inst_executed_pipe_tensor",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared",
+    "lts__t_sector_hit_rate.pct",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+)
+# Warp-stall reasons, per issued instruction.
+STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def launch(shape: Sequence[int]) -> None:
+    """One Gluon launch of the step (a first run of this compiles it into Triton's cache)."""
+    import torch
+
+    from megatron_ext.bench import mla_serving_cases as cases
+
+    batch, context, heads = shape
+    step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
+    out = torch.empty_like(step.query[..., : step.latent])
+    call, splits = cases.planned_attention(step, out, "gluon")
+    call(step.kv_cache, step.query, out)
+    torch.cuda.synchronize()
+    print(f"batch {batch}, context {context}, heads {heads}: {splits} split(s)", flush=True)
+
+
+def read_raw(path: str) -> Dict[str, str]:
+    """The last kernel's metrics in ncu's ``--page raw --csv`` export: name -> "value unit".
+
+    Args:
+        path: the CSV file (a header row, a units row, a row per kernel).
+
+    Returns:
+        Dict[str, str]: each metric's value and unit.
+    """
+    with open(path) as f:
+        rows: List[List[str]] = list(csv.reader(f))
+    header, units, values = rows[0], rows[1], rows[-1]
+    return {h: f"{v} {u}".strip() for h, u, v in zip(header, units, values)}
+
+
+def summary(raw: Dict[str, str]) -> List[str]:
+    """The lines printed for a kernel's metrics: the chosen metrics, then the warp-stall reasons
+    by their share of the stalls (the eight largest).
+
+    Args:
+        raw: :func:`read_raw`'s metrics.
+
+    Returns:
+        List[str]: the lines.
+    """
+    lines = [f"  {name:75} {value}" for name, value in raw.items() if name.startswith(METRICS)]
+    stalls = {}
+    for name, value in raw.items():
+        if name.startswith(STALL[0]) and name.endswith(STALL[1]):
+            try:
+                stalls[name[len(STALL[0]) : -len(STALL[1])]] = float(value.split()[0])
+            except (ValueError, IndexError):
+                continue
+    total = sum(stalls.values()) or 1.0
+    lines.append("  warp stalls (share of stalled cycles):")
+    for reason, value in sorted(stalls.items(), key=lambda kv: -kv[1])[:8]:
+        lines.append(f"    {reason:40} {100 * value / total:5.1f}%")
+    return lines
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", nargs=3, type=int, default=[128, 2048, 128])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.launch_only:
+        launch(args.shape)
+        return 0
+    if shutil.which("ncu") is None:
+        print("Nsight Compute's ncu is not on PATH")
+        return 2
+    out = args.out or tempfile.mkdtemp(prefix="gluon-ncu-")
+    os.makedirs(out, exist_ok=True)
+    report = os.path.join(out, "gluon")
+    me = [sys.executable, os.path.abspath(__file__), "--launch-only", "--shape"]
+    me += [str(x) for x in args.shape]
+    subprocess.run(me, check=True)  # compiles outside the profile
+    ncu = ["ncu", "-k", "regex:_gluon_decode_kernel", "-c", "1", "--set", "full"]
+    subprocess.run(ncu + ["-f", "-o", report] + me, check=True)
+    with open(os.path.join(out, "raw.csv"), "w") as f:
+        subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "raw", "--csv"], stdout=f)
+    with open(os.path.join(out, "details.txt"), "w") as f:
+        subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "details"], stdout=f)
+    raw = read_raw(os.path.join(out, "raw.csv"))
+    print(f"\nGluon decode kernel, batch x context x heads: {' x '.join(map(str, args.shape))}")
+    print("\n".join(summary(raw)))
+    print(f"report: {report}.ncu-rep")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""The Gluon decode kernel's GPU tools without a GPU: ``scripts/sweep_gluon_decode.py`` refuses
+to run, ``scripts/profile_gluon_decode.py`` reads an Nsight Compute export into its summary."""
+
+import csv
+import importlib.util
+
+import pytest
+import torch
+
+from tests.unit_tests.fusions.mla_latent_cache_testlib import REPO_ROOT
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_sweep_refuses_without_a_gpu(capsys):
+    assert _script("sweep_gluon_decode").main(["--shapes", "2,64,64"]) == 2
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path):
+    profile = _script("profile_gluon_decode")
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = [
+        "gpu__time_duration.sum",
+        "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "launch__grid_size",
+        stall.format("barrier"),
+        stall.format("long_scoreboard"),
+        stall.format("wait"),
+    ]
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerow(["us", "%", "", "", "", ""])
+        writer.writerow(["1.0", "10", "7", "9", "9", "9"])  # an earlier kernel: not read
+        writer.writerow(["117.5", "41.2", "256", "3", "1", "n/a"])
+    raw = profile.read_raw(str(path))
+    assert raw["gpu__time_duration.sum"] == "117.5 us"
+    lines = profile.summary(raw)
+    text = "\n".join(lines)
+    assert "117.5 us" in text and "41.2 %" in text
+    assert "launch__grid_size" not in text  # not among the metrics printed
+    stalls = lines[lines.index("  warp stalls (share of stalled cycles):") + 1 :]
+    # Shares of the parsed stalls, largest first; a value that is not a number is left out.
+    assert [line.split() for line in stalls] == [
+        ["barrier", "75.0%"],
+        ["long_scoreboard", "25.0%"],
+    ]
