@@ -242,6 +242,7 @@ def gluon_launch(
     key_tile: int = decode_gluon.KEY_TILE,
     buffers: int = decode_gluon.NUM_BUFFERS,
     values_lag: bool = decode_gluon.VALUES_LAG,
+    p_buffers: int = decode_gluon.P_BUFFERS,
 ) -> Launch:
     """The warp-specialized decode kernel's launch (one token and 64 heads a program).
 
@@ -256,6 +257,7 @@ def gluon_launch(
         buffers: key tiles in the ring (the launcher's by default).
         values_lag: consumer 0's value product behind the next tile's scores (the launcher's
             choice by default).
+        p_buffers: buffers of P and the rescale factors (the launcher's by default).
 
     Returns:
         Launch: the launch (4 warps: the default partition; the kernel adds two warpgroups).
@@ -271,6 +273,7 @@ def gluon_launch(
         KEY_TILE=key_tile,
         BUFFERS=buffers,
         VALUES_LAG=values_lag,
+        P_BUFFERS=p_buffers,
     )
     return Launch(name, "gluon", constexprs, attention_pointers(dtype, splits), 4, 1)
 

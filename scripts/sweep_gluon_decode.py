@@ -5,12 +5,13 @@ FlashInfer in the same run: GPU time by CUDA-graph replay, TFLOP/s, and each var
 against stage 1's.
 
     python scripts/sweep_gluon_decode.py [--shapes B,CTX,HEADS ...]
-        [--variants KEY_TILE,BUFFERS,LAG ...] [--out FILE.json]
+        [--variants KEY_TILE,BUFFERS,LAG[,P_BUFFERS] ...] [--out FILE.json]
 
-A variant is the kernel's key tile, the number of key tiles in its shared-memory ring and whether
-consumer 0 issues a tile's value product behind the next tile's scores (``VALUES_LAG``). Every
+A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, whether
+consumer 0 issues a tile's value product behind the next tile's scores (``VALUES_LAG``) and the
+number of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given). Every
 variant runs with the launcher's plan for the step (its split count, its workspace and combine),
-only those three constexprs changed, so a variant found here is one the launcher can take by
+only those constexprs changed, so a variant found here is one the launcher can take by
 changing the constants in ``decode_gluon``. Prints one table, a row per shape, last.
 """
 
@@ -38,19 +39,19 @@ DEFAULT_SHAPES = [
     "16,16384,128",
     "128,2048,128",
 ]
-DEFAULT_VARIANTS = ["64,2,0", "64,2,1", "32,4,0", "32,4,1", "32,3,1"]
+DEFAULT_VARIANTS = ["64,2,0", "32,4,0", "32,4,1", "32,4,1,2", "32,3,1,2"]
 # Tolerance of a variant's output against stage 1's (bf16 outputs of two summation orders).
 TOLERANCE = 0.05
 
 
-def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, int, int]):
+def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, ...]):
     """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
     the launcher's plan for the step otherwise; and the plan's split count."""
-    key_tile, buffers, lag = variant
+    key_tile, buffers, lag, p_buffers = (*variant, 1)[:4]
     plan = cases.step_plan(step, out, "gluon")
     launch = plan.stage1
     args = dict(launch.args)
-    args.update(KEY_TILE=key_tile, BUFFERS=buffers, VALUES_LAG=bool(lag))
+    args.update(KEY_TILE=key_tile, BUFFERS=buffers, VALUES_LAG=bool(lag), P_BUFFERS=p_buffers)
     kernel = decode_gluon.GLUON_DECODE_LAUNCHES.kernel[launch.grid]
 
     def call(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, 
     return call, plan.workspace[0][1] if plan.workspace else 1
 
 
-def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, int, int]]) -> Dict:
+def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, ...]]) -> Dict:
     batch, context, heads = shape
     step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
     nbytes = cases.step_bytes(step.requests, heads)["minimum"]
@@ -98,7 +99,7 @@ def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, int, int]]) 
         except Exception as error:  # the row goes on without the peer
             row["errors"]["flashinfer"] = f"{type(error).__name__}: {error}"[:200]
     for variant in variants:
-        name = "gluon {},{},{}".format(*variant)
+        name = "gluon " + ",".join(map(str, variant))
         try:
             call, splits = _variant_call(step, sets[0][2], variant)
             out = torch.empty_like(reference)
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    names = ["stage1", "flashinfer"] + ["gluon {},{},{}".format(*v) for v in variants]
+    names = ["stage1", "flashinfer"] + ["gluon " + ",".join(map(str, v)) for v in variants]
     print(f"\n{torch.cuda.get_device_name()}, GPU us per call (CUDA-graph replay), bf16, page 64")
     print("shape (B x ctx, heads)  " + "  ".join(f"{n:>14}" for n in names) + "  best/FI  TF/s")
     for row in rows:

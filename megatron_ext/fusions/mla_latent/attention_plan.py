@@ -26,6 +26,7 @@ from megatron_ext.fusions.mla_latent.decode_gluon import (
     HEADS_PER_PROGRAM,
     KEY_TILE,
     NUM_BUFFERS,
+    P_BUFFERS,
     VALUES_LAG,
     gluon_shared_memory,
 )
@@ -403,7 +404,9 @@ class LatentAttentionPlan(LaunchPlan):
             # Stage 1's arguments less its tile's: the kernel's tile is its module's (one token,
             # 64 heads, its key ring), its three partitions one warpgroup each.
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
-            ring = dict(KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, VALUES_LAG=VALUES_LAG)
+            ring = dict(
+                KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, VALUES_LAG=VALUES_LAG, P_BUFFERS=P_BUFFERS
+            )
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,
                 (tokens, cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits),

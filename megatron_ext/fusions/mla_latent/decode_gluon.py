@@ -36,10 +36,10 @@ The barriers, each used once per key tile (phases alternate with the tile index 
 * ``kv_ready[b]``: the producer's copies into buffer ``b`` have landed (each producer thread's
   ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
 * ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
-* ``p_ready`` / ``p_free``: consumer 0 has written P and the rescale factors / consumer 1 is done
-  with them (one buffer: shared memory holds the query, the key ring and P, 221 KiB of the 227
-  KiB an H100 or H200 gives a block); after the last tile the same handoff carries the final row
-  sums that consumer 1 normalises with.
+* ``p_ready[b]`` / ``p_free[b]``: consumer 0 has written P and the rescale factors into buffer
+  ``b`` of ``P_BUFFERS`` / consumer 1 is done with them (shared memory holds the query, the key
+  ring and P, 221 KiB of the 227 KiB an H100 or H200 gives a block with one P buffer); after the
+  last tile the same handoff carries the final row sums that consumer 1 normalises with.
 """
 
 try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
@@ -68,6 +68,7 @@ __all__ = [
     "HEADS_PER_PROGRAM",
     "KEY_TILE",
     "NUM_BUFFERS",
+    "P_BUFFERS",
     "VALUES_LAG",
     "gluon_shared_memory",
 ]
@@ -83,13 +84,20 @@ HEADS_PER_PROGRAM = 64
 KEY_TILE = 32
 NUM_BUFFERS = 4
 VALUES_LAG = True
+# Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
+# multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
+P_BUFFERS = 1
 # Three partitions of one warpgroup each (the default partition is the launch's num_warps=4).
 PARTITION_WARPS = 4
 GLUON_WARPS = 3 * PARTITION_WARPS
 
 
 def gluon_shared_memory(
-    latent_dim: int, rope_dim: int, key_tile: int = KEY_TILE, buffers: int = NUM_BUFFERS
+    latent_dim: int,
+    rope_dim: int,
+    key_tile: int = KEY_TILE,
+    buffers: int = NUM_BUFFERS,
+    p_buffers: int = P_BUFFERS,
 ) -> int:
     """Shared memory one program takes (16-bit inputs), against a device's limit per block.
 
@@ -98,6 +106,7 @@ def gluon_shared_memory(
         rope_dim: the RoPE width.
         key_tile: keys per tile.
         buffers: key tiles in the ring.
+        p_buffers: buffers of P and the rescale factors.
 
     Returns:
         int: bytes: the query, the key ring, P and a row vector, plus 1 KiB for the barriers
@@ -108,8 +117,7 @@ def gluon_shared_memory(
     return (
         HEADS_PER_PROGRAM * row
         + buffers * key_tile * row
-        + HEADS_PER_PROGRAM * key_tile * 2
-        + HEADS_PER_PROGRAM * 4
+        + p_buffers * HEADS_PER_PROGRAM * (key_tile * 2 + 4)
         + 1024
     )
 
@@ -281,6 +289,7 @@ if GLUON_IMPORT_ERROR is None:
         out_stride_h,
         LATENT_DIM: gl.constexpr,
         BUFFERS: gl.constexpr,
+        P_BUFFERS: gl.constexpr,
     ):
         """Consumer 1: the second half of the value columns, with consumer 0's P."""
         HALF: gl.constexpr = LATENT_DIM // 2
@@ -292,21 +301,23 @@ if GLUON_IMPORT_ERROR is None:
         for j in range(num_tiles):
             buf = j % BUFFERS
             mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
-            mbarrier.wait(p_ready, j & 1)
+            pb = j % P_BUFFERS
+            mbarrier.wait(p_ready.index(pb), (j // P_BUFFERS) & 1)
             # cp.async and st.shared wrote through the generic proxy; wgmma reads through the
             # async one.
             fence_async_shared()
-            alpha = alpha_smem.load(row_layout)
+            alpha = alpha_smem.index(pb).load(row_layout)
             acc = acc * alpha[:, None]
             acc = warpgroup_mma(
-                p_smem, kv_smem.index(buf).slice(HALF, HALF, dim=1), acc, is_async=True
+                p_smem.index(pb), kv_smem.index(buf).slice(HALF, HALF, dim=1), acc, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_free, count=1)
+            mbarrier.arrive(p_free.index(pb), count=1)
             mbarrier.arrive(kv_free.index(buf), count=1)
         # The row sums come through the rescale factors' buffer, as one more tile's would.
-        mbarrier.wait(p_ready, num_tiles & 1)
-        l_i = alpha_smem.load(row_layout)
+        pb = num_tiles % P_BUFFERS
+        mbarrier.wait(p_ready.index(pb), (num_tiles // P_BUFFERS) & 1)
+        l_i = alpha_smem.index(pb).load(row_layout)
         _store_half(
             acc,
             l_i,
@@ -387,14 +398,15 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j):
-        """Write tile ``j``'s P and rescale factors for consumer 1 once it is done with the
-        previous tile's (P has one buffer)."""
-        mbarrier.wait(p_free, (j & 1) ^ 1)
-        p_smem.store(p.to(p_smem.dtype))
-        alpha_smem.store(alpha)
+    def _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS: gl.constexpr):
+        """Write tile ``j``'s P and rescale factors for consumer 1 into their buffer once it is
+        done with the tile's that last used it."""
+        pb = j % P_BUFFERS
+        mbarrier.wait(p_free.index(pb), ((j // P_BUFFERS) & 1) ^ 1)
+        p_smem.index(pb).store(p.to(p_smem.dtype))
+        alpha_smem.index(pb).store(alpha)
         fence_async_shared()
-        mbarrier.arrive(p_ready, count=1)
+        mbarrier.arrive(p_ready.index(pb), count=1)
 
     @gluon.jit
     def _consumer_scores(
@@ -432,6 +444,7 @@ if GLUON_IMPORT_ERROR is None:
         LARGE_SCALE: gl.constexpr,
         BUFFERS: gl.constexpr,
         VALUES_LAG: gl.constexpr,
+        P_BUFFERS: gl.constexpr,
     ):
         """Consumer 0 (the default partition): scores, online softmax, P, first value half.
 
@@ -466,7 +479,7 @@ if GLUON_IMPORT_ERROR is None:
                 p, alpha, m_i, l_i = _tile_softmax(
                     scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
                 )
-                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, 0)
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, 0, P_BUFFERS)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             for j in range(1, num_tiles):
                 scores = _issue_scores(
@@ -477,7 +490,8 @@ if GLUON_IMPORT_ERROR is None:
                     table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
                 )
                 prev = kv_smem.index((j - 1) % BUFFERS)
-                acc = warpgroup_mma(p_smem, prev.slice(0, HALF, dim=1), acc, is_async=True)
+                p_prev = p_smem.index((j - 1) % P_BUFFERS)
+                acc = warpgroup_mma(p_prev, prev.slice(0, HALF, dim=1), acc, is_async=True)
                 # Groups complete in order: the scores are done, the value product runs on.
                 scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
                 p, alpha, m_i, l_i = _tile_softmax(
@@ -486,11 +500,12 @@ if GLUON_IMPORT_ERROR is None:
                 # P's buffer and the previous key tile are read until the product completes.
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
-                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j)
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             if num_tiles > 0:
                 last = kv_smem.index((num_tiles - 1) % BUFFERS)
-                acc = warpgroup_mma(p_smem, last.slice(0, HALF, dim=1), acc, is_async=True)
+                p_last = p_smem.index((num_tiles - 1) % P_BUFFERS)
+                acc = warpgroup_mma(p_last, last.slice(0, HALF, dim=1), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
         else:
@@ -512,18 +527,20 @@ if GLUON_IMPORT_ERROR is None:
                 p, alpha, m_i, l_i = _tile_softmax(
                     scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
                 )
-                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j)
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 kv = kv_smem.index(j % BUFFERS)
-                acc = warpgroup_mma(p_smem, kv.slice(0, HALF, dim=1), acc, is_async=True)
+                p_j = p_smem.index(j % P_BUFFERS)
+                acc = warpgroup_mma(p_j, kv.slice(0, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if num_tiles > 0:
                 mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
         # The row sums to consumer 1 through the rescale factors' buffer, once it has read the
         # last tile's (the handoff of every tile, one more time).
-        mbarrier.wait(p_free, (num_tiles & 1) ^ 1)
-        alpha_smem.store(l_i)
-        mbarrier.arrive(p_ready, count=1)
+        pb = num_tiles % P_BUFFERS
+        mbarrier.wait(p_free.index(pb), ((num_tiles // P_BUFFERS) & 1) ^ 1)
+        alpha_smem.index(pb).store(l_i)
+        mbarrier.arrive(p_ready.index(pb), count=1)
         _store_half(
             acc,
             gl.convert_layout(l_i, o_rows),
@@ -591,6 +608,7 @@ if GLUON_IMPORT_ERROR is None:
         KEY_TILE: gl.constexpr,
         BUFFERS: gl.constexpr,
         VALUES_LAG: gl.constexpr,
+        P_BUFFERS: gl.constexpr,
     ):
         gl.static_assert(LATENT_DIM % 128 == 0, "the value columns split in two 64-column halves")
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
@@ -669,17 +687,18 @@ if GLUON_IMPORT_ERROR is None:
         q_rope_smem = gl.allocate_shared_memory(dtype, [_HEADS, ROPE_DIM], q_rope_layout)
         kv_smem = gl.allocate_shared_memory(dtype, [BUFFERS, BLOCK_N, LATENT_DIM], kv_layout)
         rope_smem = gl.allocate_shared_memory(dtype, [BUFFERS, BLOCK_N, ROPE_DIM], rope_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [_HEADS, BLOCK_N], p_layout)
-        alpha_smem = gl.allocate_shared_memory(gl.float32, [_HEADS], vec_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _HEADS, BLOCK_N], p_layout)
+        alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, _HEADS], vec_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(BUFFERS):
             mbarrier.init(kv_ready.index(b), count=_PWARPS * 32)
             mbarrier.init(kv_free.index(b), count=2)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
+        for b in gl.static_range(P_BUFFERS):
+            mbarrier.init(p_ready.index(b), count=1)
+            mbarrier.init(p_free.index(b), count=1)
 
         # The query's two parts, 64 columns at a time, into shared memory (rows past the heads
         # are zeros and never stored).
@@ -739,6 +758,7 @@ if GLUON_IMPORT_ERROR is None:
                         LARGE_SCALE,
                         BUFFERS,
                         VALUES_LAG,
+                        P_BUFFERS,
                     ),
                 ),
                 (
@@ -762,6 +782,7 @@ if GLUON_IMPORT_ERROR is None:
                         out_stride_h,
                         LATENT_DIM,
                         BUFFERS,
+                        P_BUFFERS,
                     ),
                 ),
                 (

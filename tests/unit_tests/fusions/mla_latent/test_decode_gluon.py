@@ -89,6 +89,7 @@ VARIANTS = [
     dict(values_lag=not decode_gluon.VALUES_LAG),
     dict(key_tile=64, buffers=2, values_lag=False, splits=2),
     dict(key_tile=64, buffers=2, values_lag=True, block_size=37),
+    dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
 ]
 
 
@@ -117,16 +118,23 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     assert len(re.findall(copy, ptx)) == key_tile * 576 // (8 * 128)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     assert spills is not None, code["log"][-2000:]
-    if not {"key_tile", "buffers", "values_lag"} & set(variant):
+    if not {"key_tile", "buffers", "values_lag", "p_buffers"} & set(variant):
         assert spills.groups() == ("0", "0"), code["log"][-2000:]
 
 
 @NEEDS_GLUON
 def test_shared_memory_fits_a_hopper_block_and_the_plan_bound(compiled):
     """The compiler's figure is within what the plan checks against the device, which is within
-    an H100/H200 block's."""
-    shared = int(compiled[0]["shared"])
-    assert shared <= decode_gluon.gluon_shared_memory(512, 64) <= HOPPER_SHARED_MEMORY
+    an H100/H200 block's, for every ring the kernel compiles with."""
+    for variant, code in zip(VARIANTS, compiled):
+        bound = decode_gluon.gluon_shared_memory(
+            512,
+            64,
+            variant.get("key_tile", decode_gluon.KEY_TILE),
+            variant.get("buffers", decode_gluon.NUM_BUFFERS),
+            variant.get("p_buffers", decode_gluon.P_BUFFERS),
+        )
+        assert int(code["shared"]) <= bound <= HOPPER_SHARED_MEMORY, (variant, code["shared"])
 
 
 @NEEDS_GLUON
@@ -139,8 +147,8 @@ def test_barrier_counts_match_the_partitions_arrivals(compiled):
         int(n) for n in re.findall(r"mbarrier\.init\.shared[\w:.]*\s+\[[^]]+\],\s*(\d+)", ptx)
     )
     producer_threads = decode_gluon.PARTITION_WARPS * 32
-    buffers = decode_gluon.NUM_BUFFERS
-    assert inits == {producer_threads: buffers, 2: buffers, 1: 2}, inits
+    buffers, p_buffers = decode_gluon.NUM_BUFFERS, decode_gluon.P_BUFFERS
+    assert inits == {producer_threads: buffers, 2: buffers, 1: 2 * p_buffers}, inits
     assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 1
     # P and the copies are written through the generic proxy and read by wgmma through the
     # asynchronous one: a proxy fence orders them.
