@@ -16,6 +16,7 @@ changing the constants in ``decode_gluon``. Prints one table, a row per shape, l
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
 from megatron_ext.bench.mla_serving import _attention_sets, graph_us  # noqa: E402
+from megatron_ext.fusions.direct_launch import PreparedLaunch  # noqa: E402
 from megatron_ext.fusions.mla_latent import decode_gluon  # noqa: E402
 
 DEFAULT_SHAPES = [
@@ -46,27 +48,21 @@ TOLERANCE = 0.05
 
 def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, ...]):
     """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
-    the launcher's plan for the step otherwise; and the plan's split count."""
+    a copy of the launcher's plan for the step (its grid, splits, workspace and combine); and the
+    plan's split count."""
     key_tile, buffers, lag, p_buffers = (*variant, 1)[:4]
     plan = cases.step_plan(step, out, "gluon")
     launch = plan.stage1
     args = dict(launch.args)
     args.update(KEY_TILE=key_tile, BUFFERS=buffers, VALUES_LAG=bool(lag), P_BUFFERS=p_buffers)
-    kernel = decode_gluon.GLUON_DECODE_LAUNCHES.kernel[launch.grid]
+    variant_plan = copy.copy(plan)  # the cached plan keeps the launcher's own launch
+    # Launched through Triton's JIT (no direct launch bound: host time is not what this times).
+    variant_plan.stage1 = PreparedLaunch(
+        launch.launches, launch.grid, args, launch.options, tensors=len(launch.names)
+    )
 
     def call(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        tensors = [query, query, kv_cache, step.block_table, step.cu_query_lengths]
-        tensors.append(step.kv_lengths)
-        if plan.workspace is None:
-            tensors += [out, out]
-        else:
-            partial_shape, lse_shape = plan.workspace
-            partial = torch.empty(partial_shape, dtype=torch.float32, device=out.device)
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=out.device)
-            tensors += [partial, lse]
-        kernel(**{**args, **dict(zip(launch.names, tensors))}, **launch.options)
-        if plan.workspace is not None:
-            plan.combine(partial, lse, step.cu_query_lengths, out)
+        variant_plan(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)
         return out
 
     return call, plan.workspace[0][1] if plan.workspace else 1

@@ -31,6 +31,7 @@ from tests.unit_tests.fusions.mla_latent.test_attention import (
     BF16_TOLERANCE,
     FP16_TOLERANCE,
     SCALE,
+    graph_replays_equal_eager,
 )
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (
     ALIGNED_CACHE_OFFSET,
@@ -395,32 +396,20 @@ def test_graph_replay_with_changing_lengths_equals_eager_bitwise(splits):
     are: each replay gives the eager call's bits and float64's answer."""
     gen = torch.Generator().manual_seed(1)
     step = decode_step([3001] * 8 + [1] * 4, 128, seed=2)
-    args = (step.query, step.kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths)
-    kwargs = dict(rope_dim=ROPE, max_query_len=1, num_kv_splits=splits)
-    out = torch.empty(*step.query.shape[:2], LATENT, dtype=step.query.dtype, device=DEVICE)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mla_paged_latent_attention(*args, SCALE, out=out, **kwargs)  # compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mla_paged_latent_attention(*args, SCALE, out=out, **kwargs)
     # Real requests per round: all 12, then 8 (4 padded requests and tokens), then 11.
-    for round_, real in enumerate((12, 8, 11)):
+    reals = (12, 8, 11)
+
+    def refresh(round_):
         lengths = torch.randint(0, 3002, (12,), generator=gen, dtype=torch.int32)
-        lengths[real:] = 0
+        lengths[reals[round_] :] = 0
         step.kv_lengths.copy_(lengths)
-        new = torch.arange(13, dtype=torch.int32).clamp(max=real)
-        step.cu_query_lengths.copy_(new)
+        step.cu_query_lengths.copy_(torch.arange(13, dtype=torch.int32).clamp(max=reals[round_]))
         step.query.copy_(torch.randn(step.query.shape, generator=gen).to(step.query.dtype))
-        out.fill_(float("nan"))
-        graph.replay()
-        eager = mla_paged_latent_attention(*args, SCALE, **kwargs)
-        torch.cuda.synchronize()
-        assert torch.equal(bits(out), bits(eager)), f"replay {round_} differs from eager"
-        torch.testing.assert_close(out.double(), attention_reference(step, SCALE), **BF16_TOLERANCE)
-        assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+
+    def padding_is_zero(round_, out):
+        assert torch.equal(out[reals[round_] :], torch.zeros_like(out[reals[round_] :]))
+
+    graph_replays_equal_eager(step, 1, splits, refresh, BF16_TOLERANCE, check=padding_is_zero)
     assert len(assert_gluon_ran()) == 2  # the captured call's plan and the eager one's
 
 
