@@ -241,8 +241,9 @@ def gluon_launch(
     large_scale: bool = False,
     key_tile: int = decode_gluon.KEY_TILE,
     buffers: int = decode_gluon.NUM_BUFFERS,
-    values_lag: bool = decode_gluon.VALUES_LAG,
+    order: int = decode_gluon.ORDER,
     p_buffers: int = decode_gluon.P_BUFFERS,
+    heads_first: bool = decode_gluon.HEADS_FIRST,
 ) -> Launch:
     """The warp-specialized decode kernel's launch (one token and 64 heads a program).
 
@@ -255,9 +256,11 @@ def gluon_launch(
         large_scale: the raw-unit logits of a scale past ``LARGE_SCALE_LOG2``.
         key_tile: keys per tile (the launcher's by default).
         buffers: key tiles in the ring (the launcher's by default).
-        values_lag: consumer 0's value product behind the next tile's scores (the launcher's
-            choice by default).
+        order: consumer 0's order of a tile's MMAs and softmax (``decode_gluon.ORDER_*``; the
+            launcher's by default).
         p_buffers: buffers of P and the rescale factors (the launcher's by default).
+        heads_first: a token's head groups next to each other in the grid (the launcher's
+            order by default).
 
     Returns:
         Launch: the launch (4 warps: the default partition; the kernel adds two warpgroups).
@@ -272,8 +275,9 @@ def gluon_launch(
         LARGE_SCALE=large_scale,
         KEY_TILE=key_tile,
         BUFFERS=buffers,
-        VALUES_LAG=values_lag,
+        ORDER=order,
         P_BUFFERS=p_buffers,
+        HEADS_FIRST=heads_first,
     )
     return Launch(name, "gluon", constexprs, attention_pointers(dtype, splits), 4, 1)
 

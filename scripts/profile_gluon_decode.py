@@ -4,13 +4,16 @@
 goes (tensor pipe, shared memory, warp stalls), on one decode step of the serving benchmark.
 
     python scripts/profile_gluon_decode.py [--shape B CTX HEADS] [--out DIR]
+        [--variant KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]]]
 
 Runs ``ncu --set full`` on the Gluon kernel of one step (built as ``bench mla-serving`` builds
 it: bf16, page 64, shuffled pages; the launcher's plan and split count), keeps the report
 (``DIR/gluon.ncu-rep``, ``DIR/raw.csv``, ``DIR/details.txt``) and prints the figures that decide
 what bounds the kernel: duration, SM and memory throughput, the tensor pipe's and shared memory's
 shares of their peaks, L2 hit rate, and the warp-stall reasons by share. ``--launch-only`` is the
-launch ncu profiles (it compiles first, outside the profile).
+launch ncu profiles (it compiles first, outside the profile). ``--variant`` profiles the kernel
+with another ring, order or program order (as ``scripts/sweep_gluon_decode.py`` names them) in
+the launcher's place.
 """
 
 import argparse
@@ -41,11 +44,20 @@ METRICS = (
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 
 
-def launch(shape: Sequence[int]) -> None:
+# A variant's fields, as the launcher's plan names them.
+VARIANT_FIELDS = ("KEY_TILE", "NUM_BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")
+
+
+def launch(shape: Sequence[int], variant: str = None) -> None:
     """One Gluon launch of the step (a first run of this compiles it into Triton's cache)."""
     import torch
 
     from megatron_ext.bench import mla_serving_cases as cases
+    from megatron_ext.fusions.mla_latent import attention_plan
+
+    if variant:
+        for name, value in zip(VARIANT_FIELDS, (int(x) for x in variant.split(","))):
+            setattr(attention_plan, name, bool(value) if name == "HEADS_FIRST" else value)
 
     batch, context, heads = shape
     step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
@@ -100,10 +112,11 @@ def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, default=[128, 2048, 128])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variant", default=None)
     parser.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.launch_only:
-        launch(args.shape)
+        launch(args.shape, args.variant)
         return 0
     if shutil.which("ncu") is None:
         print("Nsight Compute's ncu is not on PATH")
@@ -112,7 +125,7 @@ def main(argv: Sequence[str] = None) -> int:
     os.makedirs(out, exist_ok=True)
     report = os.path.join(out, "gluon")
     me = [sys.executable, os.path.abspath(__file__), "--launch-only", "--shape"]
-    me += [str(x) for x in args.shape]
+    me += [str(x) for x in args.shape] + (["--variant", args.variant] if args.variant else [])
     subprocess.run(me, check=True)  # compiles outside the profile
     ncu = ["ncu", "-k", "regex:_gluon_decode_kernel", "-c", "1", "--set", "full"]
     subprocess.run(ncu + ["-f", "-o", report] + me, check=True)
@@ -121,7 +134,9 @@ def main(argv: Sequence[str] = None) -> int:
     with open(os.path.join(out, "details.txt"), "w") as f:
         subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "details"], stdout=f)
     raw = read_raw(os.path.join(out, "raw.csv"))
-    print(f"\nGluon decode kernel, batch x context x heads: {' x '.join(map(str, args.shape))}")
+    shape = " x ".join(map(str, args.shape))
+    label = args.variant or "as launched"
+    print(f"\nGluon decode kernel {label}, batch x context x heads: {shape}")
     print("\n".join(summary(raw)))
     print(f"report: {report}.ncu-rep")
     return 0

@@ -5,11 +5,12 @@ FlashInfer in the same run: GPU time by CUDA-graph replay, TFLOP/s, and each var
 against stage 1's.
 
     python scripts/sweep_gluon_decode.py [--shapes B,CTX,HEADS ...]
-        [--variants KEY_TILE,BUFFERS,LAG[,P_BUFFERS] ...] [--out FILE.json]
+        [--variants KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]] ...] [--out FILE.json]
 
-A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, whether
-consumer 0 issues a tile's value product behind the next tile's scores (``VALUES_LAG``) and the
-number of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given). Every
+A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, consumer
+0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead), the number
+of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given) and whether a token's
+head groups are next to each other in the grid (``HEADS_FIRST``, 0 where not given). Every
 variant runs with the launcher's plan for the step (its split count, its workspace and combine),
 only those constexprs changed, so a variant found here is one the launcher can take by
 changing the constants in ``decode_gluon``. Prints one table, a row per shape, last.
@@ -41,7 +42,14 @@ DEFAULT_SHAPES = [
     "16,16384,128",
     "128,2048,128",
 ]
-DEFAULT_VARIANTS = ["64,2,0", "32,4,0", "32,4,1", "32,4,1,2", "32,3,1,2"]
+DEFAULT_VARIANTS = [
+    "32,4,1",
+    "32,4,1,1,1",
+    "32,4,2,1,1",
+    "32,4,2,2,1",
+    "32,3,2,2,1",
+    "64,2,0,1,1",
+]
 # Tolerance of a variant's output against stage 1's (bf16 outputs of two summation orders).
 TOLERANCE = 0.05
 
@@ -50,11 +58,17 @@ def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, 
     """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
     a copy of the launcher's plan for the step (its grid, splits, workspace and combine); and the
     plan's split count."""
-    key_tile, buffers, lag, p_buffers = (*variant, 1)[:4]
+    key_tile, buffers, order, p_buffers, heads_first = (*variant, *(1, 0)[len(variant) - 3 :])
     plan = cases.step_plan(step, out, "gluon")
     launch = plan.stage1
     args = dict(launch.args)
-    args.update(KEY_TILE=key_tile, BUFFERS=buffers, VALUES_LAG=bool(lag), P_BUFFERS=p_buffers)
+    args.update(
+        KEY_TILE=key_tile,
+        BUFFERS=buffers,
+        ORDER=order,
+        P_BUFFERS=p_buffers,
+        HEADS_FIRST=bool(heads_first),
+    )
     variant_plan = copy.copy(plan)  # the cached plan keeps the launcher's own launch
     # Launched through Triton's JIT (no direct launch bound: host time is not what this times).
     variant_plan.stage1 = PreparedLaunch(

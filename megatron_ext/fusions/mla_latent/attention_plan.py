@@ -23,11 +23,12 @@ from megatron_ext.fusions.mla_latent.attention_kernels import COMBINE_LAUNCHES, 
 from megatron_ext.fusions.mla_latent.decode_gluon import (
     GLUON_DECODE_LAUNCHES,
     GLUON_IMPORT_ERROR,
+    HEADS_FIRST,
     HEADS_PER_PROGRAM,
     KEY_TILE,
     NUM_BUFFERS,
+    ORDER,
     P_BUFFERS,
-    VALUES_LAG,
     gluon_shared_memory,
 )
 from megatron_ext.fusions.mla_latent.tile_rules import (
@@ -405,11 +406,16 @@ class LatentAttentionPlan(LaunchPlan):
             # 64 heads, its key ring), its three partitions one warpgroup each.
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
             ring = dict(
-                KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, VALUES_LAG=VALUES_LAG, P_BUFFERS=P_BUFFERS
+                KEY_TILE=KEY_TILE,
+                BUFFERS=NUM_BUFFERS,
+                ORDER=ORDER,
+                P_BUFFERS=P_BUFFERS,
+                HEADS_FIRST=HEADS_FIRST,
             )
+            # Tokens and head groups on one axis (an axis past the first holds 65,535 at most).
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,
-                (tokens, cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits),
+                (tokens * cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits, 1),
                 {name: ring[name] if name in ring else args[name] for name in names},
                 dict(num_warps=4, num_stages=1),
             )

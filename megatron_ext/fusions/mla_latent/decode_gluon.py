@@ -68,22 +68,40 @@ __all__ = [
     "HEADS_PER_PROGRAM",
     "KEY_TILE",
     "NUM_BUFFERS",
+    "HEADS_FIRST",
+    "ORDER",
+    "ORDER_SCORES_AHEAD",
+    "ORDER_VALUES_FIRST",
+    "ORDER_VALUES_LAG",
     "P_BUFFERS",
-    "VALUES_LAG",
     "gluon_shared_memory",
 ]
 
 # Query rows of one program: a warpgroup MMA's M.
 HEADS_PER_PROGRAM = 64
 # Keys per tile and tiles in flight: the query (64 x 576) and four 32-key tiles take 216 KiB of
-# the 227 KiB a block may have (16-bit, DeepSeek-V3's widths). Whether consumer 0 issues a tile's
-# value product behind the next tile's scores (see _consumer_scores). On an H100 (Triton 3.7.1,
-# scripts/sweep_gluon_decode.py) this ring and order were the fastest by 0-4% at 32-128 heads
-# against two 64-key tiles in either order, where the later order (the buffer freed a softmax
-# later) lost up to 18% at 128 heads.
+# the 227 KiB a block may have (16-bit, DeepSeek-V3's widths).
 KEY_TILE = 32
 NUM_BUFFERS = 4
-VALUES_LAG = True
+# Consumer 0's order of a key tile's work (see _consumer_scores):
+# values first: the tile's value product issued after its softmax, waited for with the next
+#   tile's scores;
+# values lag: the value product issued behind the next tile's scores, running during that tile's
+#   softmax (on an H100, Triton 3.7.1, 0-4% faster than values first at 32-128 heads with two
+#   64-key tiles, which lost up to 18% at 128 heads in the lagged order);
+# scores ahead: the next tile's scores issued before this tile's softmax, so the tensor cores
+#   run them (and the previous value product) while the softmax waits on registers; both are
+#   waited for together (waiting for the value product alone and reading its accumulator while
+#   the scores ran made ptxas serialize every MMA of the kernel, C7514). The tensor pipe was
+#   41% busy in the lagged order at 128 heads (H200, Nsight Compute). A fourth warpgroup for
+#   the softmax alone does not compile: Triton caps 16 warps' registers at 128 a thread, below
+#   a 64 x 256 fp32 accumulator's.
+ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
+ORDER = ORDER_VALUES_LAG
+# Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
+# next to each other, so the second reads the tiles from L2 while the first's copies are fresh,
+# instead of a whole wave of other tokens apart (every byte read from memory twice).
+HEADS_FIRST = False
 # Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
 # multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
 P_BUFFERS = 1
@@ -443,14 +461,16 @@ if GLUON_IMPORT_ERROR is None:
         NUM_SPLITS: gl.constexpr,
         LARGE_SCALE: gl.constexpr,
         BUFFERS: gl.constexpr,
-        VALUES_LAG: gl.constexpr,
+        ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
     ):
         """Consumer 0 (the default partition): scores, online softmax, P, first value half.
 
-        With ``VALUES_LAG`` a tile's value product is issued behind the next tile's scores, so
-        it runs on the tensor cores while this warpgroup computes that tile's softmax; without,
-        it is issued first and both are waited for before the softmax.
+        ``ORDER`` places a tile's MMAs around its softmax (the module's ``ORDER_*``): scores
+        ahead issues the next tile's scores before this tile's softmax and this tile's value
+        product after it; values lag issues the previous tile's value product behind this
+        tile's scores; values first issues this tile's value product after its softmax and waits
+        for it with the next tile's scores.
         """
         HALF: gl.constexpr = LATENT_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -465,7 +485,67 @@ if GLUON_IMPORT_ERROR is None:
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
         s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        if VALUES_LAG:
+        if ORDER == 2:
+            # At the top of iteration j: tile j's scores done, its value product not issued,
+            # tile j - 1's in flight (an accumulator handle from the start).
+            acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
+            if num_tiles > 0:
+                scores = _issue_scores(
+                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                )
+                _, _, attend = _tile_blocks(
+                    table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
+                scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+                for j in range(num_tiles - 1):
+                    nxt = _issue_scores(
+                        q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j + 1, BUFFERS
+                    )
+                    _, _, attend_nxt = _tile_blocks(
+                        table_row,
+                        lo + (j + 1) * BLOCK_N,
+                        hi,
+                        tile_keys,
+                        num_blocks,
+                        BLOCK_SIZE,
+                        BLOCK_N,
+                    )
+                    p, alpha, m_i, l_i = _tile_softmax(
+                        scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
+                    )
+                    if P_BUFFERS > 1:
+                        # P goes to the buffer the previous value product does not read.
+                        _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS)
+                    # Both groups, not the value product alone: reading its accumulator while
+                    # the scores run made ptxas serialize every MMA of the kernel (C7514).
+                    acc, scores = warpgroup_mma_wait(num_outstanding=0, deps=(acc, nxt))
+                    if j > 0:
+                        mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
+                    if P_BUFFERS == 1:
+                        _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS)
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    kv = kv_smem.index(j % BUFFERS)
+                    acc = warpgroup_mma(
+                        p_smem.index(j % P_BUFFERS), kv.slice(0, HALF, dim=1), acc, is_async=True
+                    )
+                    attend = attend_nxt
+                last = num_tiles - 1
+                p, alpha, m_i, l_i = _tile_softmax(
+                    scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
+                )
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if last > 0:
+                    mbarrier.arrive(kv_free.index((last - 1) % BUFFERS), count=1)
+                _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, last, P_BUFFERS)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                kv = kv_smem.index(last % BUFFERS)
+                acc = warpgroup_mma(
+                    p_smem.index(last % P_BUFFERS), kv.slice(0, HALF, dim=1), acc, is_async=True
+                )
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if num_tiles > 0:
+                mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
+        elif ORDER == 1:
             acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
             if num_tiles > 0:
                 scores = _issue_scores(
@@ -607,15 +687,24 @@ if GLUON_IMPORT_ERROR is None:
         LARGE_SCALE: gl.constexpr,
         KEY_TILE: gl.constexpr,
         BUFFERS: gl.constexpr,
-        VALUES_LAG: gl.constexpr,
+        ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
+        HEADS_FIRST: gl.constexpr,
     ):
         gl.static_assert(LATENT_DIM % 128 == 0, "the value columns split in two 64-column halves")
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
+        # Scores ahead waits for tile j + 1 before it frees tile j - 1: two buffers would hang.
+        gl.static_assert((ORDER != 2) | (BUFFERS >= 3), "scores ahead needs 3 or more buffers")
         BLOCK_N: gl.constexpr = KEY_TILE
-        token = gl.program_id(0).to(gl.int64)
-        head0 = gl.program_id(1) * _HEADS
-        split = gl.program_id(2).to(gl.int64)
+        # Axis 0 counts tokens x head groups (the order HEADS_FIRST says), axis 1 the splits.
+        head_groups = gl.cdiv(num_heads, _HEADS)
+        if HEADS_FIRST:
+            token = (gl.program_id(0) // head_groups).to(gl.int64)
+            head0 = gl.program_id(0) % head_groups * _HEADS
+        else:
+            token = (gl.program_id(0) % num_tokens).to(gl.int64)
+            head0 = gl.program_id(0) // num_tokens * _HEADS
+        split = gl.program_id(1).to(gl.int64)
         fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
         fill_rows: gl.constexpr = gl.SliceLayout(1, fill_layout)
         heads = head0 + gl.arange(0, _HEADS, layout=fill_rows)
@@ -757,7 +846,7 @@ if GLUON_IMPORT_ERROR is None:
                         NUM_SPLITS,
                         LARGE_SCALE,
                         BUFFERS,
-                        VALUES_LAG,
+                        ORDER,
                         P_BUFFERS,
                     ),
                 ),

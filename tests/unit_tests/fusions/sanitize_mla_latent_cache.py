@@ -14,7 +14,8 @@ requests and tokens; a -1 block id where the lengths say a row is used; lengths 
 negative, past the tokens or decreasing, and NaN and inf rows behind the causal diagonal), and the
 warp-specialized Gluon decode kernel in stage 1's place where this GPU and Triton take it
 (``gluon_decode_refusal``; 128 and 40 heads, block sizes 16 and 64, one and three splits, padded
-requests, a -1 block id; ``--quick`` runs one small case, for racecheck's view of its barriers).
+requests, a -1 block id; ``--quick`` runs one small case, for racecheck's view of its barriers;
+``--gluon-only`` runs its cases alone).
 PyTorch's caching allocator is disabled so that every tensor is its own allocation and an
 out-of-bounds access is one memcheck can see. Exits non-zero if an appended row differs from
 megatron-core's or an attention output from float64 by more than the unit tests allow.
@@ -174,6 +175,9 @@ def check_bad_metadata(heads: int, dtype: torch.dtype, splits: int, seed: int) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for racecheck)")
+    parser.add_argument(
+        "--gluon-only", action="store_true", help="only the Gluon decode kernel's cases"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -201,7 +205,7 @@ def main() -> int:
     if args.quick:
         attention_cases = attention_cases[1:4]
     failures = checks = 0
-    for dtype in dtypes:
+    for dtype in () if args.gluon_only else dtypes:
         for tokens in (1, 37) if args.quick else (1, 37, 300):
             checks += 1
             if not check_append(config, yarn, tokens, dtype, seed=tokens):

@@ -85,12 +85,22 @@ VARIANTS = [
     dict(block_size=37),
     dict(block_size=128, two_operands=True),
     dict(large_scale=True, splits=3),
-    # The ring's other shapes and consumer 0's other order, as the launcher may choose them.
-    dict(values_lag=not decode_gluon.VALUES_LAG),
-    dict(key_tile=64, buffers=2, values_lag=False, splits=2),
-    dict(key_tile=64, buffers=2, values_lag=True, block_size=37),
+    # The ring's other shapes, consumer 0's other orders and the other program order, as the
+    # launcher may choose them.
+    dict(order=decode_gluon.ORDER_VALUES_FIRST),
+    dict(order=decode_gluon.ORDER_VALUES_LAG, block_size=1),
+    dict(order=decode_gluon.ORDER_SCORES_AHEAD, splits=2),
+    dict(order=decode_gluon.ORDER_SCORES_AHEAD, p_buffers=2, block_size=37),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, splits=2),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_LAG, block_size=37),
+    dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
+    dict(heads_first=not decode_gluon.HEADS_FIRST),
 ]
+# Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
+# tile's scores and the last tile's value product outside its loop; scores ahead also the first
+# tile's scores and the last tile's softmax and value product.
+_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2)}
 
 
 @NEEDS_GLUON
@@ -107,18 +117,18 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     spill a few bytes under some ptxas releases, and are compiled to keep them buildable."""
     variant, code = VARIANTS[index], compiled[index]
     key_tile = variant.get("key_tile", decode_gluon.KEY_TILE)
-    copies = 2 if variant.get("values_lag", decode_gluon.VALUES_LAG) else 1
+    scores, values = _MMA_COPIES[variant.get("order", decode_gluon.ORDER)]
     ptx = code["ptx"]
     mma = _instructions(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", ptx)
     assert mma == {
-        f"m64n{key_tile}k16": 36 * copies,
-        "m64n256k16": (1 + copies) * key_tile // 16,
+        f"m64n{key_tile}k16": 36 * scores,
+        "m64n256k16": (1 + values) * key_tile // 16,
     }, mma
     copy = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10"
     assert len(re.findall(copy, ptx)) == key_tile * 576 // (8 * 128)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     assert spills is not None, code["log"][-2000:]
-    if not {"key_tile", "buffers", "values_lag", "p_buffers"} & set(variant):
+    if not {"key_tile", "buffers", "order", "p_buffers"} & set(variant):
         assert spills.groups() == ("0", "0"), code["log"][-2000:]
 
 

@@ -171,7 +171,7 @@ def test_split_counts_match_float64(heads, splits):
             step.block_table.shape[1] * step.kv_cache.shape[1],
         )
     assert plan.stage1.args["NUM_SPLITS"] == expected
-    assert plan.stage1.grid == (tokens, cdiv(heads, 64), expected)
+    assert plan.stage1.grid == (tokens * cdiv(heads, 64), expected, 1)
     assert (plan.combine is None) == (expected == 1)
 
 

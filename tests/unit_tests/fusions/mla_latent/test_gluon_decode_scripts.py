@@ -1,7 +1,8 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""The Gluon decode kernel's GPU tools without a GPU: ``scripts/sweep_gluon_decode.py`` refuses
-to run, ``scripts/profile_gluon_decode.py`` reads an Nsight Compute export into its summary."""
+"""The Gluon decode kernel's GPU tools without a GPU: ``scripts/sweep_gluon_decode.py`` and
+``scripts/racecheck_mbarrier_handoff.py`` refuse to run, ``scripts/profile_gluon_decode.py`` reads
+an Nsight Compute export into its summary."""
 
 import csv
 import importlib.util
@@ -22,6 +23,13 @@ def _script(name: str):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_sweep_refuses_without_a_gpu(capsys):
     assert _script("sweep_gluon_decode").main(["--shapes", "2,64,64"]) == 2
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_racecheck_handoff_probe_refuses_without_a_gpu(capsys):
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    assert _script("racecheck_mbarrier_handoff").main() == 2
     assert "needs a GPU" in capsys.readouterr().out
 
 
