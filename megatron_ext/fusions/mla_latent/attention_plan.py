@@ -405,17 +405,19 @@ class LatentAttentionPlan(LaunchPlan):
             # Stage 1's arguments less its tile's: the kernel's tile is its module's (one token,
             # 64 heads, its key ring), its three partitions one warpgroup each.
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
+            # An axis past the first holds 65,535 programs at most.
+            heads_first = HEADS_FIRST and tokens <= 65535
             ring = dict(
                 KEY_TILE=KEY_TILE,
                 BUFFERS=NUM_BUFFERS,
                 ORDER=ORDER,
                 P_BUFFERS=P_BUFFERS,
-                HEADS_FIRST=HEADS_FIRST,
+                HEADS_FIRST=heads_first,
             )
-            # Tokens and head groups on one axis (an axis past the first holds 65,535 at most).
+            groups = cdiv(heads, HEADS_PER_PROGRAM)
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,
-                (tokens * cdiv(heads, HEADS_PER_PROGRAM), num_kv_splits, 1),
+                (groups, tokens, num_kv_splits) if heads_first else (tokens, groups, num_kv_splits),
                 {name: ring[name] if name in ring else args[name] for name in names},
                 dict(num_warps=4, num_stages=1),
             )

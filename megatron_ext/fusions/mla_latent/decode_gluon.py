@@ -92,15 +92,19 @@ NUM_BUFFERS = 4
 # scores ahead: the next tile's scores issued before this tile's softmax, so the tensor cores
 #   run them (and the previous value product) while the softmax waits on registers; both are
 #   waited for together (waiting for the value product alone and reading its accumulator while
-#   the scores ran made ptxas serialize every MMA of the kernel, C7514). The tensor pipe was
-#   41% busy in the lagged order at 128 heads (H200, Nsight Compute). A fourth warpgroup for
-#   the softmax alone does not compile: Triton caps 16 warps' registers at 128 a thread, below
-#   a 64 x 256 fp32 accumulator's.
+#   the scores ran made ptxas serialize every MMA of the kernel, C7514). 0-3% slower than the
+#   lagged order on an H100 (Triton 3.7.1), 2-7% with two P buffers: the combined wait delays
+#   P's handoff. The tensor pipe was 41% busy in the lagged order at 128 heads (H200, Nsight
+#   Compute). A fourth warpgroup for the softmax alone does not compile: Triton caps 16 warps'
+#   registers at 128 a thread, below a 64 x 256 fp32 accumulator's.
 ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
 ORDER = ORDER_VALUES_LAG
 # Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
-# next to each other, so the second reads the tiles from L2 while the first's copies are fresh,
-# instead of a whole wave of other tokens apart (every byte read from memory twice).
+# on the grid's first axis, so they start together and the second reads the tiles from L2 while
+# the first's copies are fresh, instead of a wave of other tokens apart. Timed with tokens and
+# head groups on one axis (H200 and H100, Triton 3.7.1): 3-14% faster at 128 heads in most rows.
+# Off until this form has run the GPU tests; the plan keeps tokens first past 65,535 tokens (the
+# second axis's limit).
 HEADS_FIRST = False
 # Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
 # multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
@@ -696,15 +700,14 @@ if GLUON_IMPORT_ERROR is None:
         # Scores ahead waits for tile j + 1 before it frees tile j - 1: two buffers would hang.
         gl.static_assert((ORDER != 2) | (BUFFERS >= 3), "scores ahead needs 3 or more buffers")
         BLOCK_N: gl.constexpr = KEY_TILE
-        # Axis 0 counts tokens x head groups (the order HEADS_FIRST says), axis 1 the splits.
-        head_groups = gl.cdiv(num_heads, _HEADS)
+        # The grid's first two axes: head groups and tokens, in the order HEADS_FIRST says.
         if HEADS_FIRST:
-            token = (gl.program_id(0) // head_groups).to(gl.int64)
-            head0 = gl.program_id(0) % head_groups * _HEADS
+            head0 = gl.program_id(0) * _HEADS
+            token = gl.program_id(1).to(gl.int64)
         else:
-            token = (gl.program_id(0) % num_tokens).to(gl.int64)
-            head0 = gl.program_id(0) // num_tokens * _HEADS
-        split = gl.program_id(1).to(gl.int64)
+            token = gl.program_id(0).to(gl.int64)
+            head0 = gl.program_id(1) * _HEADS
+        split = gl.program_id(2).to(gl.int64)
         fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
         fill_rows: gl.constexpr = gl.SliceLayout(1, fill_layout)
         heads = head0 + gl.arange(0, _HEADS, layout=fill_rows)

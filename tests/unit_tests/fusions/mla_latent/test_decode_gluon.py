@@ -272,3 +272,34 @@ def test_refusal_refuses_what_is_not_a_tensor():
         attention_plan.gluon_decode_refusal(query, [0], 512, 1)
     with pytest.raises(TypeError, match="query must be a torch.Tensor, got NoneType"):
         attention_plan.gluon_decode_refusal(None, cache, 512, 1)
+
+
+@NEEDS_GLUON
+@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("tokens", [3, 65536])
+def test_the_plan_orders_the_grid_as_the_kernel_reads_it(monkeypatch, heads_first, tokens):
+    """Head groups on the first axis with HEADS_FIRST, tokens otherwise, and tokens first past
+    what the second axis holds; the kernel's constexpr says which (a plan is only built here:
+    nothing runs)."""
+    monkeypatch.setattr(attention_plan, "HEADS_FIRST", heads_first)
+    heads, width = 128, 576
+    # A step of many tokens without their memory: every token reads the same query row.
+    query = torch.zeros(1, heads, width, dtype=torch.bfloat16).expand(tokens, heads, width)
+    cache = torch.zeros(4, 64, width, dtype=torch.bfloat16)
+    plan = attention_plan.LatentAttentionPlan(
+        query,
+        cache,
+        torch.zeros(2, 4, dtype=torch.int32),
+        torch.tensor([0, 1, tokens], dtype=torch.int32),
+        torch.ones(2, dtype=torch.int32),
+        0.1,
+        torch.zeros(1, heads, 512, dtype=torch.bfloat16).expand(tokens, heads, 512),
+        latent_dim=512,
+        tile=tile_rules.TileShape(1, 64, 32, 8),
+        num_kv_splits=3,
+        num_stages=1,
+        gluon=True,
+    )
+    first = heads_first and tokens <= 65535
+    assert plan.stage1.args["HEADS_FIRST"] is first
+    assert plan.stage1.grid == ((2, tokens, 3) if first else (tokens, 2, 3))

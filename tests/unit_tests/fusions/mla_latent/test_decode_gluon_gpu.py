@@ -171,7 +171,9 @@ def test_split_counts_match_float64(heads, splits):
             step.block_table.shape[1] * step.kv_cache.shape[1],
         )
     assert plan.stage1.args["NUM_SPLITS"] == expected
-    assert plan.stage1.grid == (tokens * cdiv(heads, 64), expected, 1)
+    groups = cdiv(heads, 64)
+    first = (groups, tokens) if plan.stage1.args["HEADS_FIRST"] else (tokens, groups)
+    assert plan.stage1.grid == (*first, expected)
     assert (plan.combine is None) == (expected == 1)
 
 
