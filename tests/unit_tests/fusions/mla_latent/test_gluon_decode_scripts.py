@@ -1,11 +1,13 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """The Gluon decode kernel's GPU tools without a GPU: ``scripts/sweep_gluon_decode.py`` and
-``scripts/racecheck_mbarrier_handoff.py`` refuse to run, ``scripts/profile_gluon_decode.py`` reads
-an Nsight Compute export into its summary."""
+``scripts/racecheck_mbarrier_handoff.py`` refuse to run, ``scripts/check_gluon_decode.sh`` refuses
+a malformed variant before any step, ``scripts/profile_gluon_decode.py`` reads an Nsight Compute
+export into its summary."""
 
 import csv
 import importlib.util
+import subprocess
 
 import pytest
 import torch
@@ -31,6 +33,20 @@ def test_the_racecheck_handoff_probe_refuses_without_a_gpu(capsys):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     assert _script("racecheck_mbarrier_handoff").main() == 2
     assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", ["32", "32,4", ",4,1"])
+def test_the_gpu_check_refuses_a_short_variant_before_running_anything(tmp_path, variant):
+    done = subprocess.run(
+        ["bash", "scripts/check_gluon_decode.sh", "--variant", variant, "--results", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "KT,B,ORDER" in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no step ran
 
 
 def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path):
