@@ -34,15 +34,19 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-setup="import megatron_ext.fusions.mla_latent.attention_plan as ap"
+# The variant set on the launch layer (scripts/sweep_gluon_decode.py's apply_variant) in each
+# step's process, checked before any step runs.
+export CHECK_GLUON_VARIANT="$variant"
+setup="import os, sys; sys.path.insert(0, 'scripts')"
 if [ -n "$variant" ]; then
-  IFS=, read -r kt buffers order pbuf hfirst <<<"$variant"
-  if [ -z "$kt" ] || [ -z "$buffers" ] || [ -z "$order" ]; then
-    echo "--variant takes KT,B,ORDER[,PB[,HF]], got $variant" >&2
-    exit 2
-  fi
-  setup="$setup; ap.KEY_TILE = $kt; ap.NUM_BUFFERS = $buffers; ap.ORDER = $order"
-  setup="$setup; ap.P_BUFFERS = ${pbuf:-1}; ap.HEADS_FIRST = bool(${hfirst:-0})"
+  setup="$setup; from sweep_gluon_decode import apply_variant"
+  setup="$setup; apply_variant(os.environ['CHECK_GLUON_VARIANT'])"
+  python3 -c "import os, sys; sys.path.insert(0, 'scripts')
+from sweep_gluon_decode import parse_variant
+try:
+    parse_variant(os.environ['CHECK_GLUON_VARIANT'])
+except ValueError as error:
+    sys.exit(f'--variant: {error}')" || exit 2
 fi
 mkdir -p "$results"
 

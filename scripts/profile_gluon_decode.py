@@ -44,20 +44,16 @@ METRICS = (
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 
 
-# A variant's fields, as the launcher's plan names them.
-VARIANT_FIELDS = ("KEY_TILE", "NUM_BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")
-
-
 def launch(shape: Sequence[int], variant: str = None) -> None:
     """One Gluon launch of the step (a first run of this compiles it into Triton's cache)."""
     import torch
 
     from megatron_ext.bench import mla_serving_cases as cases
-    from megatron_ext.fusions.mla_latent import attention_plan
 
     if variant:
-        for name, value in zip(VARIANT_FIELDS, (int(x) for x in variant.split(","))):
-            setattr(attention_plan, name, bool(value) if name == "HEADS_FIRST" else value)
+        from sweep_gluon_decode import apply_variant  # this script's folder, first on sys.path
+
+        apply_variant(variant)
 
     batch, context, heads = shape
     step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
@@ -115,6 +111,13 @@ def main(argv: Sequence[str] = None) -> int:
     parser.add_argument("--variant", default=None)
     parser.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.variant:
+        from sweep_gluon_decode import parse_variant
+
+        try:
+            parse_variant(args.variant)
+        except ValueError as error:
+            parser.error(str(error))
     if args.launch_only:
         launch(args.shape, args.variant)
         return 0

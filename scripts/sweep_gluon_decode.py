@@ -53,21 +53,56 @@ DEFAULT_VARIANTS = [
 TOLERANCE = 0.05
 
 
-def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, ...]):
+# A variant's fields (the kernel's constexprs), and the launch layer's constants that set them.
+VARIANT_FIELDS = ("KEY_TILE", "BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")
+PLAN_CONSTANTS = ("KEY_TILE", "NUM_BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")
+
+
+def parse_variant(text: str) -> Dict[str, int]:
+    """A variant's constexprs from ``KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]]``.
+
+    Args:
+        text: the variant (P_BUFFERS 1 and HEADS_FIRST 0 where not given).
+
+    Returns:
+        Dict[str, int]: the kernel's constexpr names and values.
+
+    Raises:
+        ValueError: for anything but 3 to 5 integers.
+    """
+    try:
+        fields = [int(x) for x in text.split(",")]
+    except ValueError:
+        fields = []
+    if not 3 <= len(fields) <= 5:
+        raise ValueError(f"a variant is KT,B,ORDER[,PB[,HF]] (3 to 5 integers), got {text!r}")
+    values = (*fields, *(1, 0)[len(fields) - 3 :])
+    return {
+        name: bool(v) if name == "HEADS_FIRST" else v for name, v in zip(VARIANT_FIELDS, values)
+    }
+
+
+def apply_variant(text: str) -> None:
+    """Set the launch layer's constants to a variant's, before anything is planned: the
+    launcher's own plan then launches it (its grid, splits and checks as the launcher's).
+
+    Args:
+        text: the variant, as :func:`parse_variant` reads it.
+    """
+    from megatron_ext.fusions.mla_latent import attention_plan
+
+    for constant, value in zip(PLAN_CONSTANTS, parse_variant(text).values()):
+        setattr(attention_plan, constant, value)
+
+
+def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: str):
     """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
     a copy of the launcher's plan for the step (its grid, splits, workspace and combine); and the
     plan's split count."""
-    key_tile, buffers, order, p_buffers, heads_first = (*variant, *(1, 0)[len(variant) - 3 :])
     plan = cases.step_plan(step, out, "gluon")
     launch = plan.stage1
     args = dict(launch.args)
-    args.update(
-        KEY_TILE=key_tile,
-        BUFFERS=buffers,
-        ORDER=order,
-        P_BUFFERS=p_buffers,
-        HEADS_FIRST=bool(heads_first),
-    )
+    args.update(parse_variant(variant))
     grid = launch.grid
     if args["HEADS_FIRST"] != launch.args["HEADS_FIRST"]:
         grid = (grid[1], grid[0], grid[2])  # head groups and tokens trade axes
@@ -84,7 +119,7 @@ def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: Tuple[int, 
     return call, plan.workspace[0][1] if plan.workspace else 1
 
 
-def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, ...]]) -> Dict:
+def _row(shape: Tuple[int, int, int], variants: Sequence[str]) -> Dict:
     batch, context, heads = shape
     step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
     nbytes = cases.step_bytes(step.requests, heads)["minimum"]
@@ -111,7 +146,7 @@ def _row(shape: Tuple[int, int, int], variants: Sequence[Tuple[int, ...]]) -> Di
         except Exception as error:  # the row goes on without the peer
             row["errors"]["flashinfer"] = f"{type(error).__name__}: {error}"[:200]
     for variant in variants:
-        name = "gluon " + ",".join(map(str, variant))
+        name = "gluon " + variant
         try:
             call, splits = _variant_call(step, sets[0][2], variant)
             out = torch.empty_like(reference)
@@ -138,11 +173,16 @@ def main(argv: Sequence[str] = None) -> int:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    for variant in args.variants:
+        try:
+            parse_variant(variant)
+        except ValueError as error:
+            parser.error(str(error))
     if not torch.cuda.is_available() or decode_gluon.GLUON_DECODE_LAUNCHES is None:
         print("the sweep needs a GPU and a Triton with Gluon")
         return 2
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants]
+    variants = args.variants
     rows: List[Dict] = []
     for shape in shapes:
         row = _row(shape, variants)
@@ -151,7 +191,7 @@ def main(argv: Sequence[str] = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    names = ["stage1", "flashinfer"] + ["gluon " + ",".join(map(str, v)) for v in variants]
+    names = ["stage1", "flashinfer"] + ["gluon " + v for v in variants]
     print(f"\n{torch.cuda.get_device_name()}, GPU us per call (CUDA-graph replay), bf16, page 64")
     print("shape (B x ctx, heads)  " + "  ".join(f"{n:>14}" for n in names) + "  best/FI  TF/s")
     for row in rows:

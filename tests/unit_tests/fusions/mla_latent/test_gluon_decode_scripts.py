@@ -49,6 +49,25 @@ def test_the_gpu_check_refuses_a_short_variant_before_running_anything(tmp_path,
     assert list(tmp_path.iterdir()) == []  # no step ran
 
 
+def test_a_variant_takes_its_defaults_sets_the_launch_layer_and_refuses_malformed_text(
+    monkeypatch,
+):
+    from megatron_ext.fusions.mla_latent import attention_plan
+
+    sweep = _script("sweep_gluon_decode")
+    assert sweep.parse_variant("32,4,2") == dict(
+        KEY_TILE=32, BUFFERS=4, ORDER=2, P_BUFFERS=1, HEADS_FIRST=False
+    )
+    assert sweep.parse_variant("64,2,0,2,1")["HEADS_FIRST"] is True
+    for bad in ("32,4", "32,4,1,1,1,1", "a,b,c", ""):
+        with pytest.raises(ValueError, match="KT,B,ORDER"):
+            sweep.parse_variant(bad)
+    for constant in sweep.PLAN_CONSTANTS:  # restored after the test
+        monkeypatch.setattr(attention_plan, constant, getattr(attention_plan, constant))
+    sweep.apply_variant("64,2,0,2,1")
+    assert [getattr(attention_plan, c) for c in sweep.PLAN_CONSTANTS] == [64, 2, 0, 2, True]
+
+
 def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path):
     profile = _script("profile_gluon_decode")
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
