@@ -5,15 +5,19 @@ FlashInfer in the same run: GPU time by CUDA-graph replay, TFLOP/s, and each var
 against stage 1's.
 
     python scripts/sweep_gluon_decode.py [--shapes B,CTX,HEADS ...]
-        [--variants KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]] ...] [--out FILE.json]
+        [--variants KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]] ...] [--splits N]
+        [--out FILE.json]
 
 A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, consumer
-0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead), the number
+0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead; 3 the
+seesaw, where both consumers compute scores, which takes 2 P buffers), the number
 of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given) and whether a token's
 head groups are next to each other in the grid (``HEADS_FIRST``, 0 where not given). Every
 variant runs with the launcher's plan for the step (its split count, its workspace and combine),
 only those constexprs changed, so a variant found here is one the launcher can take by
-changing the constants in ``decode_gluon``. Prints one table, a row per shape, last.
+changing the constants in ``decode_gluon``. ``--splits`` replaces the launcher's split count
+(its wave rule) for every variant, to time the rule's choice against others. Prints one table, a
+row per shape, last.
 """
 
 import argparse
@@ -48,6 +52,7 @@ DEFAULT_VARIANTS = [
     "32,4,2,1,1",
     "32,4,2,2,1",
     "64,2,0,1,1",
+    "32,4,3,2,1",
 ]
 # Tolerance of a variant's output against stage 1's (bf16 outputs of two summation orders).
 TOLERANCE = 0.05
@@ -171,8 +176,11 @@ def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--splits", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.splits is not None and args.splits < 1:
+        parser.error(f"--splits must be >= 1, got {args.splits}")
     for variant in args.variants:
         try:
             parse_variant(variant)
@@ -181,6 +189,10 @@ def main(argv: Sequence[str] = None) -> int:
     if not torch.cuda.is_available() or decode_gluon.GLUON_DECODE_LAUNCHES is None:
         print("the sweep needs a GPU and a Triton with Gluon")
         return 2
+    if args.splits is not None:
+        from megatron_ext.fusions.mla_latent import attention_plan
+
+        attention_plan.wave_num_kv_splits = lambda *_, **__: args.splits
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     variants = args.variants
     rows: List[Dict] = []
@@ -192,7 +204,11 @@ def main(argv: Sequence[str] = None) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     names = ["stage1", "flashinfer"] + ["gluon " + v for v in variants]
-    print(f"\n{torch.cuda.get_device_name()}, GPU us per call (CUDA-graph replay), bf16, page 64")
+    splits = f", {args.splits} splits" if args.splits else ""
+    print(
+        f"\n{torch.cuda.get_device_name()}, GPU us per call (CUDA-graph replay), bf16, page 64"
+        + splits
+    )
     print("shape (B x ctx, heads)  " + "  ".join(f"{n:>14}" for n in names) + "  best/FI  TF/s")
     for row in rows:
         times = row["times"]

@@ -96,6 +96,7 @@ def gluon_decode_refusal(
     max_query_len: Optional[int],
     *,
     enabled: Optional[bool] = None,
+    query_rope: Optional[Tensor] = None,
 ) -> Optional[str]:
     """Why a checked call does not take the warp-specialized decode kernel, or None if it does.
 
@@ -108,6 +109,7 @@ def gluon_decode_refusal(
         latent_dim: the latent width.
         max_query_len: its static bound on new tokens per request.
         enabled: the switch (None: :data:`GLUON_DECODE`; a benchmark passes True to time it).
+        query_rope: the query's RoPE part where the call gives it as its own operand.
 
     Returns:
         Optional[str]: the reason, or None.
@@ -139,6 +141,16 @@ def gluon_decode_refusal(
             f"{kv_cache.stride()[:2]} (the rows are copied 16 bytes at a time: 16-byte aligned, "
             "strides multiples of 16)"
         )
+    # The query's rows too, once per program (all in flight beside the first key tiles').
+    for name, rows in (("query", query), ("query_rope", query_rope)):
+        if rows is not None and (
+            rows.data_ptr() % 16 or rows.stride(0) % 16 or rows.stride(1) % 16
+        ):
+            return (
+                f"a {name} at byte {rows.data_ptr() % 16} of 16 or with strides "
+                f"{rows.stride()[:2]} (its rows are copied 16 bytes at a time: 16-byte aligned, "
+                "strides multiples of 16)"
+            )
     if query.device.type != "cuda":
         return f"device {query.device} (Hopper only)"
     limits = launch_limits(query.device)
@@ -529,13 +541,18 @@ def plan_for_call(
     fp32 = query.dtype == torch.float32
     tile = tile_shape(tokens, heads, latent_dim, max_query_len, fp32, num_stages=stages)
     refusal = gluon_decode_refusal(
-        query, kv_cache, latent_dim, max_query_len, enabled=None if kernel is None else True
+        query,
+        kv_cache,
+        latent_dim,
+        max_query_len,
+        enabled=None if kernel is None else True,
+        query_rope=query_rope,
     )
     if kernel == "gluon" and refusal is not None:
         raise ValueError(f"the Gluon decode kernel does not take this call: {refusal}")
     gluon = refusal is None and kernel != "stage1"
     if gluon and num_kv_splits is None:
-        # One program per SM (its shared memory): splits that fill the last wave.
+        # One program per SM (its shared memory): the split count of the cheapest waves.
         num_kv_splits = wave_num_kv_splits(
             tokens * cdiv(heads, HEADS_PER_PROGRAM),
             limits.sms,

@@ -10,14 +10,19 @@ kernel do, in Gluon (``triton.experimental.gluon``), where layouts, warpgroup MM
 and barriers are explicit:
 
 * one program per (token, 64 heads, split); 12 warps in three partitions of one warpgroup each;
-* the **producer** gathers each key tile's cache rows through the block table with ``cp.async``
-  (Hopper's TMA cannot gather rows by index, and one box per page would tie the block size to the
-  key tile) into a ring of ``NUM_BUFFERS`` key tiles, and signals a barrier when they land;
+* the **producer** copies the program's query rows, then gathers each key tile's cache rows
+  through the block table with ``cp.async`` (Hopper's TMA cannot gather rows by index, and one
+  box per page would tie the block size to the key tile) into a ring of ``NUM_BUFFERS`` key
+  tiles, and signals a barrier when they land;
 * **consumer 0** computes each 64 x ``BLOCK_N`` score tile once (``wgmma``, K = latent + rope)
   and the online softmax, writes P (16-bit) and the rows' rescale factors to shared memory, and
   multiplies P by the first half of the value columns;
 * **consumer 1** multiplies the same P by the second half, so the 64 x 512 fp32 accumulator is
   split between two warpgroups (128 registers a thread each) and no score is computed twice.
+
+``ORDER`` chooses consumer 0's order of a tile's work, or (``ORDER_SEESAW``) FlashMLA's schedule,
+where the two consumers compute the scores of alternate tiles and each multiplies both tiles' P
+by its half of the value columns (:func:`_seesaw_first`).
 
 It computes what stage 1 computes for a decode tile (``BLOCK_Q = 1``, ``BLOCK_H = 64``): the same
 positions, key ranges, masking of block ids outside the cache, non-finite rules (an attended
@@ -31,15 +36,18 @@ own (another summation order), not stage 1's. The plan launches it where
 Graph safety as stage 1: no host synchronisation, grids and split counts from static sizes, the
 lengths and block ids read on the device; no atomics, so a launch's bits do not depend on timing.
 
-The barriers, each used once per key tile (phases alternate with the tile index ``j``):
+The barriers, each used once per key tile (phases alternate with the tile index ``j``) but the
+query's, used once:
 
+* ``q_ready``: the query's copies have landed (one arrival per producer thread, as below);
 * ``kv_ready[b]``: the producer's copies into buffer ``b`` have landed (each producer thread's
   ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
 * ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
 * ``p_ready[b]`` / ``p_free[b]``: consumer 0 has written P and the rescale factors into buffer
   ``b`` of ``P_BUFFERS`` / consumer 1 is done with them (shared memory holds the query, the key
   ring and P, 221 KiB of the 227 KiB an H100 or H200 gives a block with one P buffer); after the
-  last tile the same handoff carries the final row sums that consumer 1 normalises with.
+  last tile the same handoff carries the final row sums that consumer 1 normalises with. The
+  seesaw uses them per pair of tiles in each direction instead (see :func:`_seesaw_first`).
 """
 
 try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
@@ -71,6 +79,7 @@ __all__ = [
     "NUM_BUFFERS",
     "ORDER",
     "ORDER_SCORES_AHEAD",
+    "ORDER_SEESAW",
     "ORDER_VALUES_FIRST",
     "ORDER_VALUES_LAG",
     "P_BUFFERS",
@@ -97,15 +106,18 @@ NUM_BUFFERS = 4
 #   P's handoff. The tensor pipe was 41% busy in the lagged order at 128 heads (H200, Nsight
 #   Compute). A fourth warpgroup for the softmax alone does not compile: Triton caps 16 warps'
 #   registers at 128 a thread, below a 64 x 256 fp32 accumulator's.
-ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
+# seesaw: both consumers compute scores, of alternate tiles, and each multiplies both tiles' P by
+#   its half of the value columns (FlashMLA's schedule; see _seesaw_first): 2 P buffers, one
+#   for each direction, and 4 or more key buffers.
+ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD, ORDER_SEESAW = 0, 1, 2, 3
 ORDER = ORDER_VALUES_LAG
 # Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
 # on the grid's first axis, so they start together and the second reads the tiles from L2 while
-# the first's copies are fresh, instead of a wave of other tokens apart. Timed with tokens and
-# head groups on one axis (H200 and H100, Triton 3.7.1): 3-14% faster at 128 heads in most rows.
-# Off until this form has run the GPU tests; the plan keeps tokens first past 65,535 tokens (the
-# second axis's limit).
-HEADS_FIRST = False
+# the first's copies are fresh, instead of a wave of other tokens apart. On an H100 (Triton
+# 3.7.1), 11-13% faster at 128 heads in rows of two waves or more, within 2% at 32 and 64 heads,
+# and 2-4% slower or faster at 128 heads in one wave of splits; on an H200 3-10% faster at 128
+# heads in most rows. The plan keeps tokens first past 65,535 tokens (the second axis's limit).
+HEADS_FIRST = True
 # Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
 # multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
 P_BUFFERS = 1
@@ -158,6 +170,9 @@ if GLUON_IMPORT_ERROR is None:
     _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     CONSUMER_REGS = gl.constexpr(208)
     PRODUCER_REGS = gl.constexpr(40)
+    # The seesaw's consumer 1 also holds a score tile: at 208 registers Triton 3.9's ptxas
+    # spilled it (the default partition takes 248 of what is left, and needs no more).
+    SEESAW_CONSUMER_REGS = gl.constexpr(216)
 
     @gluon.jit
     def _load_cu(cu_q_ptr, idx, mask, num_tokens):
@@ -234,7 +249,57 @@ if GLUON_IMPORT_ERROR is None:
         return block, in_page, in_range & (block >= 0) & (block < num_blocks)
 
     @gluon.jit
+    def _copy_query(
+        q_smem,
+        q_rope_smem,
+        q_ready,
+        q_ptr,
+        q_rope_ptr,
+        token,
+        head0,
+        num_heads,
+        q_stride_t,
+        q_stride_h,
+        q_rope_stride_t,
+        q_rope_stride_h,
+        LATENT_DIM: gl.constexpr,
+        ROPE_DIM: gl.constexpr,
+        Q_ROPE_COL: gl.constexpr,
+    ):
+        """Copy the program's query rows into shared memory, 64 columns per copy, every copy in
+        flight at once (rows past the heads are zeros); ``q_ready`` fires when they land."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        heads = head0 + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
+        head_ok = (heads < num_heads)[:, None]
+        rows = q_ptr + token * q_stride_t + heads.to(gl.int64) * q_stride_h
+        for c in gl.static_range(LATENT_DIM // 64):
+            _copy_rows(
+                q_smem.slice(c * 64, 64, dim=1), rows[:, None] + c * 64 + cols[None, :], head_ok
+            )
+        rows = q_rope_ptr + token * q_rope_stride_t + heads.to(gl.int64) * q_rope_stride_h
+        for c in gl.static_range(ROPE_DIM // 64):
+            _copy_rows(
+                q_rope_smem.slice(c * 64, 64, dim=1),
+                rows[:, None] + Q_ROPE_COL + c * 64 + cols[None, :],
+                head_ok,
+            )
+        async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    @gluon.jit
     def _producer(
+        q_smem,
+        q_rope_smem,
+        q_ready,
+        q_ptr,
+        q_rope_ptr,
+        token,
+        head0,
+        num_heads,
+        q_stride_t,
+        q_stride_h,
+        q_rope_stride_t,
+        q_rope_stride_h,
         kv_smem,
         rope_smem,
         kv_ready,
@@ -252,9 +317,29 @@ if GLUON_IMPORT_ERROR is None:
         ROPE_DIM: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BUFFERS: gl.constexpr,
+        Q_ROPE_COL: gl.constexpr,
     ):
-        """Gather key tile after key tile into the ring (latent and RoPE columns in buffers of
-        their own: shared memory shapes are powers of two), 64 columns per copy."""
+        """Copy the query, then gather key tile after key tile into the ring (latent and RoPE
+        columns in buffers of their own: shared memory shapes are powers of two), 64 columns per
+        copy. The query's copies are in flight beside the first tiles', where loading it before
+        the partitions started left the ring empty until it landed."""
+        _copy_query(
+            q_smem,
+            q_rope_smem,
+            q_ready,
+            q_ptr,
+            q_rope_ptr,
+            token,
+            head0,
+            num_heads,
+            q_stride_t,
+            q_stride_h,
+            q_rope_stride_t,
+            q_rope_stride_h,
+            LATENT_DIM,
+            ROPE_DIM,
+            Q_ROPE_COL,
+        )
         # 16-byte copies: a warp covers 4 rows of 64 columns.
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
@@ -293,7 +378,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer_values(
+        q_smem,
+        q_rope_smem,
+        q_ready,
         kv_smem,
+        rope_smem,
         p_smem,
         alpha_smem,
         kv_ready,
@@ -301,19 +390,33 @@ if GLUON_IMPORT_ERROR is None:
         p_ready,
         p_free,
         out_ptr,
+        lse_ptr,
+        table_row,
         token,
         head0,
         split,
-        num_heads,
+        lo,
+        hi,
         num_tiles,
+        num_heads,
+        num_blocks,
+        scale_log2,
         out_stride_s,
         out_stride_t,
         out_stride_h,
+        lse_stride_s,
+        lse_stride_t,
+        BLOCK_SIZE: gl.constexpr,
         LATENT_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        LARGE_SCALE: gl.constexpr,
         BUFFERS: gl.constexpr,
+        ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
     ):
-        """Consumer 1: the second half of the value columns, with consumer 0's P."""
+        """Consumer 1: the second half of the value columns, with consumer 0's P (the consumers
+        of both schedules take one signature: the kernel picks a pair by ``ORDER``)."""
         HALF: gl.constexpr = LATENT_DIM // 2
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
@@ -385,9 +488,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _issue_scores(
-        q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS: gl.constexpr
+        q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS: gl.constexpr
     ):
-        """Wait for key tile ``j`` and issue its score product (two MMA groups, in flight)."""
+        """Wait for the query and key tile ``j`` and issue its score product (two MMA groups, in
+        flight). The query's barrier completes once; later waits return at once."""
+        mbarrier.wait(q_ready, 0)
         buf = j % BUFFERS
         mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
         # cp.async wrote through the generic proxy; wgmma reads through the async one.
@@ -399,24 +504,38 @@ if GLUON_IMPORT_ERROR is None:
         )
 
     @gluon.jit
-    def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
-        """A key tile's online-softmax step over its attended keys: P, the rescale factors and
-        the new row maxima and sums."""
+    def _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
+        """A key tile's scores as the softmax reads them (attended keys only; an attended
+        ``-inf`` made NaN) and the row maxima over them and ``m_i``."""
         if not LARGE_SCALE:
             scores = scores * scale_log2
         # An attended score of -inf (a non-finite key element) would drop its key from the
         # softmax, a finite answer from a row that is not finite: NaN instead (stage 1's rule).
         scores = gl.where(scores == float("-inf"), float("nan"), scores)
         scores = gl.where(attend[None, :], scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        return scores, gl.maximum(m_i, gl.max(scores, axis=1))
+
+    @gluon.jit
+    def _finite(m):
+        """Row maxima to subtract: ``-inf`` (no key attended yet) taken as 0."""
+        return gl.where(m == float("-inf"), 0.0, m)
+
+    @gluon.jit
+    def _exp2_scaled(x, scale_log2, LARGE_SCALE: gl.constexpr):
+        """``exp2`` of a difference from a row maximum, in the softmax's units."""
         if LARGE_SCALE:
             # Raw units, scaled after the subtraction (stage 1's overflow rule).
-            p = gl.exp2((scores - m_use[:, None]) * scale_log2)
-            alpha = gl.exp2((m_i - m_use) * scale_log2)
-        else:
-            p = gl.exp2(scores - m_use[:, None])
-            alpha = gl.exp2(m_i - m_use)
+            return gl.exp2(x * scale_log2)
+        return gl.exp2(x)
+
+    @gluon.jit
+    def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
+        """A key tile's online-softmax step over its attended keys: P, the rescale factors and
+        the new row maxima and sums."""
+        scores, m_new = _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE)
+        m_use = _finite(m_new)
+        p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
+        alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
@@ -434,6 +553,7 @@ if GLUON_IMPORT_ERROR is None:
     def _consumer_scores(
         q_smem,
         q_rope_smem,
+        q_ready,
         kv_smem,
         rope_smem,
         p_smem,
@@ -495,7 +615,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             if num_tiles > 0:
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
                 )
                 _, _, attend = _tile_blocks(
                     table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
@@ -503,7 +623,15 @@ if GLUON_IMPORT_ERROR is None:
                 scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
                 for j in range(num_tiles - 1):
                     nxt = _issue_scores(
-                        q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j + 1, BUFFERS
+                        q_smem,
+                        q_rope_smem,
+                        q_ready,
+                        kv_smem,
+                        rope_smem,
+                        kv_ready,
+                        s_zero,
+                        j + 1,
+                        BUFFERS,
                     )
                     _, _, attend_nxt = _tile_blocks(
                         table_row,
@@ -553,7 +681,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
             if num_tiles > 0:
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
                 )
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
@@ -567,7 +695,7 @@ if GLUON_IMPORT_ERROR is None:
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             for j in range(1, num_tiles):
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
                 )
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
@@ -598,7 +726,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             for j in range(num_tiles):
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
                 )
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
@@ -640,19 +768,341 @@ if GLUON_IMPORT_ERROR is None:
             HALF,
         )
         if NUM_SPLITS > 1:
-            nothing = l_i == 0.0
-            m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
-            if LARGE_SCALE:
-                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
-            else:
-                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i))
-            lse = gl.where(nothing, float("-inf"), lse)
-            heads = head0 + gl.arange(0, _HEADS, layout=s_rows)
-            gl.store(
-                lse_ptr + split * lse_stride_s + token * lse_stride_t + heads,
-                lse,
-                mask=heads < num_heads,
+            _store_lse(
+                m_i,
+                l_i,
+                lse_ptr,
+                token,
+                head0,
+                split,
+                num_heads,
+                lse_stride_s,
+                lse_stride_t,
+                scale_log2,
+                LARGE_SCALE,
             )
+
+    @gluon.jit
+    def _store_lse(
+        m_i,
+        l_i,
+        lse_ptr,
+        token,
+        head0,
+        split,
+        num_heads,
+        lse_stride_s,
+        lse_stride_t,
+        scale_log2,
+        LARGE_SCALE: gl.constexpr,
+    ):
+        """A split's log-sum-exps (base 2, stage 1's units) from its row maxima and sums."""
+        nothing = l_i == 0.0
+        m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
+        if LARGE_SCALE:
+            lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
+        else:
+            lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i))
+        lse = gl.where(nothing, float("-inf"), lse)
+        heads = head0 + gl.arange(0, _HEADS, layout=l_i.type.layout)
+        gl.store(
+            lse_ptr + split * lse_stride_s + token * lse_stride_t + heads,
+            lse,
+            mask=heads < num_heads,
+        )
+
+    @gluon.jit
+    def _seesaw_first(
+        q_smem,
+        q_rope_smem,
+        q_ready,
+        kv_smem,
+        rope_smem,
+        p_smem,
+        alpha_smem,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+        out_ptr,
+        lse_ptr,
+        table_row,
+        token,
+        head0,
+        split,
+        lo,
+        hi,
+        num_tiles,
+        num_heads,
+        num_blocks,
+        scale_log2,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        lse_stride_s,
+        lse_stride_t,
+        BLOCK_SIZE: gl.constexpr,
+        LATENT_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        LARGE_SCALE: gl.constexpr,
+        BUFFERS: gl.constexpr,
+        ORDER: gl.constexpr,
+        P_BUFFERS: gl.constexpr,
+    ):
+        """Seesaw consumer 0 (the default partition): the scores of each pair's first tile and
+        the first half of the value columns of both.
+
+        Per pair of key tiles, with consumer 1 (:func:`_seesaw_second`): this consumer's scores
+        give the pair's first row maxima ``m1``, sent to consumer 1, whose scores of the second
+        tile give the pair's maxima ``m2``, sent back; P of the first tile is multiplied into
+        this half in ``m1``'s units straight from registers (overlapping consumer 1's softmax),
+        then rescaled to ``m2``'s, and P in ``m2``'s units crosses in each direction through
+        shared memory for the other half. Both consumers compute half the scores and half the
+        value products, where the split roles leave every score to consumer 0.
+
+        The kernel's ``p_ready`` barriers carry consumer 0's messages (``to_second``: [0] m1,
+        then after the last pair its row sums; [1] its P) and ``p_free`` consumer 1's
+        (``to_first``: [0] m2, then its row sums; [1] its P), once per pair each. No buffer needs
+        a barrier of its own to be free: each is rewritten only after its reader's next message,
+        sent once the reader had read it and its value product had completed. On an H100 (Triton
+        3.7.1) with 32-key tiles it ran within 3% of the split roles at 32-128 heads (faster in
+        some rows, slower in others), so the launcher keeps the split roles.
+        """
+        row_smem, to_second, to_first = alpha_smem, p_ready, p_free
+        HALF: gl.constexpr = LATENT_DIM // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
+        )
+        p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([_HEADS], gl.float32, s_rows)
+        s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
+        num_pairs = (num_tiles + 1) // 2
+        for i in range(num_pairs):
+            t = 2 * i
+            phase = i & 1
+            scores = _issue_scores(
+                q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, t, BUFFERS
+            )
+            # The key mask's block-id load in flight beside the MMAs, not after them.
+            _, _, attend = _tile_blocks(
+                table_row, lo + t * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+            )
+            # Also completes the previous pair's last value product (groups complete in order).
+            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+            if i > 0:
+                mbarrier.arrive(kv_free.index((t - 1) % BUFFERS), count=1)
+            scores, m_1 = _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE)
+            # Consumer 1 read the previous pair's m1 before sending its m2, waited for below.
+            row_smem.index(0).store(m_1)
+            mbarrier.arrive(to_second.index(0), count=1)
+            m_use = _finite(m_1)
+            p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
+            alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            kv = kv_smem.index(t % BUFFERS)
+            p_op = gl.convert_layout(p.to(kv_smem.dtype), p_operand)
+            acc = warpgroup_mma(p_op, kv.slice(0, HALF, dim=1), acc, is_async=True)
+            mbarrier.wait(to_first.index(0), phase)
+            m_2 = row_smem.index(1).load(s_rows)
+            to_2 = _exp2_scaled(m_use - _finite(m_2), scale_log2, LARGE_SCALE)
+            p = p * to_2[:, None]
+            l_i = l_i * to_2
+            # Consumer 1's value product from the previous pair's P completed before it sent m2.
+            p_smem.index(0).store(p.to(p_smem.dtype))
+            fence_async_shared()
+            mbarrier.arrive(to_second.index(1), count=1)
+            # P's registers are read until the product completes.
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(kv_free.index(t % BUFFERS), count=1)
+            acc = warpgroup_mma_init(acc * gl.convert_layout(to_2, o_rows)[:, None])
+            if t + 1 < num_tiles:
+                mbarrier.wait(to_first.index(1), phase)
+                # st.shared wrote through the generic proxy; wgmma reads through the async one.
+                fence_async_shared()
+                kv = kv_smem.index((t + 1) % BUFFERS)
+                acc = warpgroup_mma(p_smem.index(1), kv.slice(0, HALF, dim=1), acc, is_async=True)
+            m_i = m_2
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if (num_tiles > 0) & (num_tiles % 2 == 0):
+            mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
+        # The row sums: each consumer holds those of the P it computed (in the last maxima's
+        # units); this one's to consumer 1, whose back. Consumer 1 read the last m1 before
+        # sending the last m2.
+        row_smem.index(0).store(l_i)
+        mbarrier.arrive(to_second.index(0), count=1)
+        mbarrier.wait(to_first.index(0), num_pairs & 1)
+        l_i = l_i + row_smem.index(1).load(s_rows)
+        _store_half(
+            acc,
+            gl.convert_layout(l_i, o_rows),
+            out_ptr,
+            token,
+            head0,
+            split,
+            num_heads,
+            out_stride_s,
+            out_stride_t,
+            out_stride_h,
+            0,
+            HALF,
+        )
+        if NUM_SPLITS > 1:
+            _store_lse(
+                m_i,
+                l_i,
+                lse_ptr,
+                token,
+                head0,
+                split,
+                num_heads,
+                lse_stride_s,
+                lse_stride_t,
+                scale_log2,
+                LARGE_SCALE,
+            )
+
+    @gluon.jit
+    def _seesaw_second(
+        q_smem,
+        q_rope_smem,
+        q_ready,
+        kv_smem,
+        rope_smem,
+        p_smem,
+        alpha_smem,
+        kv_ready,
+        kv_free,
+        p_ready,
+        p_free,
+        out_ptr,
+        lse_ptr,
+        table_row,
+        token,
+        head0,
+        split,
+        lo,
+        hi,
+        num_tiles,
+        num_heads,
+        num_blocks,
+        scale_log2,
+        out_stride_s,
+        out_stride_t,
+        out_stride_h,
+        lse_stride_s,
+        lse_stride_t,
+        BLOCK_SIZE: gl.constexpr,
+        LATENT_DIM: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_SPLITS: gl.constexpr,
+        LARGE_SCALE: gl.constexpr,
+        BUFFERS: gl.constexpr,
+        ORDER: gl.constexpr,
+        P_BUFFERS: gl.constexpr,
+    ):
+        """Seesaw consumer 1: the scores of each pair's second tile and the second half of the
+        value columns of both (see :func:`_seesaw_first`)."""
+        row_smem, to_second, to_first = alpha_smem, p_ready, p_free
+        HALF: gl.constexpr = LATENT_DIM // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
+        )
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([_HEADS], gl.float32, s_rows)
+        s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
+        num_pairs = (num_tiles + 1) // 2
+        for i in range(num_pairs):
+            t = 2 * i + 1
+            phase = i & 1
+            if t < num_tiles:
+                scores = _issue_scores(
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, t, BUFFERS
+                )
+                _, _, attend = _tile_blocks(
+                    table_row, lo + t * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
+            else:
+                # An odd count's last pair has no second tile: no key of it is attended.
+                scores = warpgroup_mma_init(s_zero)
+                attend = tile_keys < 0
+            # Also completes the previous pair's last value product (groups complete in order).
+            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+            if i > 0:
+                mbarrier.arrive(kv_free.index((t - 3) % BUFFERS), count=1)
+                mbarrier.arrive(kv_free.index((t - 2) % BUFFERS), count=1)
+            mbarrier.wait(to_second.index(0), phase)
+            m_1 = row_smem.index(0).load(s_rows)
+            scores, m_2 = _masked_scores(scores, m_1, attend, scale_log2, LARGE_SCALE)
+            # Consumer 0 read the previous pair's m2 before sending this pair's m1.
+            row_smem.index(1).store(m_2)
+            mbarrier.arrive(to_first.index(0), count=1)
+            m_use = _finite(m_2)
+            alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
+            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_rows)[:, None])
+            if t < num_tiles:
+                p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                # Consumer 0's value product from the previous pair's P completed before it
+                # sent this pair's m1.
+                p_smem.index(1).store(p.to(p_smem.dtype))
+                fence_async_shared()
+                mbarrier.arrive(to_first.index(1), count=1)
+                # P from shared memory here too: as a register operand in this partition's 208
+                # registers, ptxas serialized every MMA (C7512). This buffer is rewritten only
+                # after the next pair's scores are waited for, which completes this product.
+                kv = kv_smem.index(t % BUFFERS)
+                acc = warpgroup_mma(
+                    p_smem.index(1), kv.slice(HALF, HALF, dim=1), acc, is_async=True
+                )
+            else:
+                l_i = l_i * alpha
+            mbarrier.wait(to_second.index(1), phase)
+            fence_async_shared()
+            kv = kv_smem.index((t - 1) % BUFFERS)
+            acc = warpgroup_mma(p_smem.index(0), kv.slice(HALF, HALF, dim=1), acc, is_async=True)
+            m_i = m_2
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if num_tiles > 0:
+            last = 2 * num_pairs - 1
+            mbarrier.arrive(kv_free.index((last - 1) % BUFFERS), count=1)
+            if last < num_tiles:
+                mbarrier.arrive(kv_free.index(last % BUFFERS), count=1)
+        # The row sums, as consumer 0 sends them (see there).
+        mbarrier.wait(to_second.index(0), num_pairs & 1)
+        l_first = row_smem.index(0).load(s_rows)
+        row_smem.index(1).store(l_i)
+        mbarrier.arrive(to_first.index(0), count=1)
+        _store_half(
+            acc,
+            gl.convert_layout(l_i + l_first, o_rows),
+            out_ptr,
+            token,
+            head0,
+            split,
+            num_heads,
+            out_stride_s,
+            out_stride_t,
+            out_stride_h,
+            HALF,
+            HALF,
+        )
 
     @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
     def _gluon_decode_kernel(
@@ -699,6 +1149,10 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
         # Scores ahead waits for tile j + 1 before it frees tile j - 1: two buffers would hang.
         gl.static_assert((ORDER != 2) | (BUFFERS >= 3), "scores ahead needs 3 or more buffers")
+        # The seesaw's pair of tiles is freed only once the next pair's scores are waited for,
+        # and each direction of its handoff has one P buffer.
+        gl.static_assert((ORDER != 3) | (BUFFERS >= 4), "the seesaw needs 4 or more buffers")
+        gl.static_assert((ORDER != 3) | (P_BUFFERS == 2), "the seesaw takes 2 P buffers")
         BLOCK_N: gl.constexpr = KEY_TILE
         # The grid's first two axes: head groups and tokens, in the order HEADS_FIRST says.
         if HEADS_FIRST:
@@ -785,39 +1239,28 @@ if GLUON_IMPORT_ERROR is None:
         kv_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=_PWARPS * 32)
         for b in gl.static_range(BUFFERS):
             mbarrier.init(kv_ready.index(b), count=_PWARPS * 32)
             mbarrier.init(kv_free.index(b), count=2)
         for b in gl.static_range(P_BUFFERS):
             mbarrier.init(p_ready.index(b), count=1)
             mbarrier.init(p_free.index(b), count=1)
-
-        # The query's two parts, 64 columns at a time, into shared memory (rows past the heads
-        # are zeros and never stored).
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, fill_layout))
-        q_rows = q_ptr + token * q_stride_t + heads * q_stride_h
-        for c in gl.static_range(LATENT_DIM // 64):
-            part = gl.load(
-                q_rows[:, None] + c * 64 + cols[None, :], mask=head_ok[:, None], other=0.0
-            )
-            q_smem.slice(c * 64, 64, dim=1).store(part)
-        q_rope_rows = q_rope_ptr + token * q_rope_stride_t + heads * q_rope_stride_h
-        for c in gl.static_range(ROPE_DIM // 64):
-            part = gl.load(
-                q_rope_rows[:, None] + Q_ROPE_COL + c * 64 + cols[None, :],
-                mask=head_ok[:, None],
-                other=0.0,
-            )
-            q_rope_smem.slice(c * 64, 64, dim=1).store(part)
+        # The barriers' initialisation before any partition's copies arrive on them.
         fence_async_shared()
 
+        # The consumers' schedule: the split roles or the seesaw (the four take one signature).
+        # Written out in full: a tuple of arguments bound to a name loses its constexprs.
+        regs: gl.constexpr = SEESAW_CONSUMER_REGS if ORDER == 3 else CONSUMER_REGS
         gl.warp_specialize(
             [
                 (
-                    _consumer_scores,
+                    _seesaw_first if ORDER == 3 else _consumer_scores,
                     (
                         q_smem,
                         q_rope_smem,
+                        q_ready,
                         kv_smem,
                         rope_smem,
                         p_smem,
@@ -854,9 +1297,13 @@ if GLUON_IMPORT_ERROR is None:
                     ),
                 ),
                 (
-                    _consumer_values,
+                    _seesaw_second if ORDER == 3 else _consumer_values,
                     (
+                        q_smem,
+                        q_rope_smem,
+                        q_ready,
                         kv_smem,
+                        rope_smem,
                         p_smem,
                         alpha_smem,
                         kv_ready,
@@ -864,22 +1311,47 @@ if GLUON_IMPORT_ERROR is None:
                         p_ready,
                         p_free,
                         out_ptr,
+                        lse_ptr,
+                        table_row,
                         token,
                         head0,
                         split,
-                        num_heads,
+                        lo,
+                        hi,
                         num_tiles,
+                        num_heads,
+                        num_blocks,
+                        scale_log2,
                         out_stride_s,
                         out_stride_t,
                         out_stride_h,
+                        lse_stride_s,
+                        lse_stride_t,
+                        BLOCK_SIZE,
                         LATENT_DIM,
+                        BLOCK_N,
+                        NUM_SPLITS,
+                        LARGE_SCALE,
                         BUFFERS,
+                        ORDER,
                         P_BUFFERS,
                     ),
                 ),
                 (
                     _producer,
                     (
+                        q_smem,
+                        q_rope_smem,
+                        q_ready,
+                        q_ptr,
+                        q_rope_ptr,
+                        token,
+                        head0,
+                        num_heads,
+                        q_stride_t,
+                        q_stride_h,
+                        q_rope_stride_t,
+                        q_rope_stride_h,
                         kv_smem,
                         rope_smem,
                         kv_ready,
@@ -897,11 +1369,12 @@ if GLUON_IMPORT_ERROR is None:
                         ROPE_DIM,
                         BLOCK_N,
                         BUFFERS,
+                        Q_ROPE_COL,
                     ),
                 ),
             ],
             [_PWARPS, _PWARPS],
-            [CONSUMER_REGS, PRODUCER_REGS],
+            [regs, PRODUCER_REGS],
         )
 
     GLUON_DECODE_LAUNCHES = KernelLaunches(_gluon_decode_kernel, _RUNTIME_SIZES)

@@ -50,8 +50,13 @@ MAX_KV_SPLITS = 64
 # A split attends to at least this many rows of the longest context the block table can hold, so
 # the partials' traffic stays small against the rows read.
 MIN_KEYS_PER_SPLIT = 256
-# wave_num_kv_splits takes the fewest splits within this fraction of the best waves per work.
-WAVE_TOLERANCE = 0.05
+# wave_num_kv_splits' costs, in keys of one 64-head program's work: a program's fixed cost (its
+# start, query, first tiles and output), and stage 2's read of one split's partial outputs. Fitted
+# to the Gluon decode kernel's times at 1, 2 and 4 splits (H100, Triton 3.7.1, 128 heads, 1k-8k
+# keys): a 1k-key program took about 38 us of keys and 14 us of the rest, a split's 131 KB of
+# fp32 partials about 0.04 us of the combine's read.
+PROGRAM_OVERHEAD_KEYS = 384
+SPLIT_COMBINE_KEYS = 1.2
 # Stage 1 pipelines its key tiles in 3 stages (the tiles after the one being computed in flight
 # during its dots) where a block may use this much shared memory: the widest tile (64 rows of 576
 # 16-bit columns, 32 keys) takes about 180 KiB with 3 stages, 144 KiB with 2. Hopper's 227 KiB
@@ -185,13 +190,14 @@ def wave_num_kv_splits(
 ) -> int:
     """The split count of a kernel that fits one program per SM, from static sizes only.
 
-    A launch of ``programs * s`` programs runs in ``ceil(programs * s / sms)`` waves of work
-    ``1 / s`` each. Each split also writes a partial output that stage 2 reads back, so the
-    count is the smallest whose waves per unit of work are within ``WAVE_TOLERANCE`` of the
-    fewest, each split covering at least ``MIN_KEYS_PER_SPLIT`` rows of the longest context the
-    block table holds. Where :func:`default_num_kv_splits` stops at one wave, this also takes
-    splits that fill a partial last wave: 192 programs on 132 SMs are 2 waves of whole
-    programs, 1.5 of halves (11 splits would give 1.45).
+    A launch of ``programs * s`` programs runs in ``ceil(programs * s / sms)`` waves, each as
+    long as one program: its share of the longest context the block table holds plus its fixed
+    cost (:data:`PROGRAM_OVERHEAD_KEYS`); with more than one split stage 2 also reads every
+    split's partial outputs back (:data:`SPLIT_COMBINE_KEYS` each). The count is the cheapest
+    such launch, each split covering at least ``MIN_KEYS_PER_SPLIT`` rows. It fills a partial
+    last wave where that pays: 192 programs on 132 SMs at 4k keys are 2 waves of whole programs,
+    1.5 of halves; 400 at 1k keep 4 waves of whole programs (7 waves of halves cost more in
+    fixed costs and partials than the quarter of a wave they save).
 
     Args:
         programs: programs of one split (query tiles times head tiles).
@@ -204,9 +210,13 @@ def wave_num_kv_splits(
     """
     programs, sms = max(1, programs), max(1, sms)
     by_length = max(1, min(max_splits, max_context // MIN_KEYS_PER_SPLIT))
-    cost = [cdiv(programs * s, sms) / s for s in range(1, by_length + 1)]
-    best = min(cost)
-    return next(s for s, c in enumerate(cost, 1) if c <= best * (1 + WAVE_TOLERANCE))
+
+    def cost(splits: int) -> float:
+        waves = cdiv(programs * splits, sms)
+        partials = SPLIT_COMBINE_KEYS * programs * splits if splits > 1 else 0.0
+        return waves * (cdiv(max_context, splits) + PROGRAM_OVERHEAD_KEYS) + partials
+
+    return min(range(1, by_length + 1), key=cost)
 
 
 class CombineTile(NamedTuple):

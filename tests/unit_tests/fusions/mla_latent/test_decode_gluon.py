@@ -96,11 +96,15 @@ VARIANTS = [
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
+    dict(order=decode_gluon.ORDER_SEESAW, p_buffers=2, block_size=37, splits=2),
+    dict(order=decode_gluon.ORDER_SEESAW, p_buffers=2, heads_first=True, large_scale=True),
 ]
-# Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
-# tile's scores and the last tile's value product outside its loop; scores ahead also the first
-# tile's scores and the last tile's softmax and value product.
-_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2)}
+# Copies of a tile's score MMAs, and of its value MMAs beyond consumer 1's one, in the code, by
+# order: the lagged order issues the first tile's scores and the last tile's value product
+# outside its loop; scores ahead also the first tile's scores and the last tile's softmax and
+# value product. The seesaw's consumers each issue a pair's one score product and two value
+# products (each its half of both tiles').
+_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (2, 3)}
 
 
 @NEEDS_GLUON
@@ -110,7 +114,8 @@ _MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2)}
 def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     """Per key tile of N keys: (512 + 64) / 16 = 36 m64nNk16 score MMAs (one warpgroup, not two)
     and N / 16 m64n256k16 value MMAs in each warpgroup (its half of the 512 columns); N x 576 /
-    (8 x 128) 16-byte copies per producer thread; no spills. Where consumer 0 issues a tile's
+    (8 x 128) 16-byte copies per producer thread, and the query's 64 x 576 / (8 x 128) once; no
+    spills. Where consumer 0 issues a tile's
     value product behind the next tile's scores, the first tile's scores and the last tile's
     value product are issued outside the loop, so its code holds them twice. The spill check
     holds the launcher's own ring and schedule; the others (which the sweep script times) may
@@ -125,7 +130,8 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
         "m64n256k16": (1 + values) * key_tile // 16,
     }, mma
     copy = r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10"
-    assert len(re.findall(copy, ptx)) == key_tile * 576 // (8 * 128)
+    # A key tile's rows in the loop and the 64 query rows once before it.
+    assert len(re.findall(copy, ptx)) == (key_tile + 64) * 576 // (8 * 128)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     assert spills is not None, code["log"][-2000:]
     if not {"key_tile", "buffers", "order", "p_buffers"} & set(variant):
@@ -149,7 +155,7 @@ def test_shared_memory_fits_a_hopper_block_and_the_plan_bound(compiled):
 
 @NEEDS_GLUON
 def test_barrier_counts_match_the_partitions_arrivals(compiled):
-    """kv_ready expects one asynchronous arrival per producer thread (each thread's
+    """kv_ready and q_ready expect one asynchronous arrival per producer thread (each thread's
     cp.async.mbarrier.arrive.noinc), kv_free one per consumer warpgroup, P's two (which also
     hand over the final row sums) one; a count that the arrivals never meet hangs the kernel."""
     ptx = compiled[0]["ptx"]
@@ -158,8 +164,8 @@ def test_barrier_counts_match_the_partitions_arrivals(compiled):
     )
     producer_threads = decode_gluon.PARTITION_WARPS * 32
     buffers, p_buffers = decode_gluon.NUM_BUFFERS, decode_gluon.P_BUFFERS
-    assert inits == {producer_threads: buffers, 2: buffers, 1: 2 * p_buffers}, inits
-    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 1
+    assert inits == {producer_threads: buffers + 1, 2: buffers, 1: 2 * p_buffers}, inits
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
     # P and the copies are written through the generic proxy and read by wgmma through the
     # asynchronous one: a proxy fence orders them.
     assert "fence.proxy.async" in ptx
@@ -196,12 +202,23 @@ def test_wave_split_rule_fills_the_last_wave():
             assert 1 <= s <= max(1, context // tile_rules.MIN_KEYS_PER_SPLIT)
 
 
-def _call(heads=128, dtype=torch.bfloat16, latent=512, rope=64, device="cpu", misaligned=False):
-    query = torch.empty(4, heads, latent + rope, dtype=dtype, device=device)
+def _call(
+    heads=128,
+    dtype=torch.bfloat16,
+    latent=512,
+    rope=64,
+    device="cpu",
+    misaligned=False,
+    query_misaligned=False,
+):
+    query = torch.empty(4 * heads * (latent + rope) + 8, dtype=dtype, device=device)
+    # Eight elements in (16 bytes): aligned; one: a query whose rows cannot be copied 16 bytes at
+    # a time.
+    query = query[1 if query_misaligned else 8 :][: 4 * heads * (latent + rope)]
     cache = torch.empty(8 * 64 * (latent + rope) + 1, dtype=dtype, device=device)
     # One element in: a cache whose rows cannot be copied 16 bytes at a time.
     cache = cache[1:] if misaligned else cache[:-1]
-    return query, cache.view(8, 64, latent + rope)
+    return query.view(4, heads, latent + rope), cache.view(8, 64, latent + rope)
 
 
 def test_the_kernel_is_off_unless_switched_on(monkeypatch):
@@ -220,6 +237,7 @@ def test_the_kernel_is_off_unless_switched_on(monkeypatch):
         (dict(latent=64), "widths"),
         (dict(rope=32), "widths"),
         (dict(misaligned=True), "a cache at byte 2 of 16"),
+        (dict(query_misaligned=True), "a query at byte 2 of 16"),
         (dict(), "device cpu"),
     ],
 )
@@ -264,6 +282,25 @@ def test_a_refused_call_plans_stage_1(monkeypatch):
     )
     plans = attention.ATTENTION_PLANS.plans()
     assert plans and all(plan.kernel == "stage1" for plan in plans)
+
+
+@pytest.mark.skipif(
+    decode_gluon.GLUON_IMPORT_ERROR is not None or tile_rules.TRITON_RELEASE < (3, 7),
+    reason="without Gluon every call is refused for the Triton release first",
+)
+@pytest.mark.parametrize("offset, stride", [(1, 64), (0, 72)])
+def test_refusal_names_a_rope_operand_its_rows_cannot_copy(monkeypatch, offset, stride):
+    """The query's RoPE part as its own operand is copied as the query is: one at an odd byte
+    or with a head stride that is not a multiple of 16 is refused, by name."""
+    monkeypatch.setattr(attention_plan, "GLUON_DECODE", True)
+    query, cache = _call()
+    rope = torch.empty(4 * 128 * stride + offset, dtype=query.dtype)[offset:]
+    rope = rope.as_strided((4, 128, 64), (128 * stride, stride, 1))
+    reason = attention_plan.gluon_decode_refusal(query, cache, 512, 1, query_rope=rope)
+    assert "a query_rope at byte" in reason and "strides" in reason, reason
+    aligned = torch.empty(4, 128, 64, dtype=query.dtype)
+    reason = attention_plan.gluon_decode_refusal(query, cache, 512, 1, query_rope=aligned)
+    assert "device cpu" in reason, reason
 
 
 def test_refusal_refuses_what_is_not_a_tensor():

@@ -28,6 +28,12 @@ def test_the_sweep_refuses_without_a_gpu(capsys):
     assert "needs a GPU" in capsys.readouterr().out
 
 
+def test_the_sweep_refuses_a_split_count_below_one_before_any_gpu_work(capsys):
+    with pytest.raises(SystemExit):
+        _script("sweep_gluon_decode").main(["--splits", "0"])
+    assert "--splits must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_racecheck_handoff_probe_refuses_without_a_gpu(capsys):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
