@@ -13,7 +13,8 @@
 #
 # Steps: the GPU tests (tests/unit_tests/fusions/mla_latent/test_decode_gluon_gpu.py), memcheck
 # and racecheck of the Gluon cases (tests/unit_tests/fusions/sanitize_mla_latent_cache.py
-# --gluon-only), racecheck of the partitions' handoff alone (scripts/racecheck_mbarrier_handoff.py),
+# --gluon-only), racecheck of the partitions' handoff alone in five forms
+# (scripts/racecheck_mbarrier_handoff.py),
 # the sweep beside stage 1 and FlashInfer where installed (scripts/sweep_gluon_decode.py), and
 # Nsight Compute on one 128-head launch (scripts/profile_gluon_decode.py). The variant is applied
 # by setting the launch layer's constants before anything is planned, as the launcher would
@@ -76,9 +77,16 @@ sys.argv = ['sanitize', '--gluon-only'$quick]
 from tests.unit_tests.fusions import sanitize_mla_latent_cache
 sys.exit(sanitize_mla_latent_cache.main())"
 done
-step "compute-sanitizer racecheck, handoff alone" racecheck_handoff.log \
-  compute-sanitizer --tool racecheck --error-exitcode 1 \
-    python3 scripts/racecheck_mbarrier_handoff.py
+# The handoff alone, plain and with what the kernel adds to it, one at a time and all together:
+# which form racecheck reports tells whose pattern the kernel's hazards are.
+for form in "" --mma-rows --fence --third-partition "--mma-rows --fence --third-partition"; do
+  name="${form:-plain}"
+  # shellcheck disable=SC2086  # the form is a list of options
+  step "compute-sanitizer racecheck, handoff ${name//--/}" \
+    "racecheck_handoff$(echo "$name" | tr -d ' -').log" \
+    compute-sanitizer --tool racecheck --error-exitcode 1 \
+      python3 scripts/racecheck_mbarrier_handoff.py $form
+done
 if [ -z "$skip_sweep" ]; then
   step "sweep beside stage 1 and FlashInfer" sweep.log \
     python3 scripts/sweep_gluon_decode.py --out "$results/sweep.json" \

@@ -37,8 +37,12 @@ def test_the_sweep_refuses_a_split_count_below_one_before_any_gpu_work(capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_racecheck_handoff_probe_refuses_without_a_gpu(capsys):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    assert _script("racecheck_mbarrier_handoff").main() == 2
-    assert "needs a GPU" in capsys.readouterr().out
+    probe = _script("racecheck_mbarrier_handoff")
+    assert probe.main([]) == 2
+    assert probe.main(["--mma-rows", "--fence", "--third-partition"]) == 2
+    assert capsys.readouterr().out.count("needs a GPU") == 2
+    with pytest.raises(SystemExit):
+        probe.main(["--rows"])
 
 
 @pytest.mark.parametrize("variant", ["32", "32,4", ",4,1"])
@@ -104,3 +108,31 @@ def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path
         ["barrier", "75.0%"],
         ["long_scoreboard", "25.0%"],
     ]
+
+
+@pytest.mark.parametrize("mma_rows", [False, True])
+@pytest.mark.parametrize("fence, third", [(False, False), (True, False), (False, True)])
+def test_each_form_of_the_racecheck_probe_compiles_with_its_handoff(mma_rows, fence, third):
+    """Every form the GPU check runs under racecheck compiles for sm_90a, with one arrival a
+    round in each direction and a proxy fence on each side of a round only with ``--fence``: a
+    form that did not compile or lost its handoff would tell nothing on the GPU."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    probe = _script("racecheck_mbarrier_handoff")
+    names = ("out_ptr", "ROWS", "ROUNDS", "MMA_ROWS", "FENCE", "THIRD")
+    constexprs = dict(
+        ROWS=probe.ROWS, ROUNDS=probe.ROUNDS, MMA_ROWS=mma_rows, FENCE=fence, THIRD=third
+    )
+    signature = {name: "constexpr" if name in constexprs else "*fp32" for name in names}
+    source = GluonASTSource(fn=probe._handoff_kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm[
+        "ptx"
+    ]
+    assert len(re.findall(r"mbarrier\.arrive", ptx)) == 2 * probe.ROUNDS
+    assert len(re.findall(r"fence\.proxy\.async", ptx)) == (2 * probe.ROUNDS if fence else 0)
+    assert len(re.findall(r"setmaxnreg", ptx)) > 0
