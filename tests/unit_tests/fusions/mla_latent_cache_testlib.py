@@ -8,10 +8,14 @@ Imported as ``tests.unit_tests.fusions.mla_latent_cache_testlib`` (run from the 
 """
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -38,6 +42,34 @@ GUARD_ELEMENTS = 97
 # A cache offset that keeps a cache 16-byte aligned (64 elements: 128 bytes at 16 bits), for the
 # kernels that copy rows 16 bytes at a time and take only such caches.
 ALIGNED_CACHE_OFFSET = 64
+
+
+def compiled_outside_interpreter(code: str, inputs: Any, path: Path, timeout: int) -> Any:
+    """Run ``code`` (``python -c code INPUTS_JSON OUT_PATH``) in a process of its own without
+    Triton's interpreter and return what it wrote to ``path`` as JSON: the test session runs
+    Triton in its interpreter (TRITON_INTERPRET=1 without a GPU, set before Triton was
+    imported), where Gluon kernels do not compile.
+
+    Args:
+        code: the program; it reads its inputs from ``sys.argv[1]`` and writes ``sys.argv[2]``.
+        inputs: what it is given (as JSON).
+        path: where it writes its result.
+        timeout: seconds before the process is stopped.
+
+    Returns:
+        Any: the result, read back.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(inputs), str(path)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(path.read_text())
 
 
 def guarded_tensor(shape: Sequence[int], dtype, device, fill: float) -> Tuple[torch.Tensor, ...]:

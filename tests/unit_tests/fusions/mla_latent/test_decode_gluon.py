@@ -13,18 +13,16 @@ over-budget ``setmaxnreg.inc`` waits forever). The kernel's results are checked 
 split-count rule it uses, here.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from megatron_ext.fusions.mla_latent import attention_plan, decode_gluon, tile_rules
-from tests.unit_tests.fusions.mla_latent_cache_testlib import REPO_ROOT
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (
+    compiled_outside_interpreter,
+)
 
 NEEDS_GLUON = pytest.mark.skipif(
     decode_gluon.GLUON_IMPORT_ERROR is not None or tile_rules.TRITON_RELEASE < (3, 7),
@@ -60,17 +58,7 @@ def compiled(tmp_path_factory):
     """The kernel compiled for sm_90a in each of VARIANTS (index -> TTGIR, PTX, ptxas log and
     shared memory), by ``scripts/mla_latent_attention_code.py``'s functions."""
     path = tmp_path_factory.mktemp("gluon") / "compiled.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(VARIANTS), str(path)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(path.read_text())
+    return compiled_outside_interpreter(_COMPILE, VARIANTS, path, timeout=600)
 
 
 def _instructions(pattern: str, ptx: str) -> Counter:

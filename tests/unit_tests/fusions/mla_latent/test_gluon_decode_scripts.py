@@ -12,7 +12,10 @@ import subprocess
 import pytest
 import torch
 
-from tests.unit_tests.fusions.mla_latent_cache_testlib import REPO_ROOT
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (
+    REPO_ROOT,
+    compiled_outside_interpreter,
+)
 
 
 def _script(name: str):
@@ -110,29 +113,52 @@ def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path
     ]
 
 
-@pytest.mark.parametrize("mma_rows", [False, True])
-@pytest.mark.parametrize("fence, third", [(False, False), (True, False), (False, True)])
-def test_each_form_of_the_racecheck_probe_compiles_with_its_handoff(mma_rows, fence, third):
-    """Every form the GPU check runs under racecheck compiles for sm_90a, with one arrival a
-    round in each direction and a proxy fence on each side of a round only with ``--fence``: a
-    form that did not compile or lost its handoff would tell nothing on the GPU."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    probe = _script("racecheck_mbarrier_handoff")
-    names = ("out_ptr", "ROWS", "ROUNDS", "MMA_ROWS", "FENCE", "THIRD")
+# The forms compiled in a process of their own: the test session runs Triton in its interpreter
+# (TRITON_INTERPRET=1 without a GPU), where Gluon kernels do not compile.
+_PROBE_FORMS = [
+    (m, f, t) for m in (False, True) for f, t in ((False, False), (True, False), (False, True))
+]
+_COMPILE_PROBE = """
+import json, re, sys, tempfile
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+sys.path.insert(0, "scripts")
+import racecheck_mbarrier_handoff as probe
+knobs.cache.dir = tempfile.mkdtemp()
+names = ("out_ptr", "ROWS", "ROUNDS", "MMA_ROWS", "FENCE", "THIRD")
+patterns = dict(arrive="mbarrier[.]arrive", fence="fence[.]proxy[.]async", setmaxnreg="setmaxnreg")
+out = []
+for mma_rows, fence, third in json.loads(sys.argv[1]):
     constexprs = dict(
         ROWS=probe.ROWS, ROUNDS=probe.ROUNDS, MMA_ROWS=mma_rows, FENCE=fence, THIRD=third
     )
-    signature = {name: "constexpr" if name in constexprs else "*fp32" for name in names}
+    signature = {n: "constexpr" if n in constexprs else "*fp32" for n in names}
     source = GluonASTSource(fn=probe._handoff_kernel, signature=signature, constexprs=constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm[
-        "ptx"
-    ]
-    assert len(re.findall(r"mbarrier\.arrive", ptx)) == 2 * probe.ROUNDS
-    assert len(re.findall(r"fence\.proxy\.async", ptx)) == (2 * probe.ROUNDS if fence else 0)
-    assert len(re.findall(r"setmaxnreg", ptx)) > 0
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out.append({k: len(re.findall(p, kernel.asm["ptx"])) for k, p in patterns.items()})
+out.append(probe.ROUNDS)
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe_forms(tmp_path_factory):
+    """Each racecheck probe form's PTX counts, compiled for sm_90a, and the probe's rounds."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    path = tmp_path_factory.mktemp("probe") / "forms.json"
+    *forms, rounds = compiled_outside_interpreter(_COMPILE_PROBE, _PROBE_FORMS, path, timeout=300)
+    return forms, rounds
+
+
+@pytest.mark.parametrize("index", range(len(_PROBE_FORMS)), ids=[str(f) for f in _PROBE_FORMS])
+def test_each_form_of_the_racecheck_probe_compiles_with_its_handoff(probe_forms, index):
+    """Every form the GPU check runs under racecheck compiles for sm_90a, with one arrival a
+    round in each direction and a proxy fence on each side of a round only with ``--fence``: a
+    form that did not compile or lost its handoff would tell nothing on the GPU."""
+    forms, rounds = probe_forms
+    counts, (_, fence, _) = forms[index], _PROBE_FORMS[index]
+    assert counts["arrive"] == 2 * rounds, counts
+    assert counts["fence"] == (2 * rounds if fence else 0), counts
+    assert counts["setmaxnreg"] > 0, counts  # warp-specialized
