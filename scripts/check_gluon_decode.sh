@@ -90,7 +90,7 @@ done
 if [ -z "$skip_sweep" ]; then
   step "sweep beside stage 1 and FlashInfer" sweep.log \
     python3 scripts/sweep_gluon_decode.py --out "$results/sweep.json" \
-      --variants 32,4,1 32,4,1,1,1 64,2,0,1,1 32,4,3,2,1 ${variant:+"$variant"}
+      --variants 32,4,1 32,4,1,1,1 64,2,0,1,1 ${variant:+"$variant"}
 fi
 if [ -z "$skip_profile" ]; then
   step "Nsight Compute, 128 x 2k, 128 heads" profile.log \

@@ -9,8 +9,7 @@ against stage 1's.
         [--out FILE.json]
 
 A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, consumer
-0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead; 3 the
-seesaw, where both consumers compute scores, which takes 2 P buffers), the number
+0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead), the number
 of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given) and whether a token's
 head groups are next to each other in the grid (``HEADS_FIRST``, 0 where not given). Every
 variant runs with the launcher's plan for the step (its split count, its workspace and combine),
@@ -52,7 +51,6 @@ DEFAULT_VARIANTS = [
     "32,4,2,1,1",
     "32,4,2,2,1",
     "64,2,0,1,1",
-    "32,4,3,2,1",
 ]
 # Tolerance of a variant's output against stage 1's (bf16 outputs of two summation orders).
 TOLERANCE = 0.05

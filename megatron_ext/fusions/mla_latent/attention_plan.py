@@ -115,11 +115,16 @@ def gluon_decode_refusal(
         Optional[str]: the reason, or None.
 
     Raises:
-        TypeError: if ``query`` or ``kv_cache`` is not a tensor.
+        TypeError: if ``query`` or ``kv_cache`` is not a tensor, or ``query_rope`` is neither a
+            tensor nor None.
     """
     for name, value in (("query", query), ("kv_cache", kv_cache)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if query_rope is not None and not isinstance(query_rope, Tensor):
+        raise TypeError(
+            f"query_rope must be a torch.Tensor or None, got {type(query_rope).__name__}"
+        )
     if not (GLUON_DECODE if enabled is None else enabled):
         return f"off ({GLUON_DECODE_ENV} is not 'on')"
     if GLUON_IMPORT_ERROR is not None or TRITON_RELEASE < (3, 7):

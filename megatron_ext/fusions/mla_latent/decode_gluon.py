@@ -20,10 +20,6 @@ and barriers are explicit:
 * **consumer 1** multiplies the same P by the second half, so the 64 x 512 fp32 accumulator is
   split between two warpgroups (128 registers a thread each) and no score is computed twice.
 
-``ORDER`` chooses consumer 0's order of a tile's work, or (``ORDER_SEESAW``) FlashMLA's schedule,
-where the two consumers compute the scores of alternate tiles and each multiplies both tiles' P
-by its half of the value columns (:func:`_seesaw_first`).
-
 It computes what stage 1 computes for a decode tile (``BLOCK_Q = 1``, ``BLOCK_H = 64``): the same
 positions, key ranges, masking of block ids outside the cache, non-finite rules (an attended
 ``-inf`` score gives NaN), scale modes and padding-token handling (its splits' bounds are
@@ -46,8 +42,7 @@ query's, used once:
 * ``p_ready[b]`` / ``p_free[b]``: consumer 0 has written P and the rescale factors into buffer
   ``b`` of ``P_BUFFERS`` / consumer 1 is done with them (shared memory holds the query, the key
   ring and P, 221 KiB of the 227 KiB an H100 or H200 gives a block with one P buffer); after the
-  last tile the same handoff carries the final row sums that consumer 1 normalises with. The
-  seesaw uses them per pair of tiles in each direction instead (see :func:`_seesaw_first`).
+  last tile the same handoff carries the final row sums that consumer 1 normalises with.
 """
 
 try:  # Gluon's API as of Triton 3.7 (unchanged through 3.9); older releases lack it.
@@ -79,7 +74,6 @@ __all__ = [
     "NUM_BUFFERS",
     "ORDER",
     "ORDER_SCORES_AHEAD",
-    "ORDER_SEESAW",
     "ORDER_VALUES_FIRST",
     "ORDER_VALUES_LAG",
     "P_BUFFERS",
@@ -105,11 +99,10 @@ NUM_BUFFERS = 4
 #   lagged order on an H100 (Triton 3.7.1), 2-7% with two P buffers: the combined wait delays
 #   P's handoff. The tensor pipe was 41% busy in the lagged order at 128 heads (H200, Nsight
 #   Compute). A fourth warpgroup for the softmax alone does not compile: Triton caps 16 warps'
-#   registers at 128 a thread, below a 64 x 256 fp32 accumulator's.
-# seesaw: both consumers compute scores, of alternate tiles, and each multiplies both tiles' P by
-#   its half of the value columns (FlashMLA's schedule; see _seesaw_first): 2 P buffers, one
-#   for each direction, and 4 or more key buffers.
-ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD, ORDER_SEESAW = 0, 1, 2, 3
+#   registers at 128 a thread, below a 64 x 256 fp32 accumulator's. FlashMLA's seesaw (both
+#   consumers computing the scores of alternate tiles, exchanging row maxima and P) ran within 3%
+#   of the lagged order at 32-128 heads on an H100, so it was not kept (perf notes).
+ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
 ORDER = ORDER_VALUES_LAG
 # Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
 # on the grid's first axis, so they start together and the second reads the tiles from L2 while
@@ -170,9 +163,6 @@ if GLUON_IMPORT_ERROR is None:
     _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     CONSUMER_REGS = gl.constexpr(208)
     PRODUCER_REGS = gl.constexpr(40)
-    # The seesaw's consumer 1 also holds a score tile: at 208 registers Triton 3.9's ptxas
-    # spilled it (the default partition takes 248 of what is left, and needs no more).
-    SEESAW_CONSUMER_REGS = gl.constexpr(216)
 
     @gluon.jit
     def _load_cu(cu_q_ptr, idx, mask, num_tokens):
@@ -378,11 +368,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer_values(
-        q_smem,
-        q_rope_smem,
-        q_ready,
         kv_smem,
-        rope_smem,
         p_smem,
         alpha_smem,
         kv_ready,
@@ -390,33 +376,19 @@ if GLUON_IMPORT_ERROR is None:
         p_ready,
         p_free,
         out_ptr,
-        lse_ptr,
-        table_row,
         token,
         head0,
         split,
-        lo,
-        hi,
-        num_tiles,
         num_heads,
-        num_blocks,
-        scale_log2,
+        num_tiles,
         out_stride_s,
         out_stride_t,
         out_stride_h,
-        lse_stride_s,
-        lse_stride_t,
-        BLOCK_SIZE: gl.constexpr,
         LATENT_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        NUM_SPLITS: gl.constexpr,
-        LARGE_SCALE: gl.constexpr,
         BUFFERS: gl.constexpr,
-        ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
     ):
-        """Consumer 1: the second half of the value columns, with consumer 0's P (the consumers
-        of both schedules take one signature: the kernel picks a pair by ``ORDER``)."""
+        """Consumer 1: the second half of the value columns, with consumer 0's P."""
         HALF: gl.constexpr = LATENT_DIM // 2
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
@@ -504,38 +476,24 @@ if GLUON_IMPORT_ERROR is None:
         )
 
     @gluon.jit
-    def _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
-        """A key tile's scores as the softmax reads them (attended keys only; an attended
-        ``-inf`` made NaN) and the row maxima over them and ``m_i``."""
+    def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
+        """A key tile's online-softmax step over its attended keys: P, the rescale factors and
+        the new row maxima and sums."""
         if not LARGE_SCALE:
             scores = scores * scale_log2
         # An attended score of -inf (a non-finite key element) would drop its key from the
         # softmax, a finite answer from a row that is not finite: NaN instead (stage 1's rule).
         scores = gl.where(scores == float("-inf"), float("nan"), scores)
         scores = gl.where(attend[None, :], scores, float("-inf"))
-        return scores, gl.maximum(m_i, gl.max(scores, axis=1))
-
-    @gluon.jit
-    def _finite(m):
-        """Row maxima to subtract: ``-inf`` (no key attended yet) taken as 0."""
-        return gl.where(m == float("-inf"), 0.0, m)
-
-    @gluon.jit
-    def _exp2_scaled(x, scale_log2, LARGE_SCALE: gl.constexpr):
-        """``exp2`` of a difference from a row maximum, in the softmax's units."""
+        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         if LARGE_SCALE:
             # Raw units, scaled after the subtraction (stage 1's overflow rule).
-            return gl.exp2(x * scale_log2)
-        return gl.exp2(x)
-
-    @gluon.jit
-    def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
-        """A key tile's online-softmax step over its attended keys: P, the rescale factors and
-        the new row maxima and sums."""
-        scores, m_new = _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE)
-        m_use = _finite(m_new)
-        p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
-        alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
+            p = gl.exp2((scores - m_use[:, None]) * scale_log2)
+            alpha = gl.exp2((m_i - m_use) * scale_log2)
+        else:
+            p = gl.exp2(scores - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
@@ -768,341 +726,19 @@ if GLUON_IMPORT_ERROR is None:
             HALF,
         )
         if NUM_SPLITS > 1:
-            _store_lse(
-                m_i,
-                l_i,
-                lse_ptr,
-                token,
-                head0,
-                split,
-                num_heads,
-                lse_stride_s,
-                lse_stride_t,
-                scale_log2,
-                LARGE_SCALE,
-            )
-
-    @gluon.jit
-    def _store_lse(
-        m_i,
-        l_i,
-        lse_ptr,
-        token,
-        head0,
-        split,
-        num_heads,
-        lse_stride_s,
-        lse_stride_t,
-        scale_log2,
-        LARGE_SCALE: gl.constexpr,
-    ):
-        """A split's log-sum-exps (base 2, stage 1's units) from its row maxima and sums."""
-        nothing = l_i == 0.0
-        m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
-        if LARGE_SCALE:
-            lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
-        else:
-            lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i))
-        lse = gl.where(nothing, float("-inf"), lse)
-        heads = head0 + gl.arange(0, _HEADS, layout=l_i.type.layout)
-        gl.store(
-            lse_ptr + split * lse_stride_s + token * lse_stride_t + heads,
-            lse,
-            mask=heads < num_heads,
-        )
-
-    @gluon.jit
-    def _seesaw_first(
-        q_smem,
-        q_rope_smem,
-        q_ready,
-        kv_smem,
-        rope_smem,
-        p_smem,
-        alpha_smem,
-        kv_ready,
-        kv_free,
-        p_ready,
-        p_free,
-        out_ptr,
-        lse_ptr,
-        table_row,
-        token,
-        head0,
-        split,
-        lo,
-        hi,
-        num_tiles,
-        num_heads,
-        num_blocks,
-        scale_log2,
-        out_stride_s,
-        out_stride_t,
-        out_stride_h,
-        lse_stride_s,
-        lse_stride_t,
-        BLOCK_SIZE: gl.constexpr,
-        LATENT_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        NUM_SPLITS: gl.constexpr,
-        LARGE_SCALE: gl.constexpr,
-        BUFFERS: gl.constexpr,
-        ORDER: gl.constexpr,
-        P_BUFFERS: gl.constexpr,
-    ):
-        """Seesaw consumer 0 (the default partition): the scores of each pair's first tile and
-        the first half of the value columns of both.
-
-        Per pair of key tiles, with consumer 1 (:func:`_seesaw_second`): this consumer's scores
-        give the pair's first row maxima ``m1``, sent to consumer 1, whose scores of the second
-        tile give the pair's maxima ``m2``, sent back; P of the first tile is multiplied into
-        this half in ``m1``'s units straight from registers (overlapping consumer 1's softmax),
-        then rescaled to ``m2``'s, and P in ``m2``'s units crosses in each direction through
-        shared memory for the other half. Both consumers compute half the scores and half the
-        value products, where the split roles leave every score to consumer 0.
-
-        The kernel's ``p_ready`` barriers carry consumer 0's messages (``to_second``: [0] m1,
-        then after the last pair its row sums; [1] its P) and ``p_free`` consumer 1's
-        (``to_first``: [0] m2, then its row sums; [1] its P), once per pair each. No buffer needs
-        a barrier of its own to be free: each is rewritten only after its reader's next message,
-        sent once the reader had read it and its value product had completed. On an H100 (Triton
-        3.7.1) with 32-key tiles it ran within 3% of the split roles at 32-128 heads (faster in
-        some rows, slower in others), so the launcher keeps the split roles.
-        """
-        row_smem, to_second, to_first = alpha_smem, p_ready, p_free
-        HALF: gl.constexpr = LATENT_DIM // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
-        )
-        p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
-        l_i = gl.zeros([_HEADS], gl.float32, s_rows)
-        s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
-        num_pairs = (num_tiles + 1) // 2
-        for i in range(num_pairs):
-            t = 2 * i
-            phase = i & 1
-            scores = _issue_scores(
-                q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, t, BUFFERS
-            )
-            # The key mask's block-id load in flight beside the MMAs, not after them.
-            _, _, attend = _tile_blocks(
-                table_row, lo + t * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
-            )
-            # Also completes the previous pair's last value product (groups complete in order).
-            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
-            if i > 0:
-                mbarrier.arrive(kv_free.index((t - 1) % BUFFERS), count=1)
-            scores, m_1 = _masked_scores(scores, m_i, attend, scale_log2, LARGE_SCALE)
-            # Consumer 1 read the previous pair's m1 before sending its m2, waited for below.
-            row_smem.index(0).store(m_1)
-            mbarrier.arrive(to_second.index(0), count=1)
-            m_use = _finite(m_1)
-            p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
-            alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            kv = kv_smem.index(t % BUFFERS)
-            p_op = gl.convert_layout(p.to(kv_smem.dtype), p_operand)
-            acc = warpgroup_mma(p_op, kv.slice(0, HALF, dim=1), acc, is_async=True)
-            mbarrier.wait(to_first.index(0), phase)
-            m_2 = row_smem.index(1).load(s_rows)
-            to_2 = _exp2_scaled(m_use - _finite(m_2), scale_log2, LARGE_SCALE)
-            p = p * to_2[:, None]
-            l_i = l_i * to_2
-            # Consumer 1's value product from the previous pair's P completed before it sent m2.
-            p_smem.index(0).store(p.to(p_smem.dtype))
-            fence_async_shared()
-            mbarrier.arrive(to_second.index(1), count=1)
-            # P's registers are read until the product completes.
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            mbarrier.arrive(kv_free.index(t % BUFFERS), count=1)
-            acc = warpgroup_mma_init(acc * gl.convert_layout(to_2, o_rows)[:, None])
-            if t + 1 < num_tiles:
-                mbarrier.wait(to_first.index(1), phase)
-                # st.shared wrote through the generic proxy; wgmma reads through the async one.
-                fence_async_shared()
-                kv = kv_smem.index((t + 1) % BUFFERS)
-                acc = warpgroup_mma(p_smem.index(1), kv.slice(0, HALF, dim=1), acc, is_async=True)
-            m_i = m_2
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if (num_tiles > 0) & (num_tiles % 2 == 0):
-            mbarrier.arrive(kv_free.index((num_tiles - 1) % BUFFERS), count=1)
-        # The row sums: each consumer holds those of the P it computed (in the last maxima's
-        # units); this one's to consumer 1, whose back. Consumer 1 read the last m1 before
-        # sending the last m2.
-        row_smem.index(0).store(l_i)
-        mbarrier.arrive(to_second.index(0), count=1)
-        mbarrier.wait(to_first.index(0), num_pairs & 1)
-        l_i = l_i + row_smem.index(1).load(s_rows)
-        _store_half(
-            acc,
-            gl.convert_layout(l_i, o_rows),
-            out_ptr,
-            token,
-            head0,
-            split,
-            num_heads,
-            out_stride_s,
-            out_stride_t,
-            out_stride_h,
-            0,
-            HALF,
-        )
-        if NUM_SPLITS > 1:
-            _store_lse(
-                m_i,
-                l_i,
-                lse_ptr,
-                token,
-                head0,
-                split,
-                num_heads,
-                lse_stride_s,
-                lse_stride_t,
-                scale_log2,
-                LARGE_SCALE,
-            )
-
-    @gluon.jit
-    def _seesaw_second(
-        q_smem,
-        q_rope_smem,
-        q_ready,
-        kv_smem,
-        rope_smem,
-        p_smem,
-        alpha_smem,
-        kv_ready,
-        kv_free,
-        p_ready,
-        p_free,
-        out_ptr,
-        lse_ptr,
-        table_row,
-        token,
-        head0,
-        split,
-        lo,
-        hi,
-        num_tiles,
-        num_heads,
-        num_blocks,
-        scale_log2,
-        out_stride_s,
-        out_stride_t,
-        out_stride_h,
-        lse_stride_s,
-        lse_stride_t,
-        BLOCK_SIZE: gl.constexpr,
-        LATENT_DIM: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        NUM_SPLITS: gl.constexpr,
-        LARGE_SCALE: gl.constexpr,
-        BUFFERS: gl.constexpr,
-        ORDER: gl.constexpr,
-        P_BUFFERS: gl.constexpr,
-    ):
-        """Seesaw consumer 1: the scores of each pair's second tile and the second half of the
-        value columns of both (see :func:`_seesaw_first`)."""
-        row_smem, to_second, to_first = alpha_smem, p_ready, p_free
-        HALF: gl.constexpr = LATENT_DIM // 2
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[_PWARPS, 1], instr_shape=[16, HALF, 16]
-        )
-        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
-        l_i = gl.zeros([_HEADS], gl.float32, s_rows)
-        s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
-        num_pairs = (num_tiles + 1) // 2
-        for i in range(num_pairs):
-            t = 2 * i + 1
-            phase = i & 1
-            if t < num_tiles:
-                scores = _issue_scores(
-                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, t, BUFFERS
-                )
-                _, _, attend = _tile_blocks(
-                    table_row, lo + t * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
-                )
+            nothing = l_i == 0.0
+            m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
+            if LARGE_SCALE:
+                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i)) / scale_log2  # raw units
             else:
-                # An odd count's last pair has no second tile: no key of it is attended.
-                scores = warpgroup_mma_init(s_zero)
-                attend = tile_keys < 0
-            # Also completes the previous pair's last value product (groups complete in order).
-            scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
-            if i > 0:
-                mbarrier.arrive(kv_free.index((t - 3) % BUFFERS), count=1)
-                mbarrier.arrive(kv_free.index((t - 2) % BUFFERS), count=1)
-            mbarrier.wait(to_second.index(0), phase)
-            m_1 = row_smem.index(0).load(s_rows)
-            scores, m_2 = _masked_scores(scores, m_1, attend, scale_log2, LARGE_SCALE)
-            # Consumer 0 read the previous pair's m2 before sending this pair's m1.
-            row_smem.index(1).store(m_2)
-            mbarrier.arrive(to_first.index(0), count=1)
-            m_use = _finite(m_2)
-            alpha = _exp2_scaled(m_i - m_use, scale_log2, LARGE_SCALE)
-            acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, o_rows)[:, None])
-            if t < num_tiles:
-                p = _exp2_scaled(scores - m_use[:, None], scale_log2, LARGE_SCALE)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                # Consumer 0's value product from the previous pair's P completed before it
-                # sent this pair's m1.
-                p_smem.index(1).store(p.to(p_smem.dtype))
-                fence_async_shared()
-                mbarrier.arrive(to_first.index(1), count=1)
-                # P from shared memory here too: as a register operand in this partition's 208
-                # registers, ptxas serialized every MMA (C7512). This buffer is rewritten only
-                # after the next pair's scores are waited for, which completes this product.
-                kv = kv_smem.index(t % BUFFERS)
-                acc = warpgroup_mma(
-                    p_smem.index(1), kv.slice(HALF, HALF, dim=1), acc, is_async=True
-                )
-            else:
-                l_i = l_i * alpha
-            mbarrier.wait(to_second.index(1), phase)
-            fence_async_shared()
-            kv = kv_smem.index((t - 1) % BUFFERS)
-            acc = warpgroup_mma(p_smem.index(0), kv.slice(HALF, HALF, dim=1), acc, is_async=True)
-            m_i = m_2
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if num_tiles > 0:
-            last = 2 * num_pairs - 1
-            mbarrier.arrive(kv_free.index((last - 1) % BUFFERS), count=1)
-            if last < num_tiles:
-                mbarrier.arrive(kv_free.index(last % BUFFERS), count=1)
-        # The row sums, as consumer 0 sends them (see there).
-        mbarrier.wait(to_second.index(0), num_pairs & 1)
-        l_first = row_smem.index(0).load(s_rows)
-        row_smem.index(1).store(l_i)
-        mbarrier.arrive(to_first.index(0), count=1)
-        _store_half(
-            acc,
-            gl.convert_layout(l_i + l_first, o_rows),
-            out_ptr,
-            token,
-            head0,
-            split,
-            num_heads,
-            out_stride_s,
-            out_stride_t,
-            out_stride_h,
-            HALF,
-            HALF,
-        )
+                lse = m_fin + gl.log2(gl.where(nothing, 1.0, l_i))
+            lse = gl.where(nothing, float("-inf"), lse)
+            heads = head0 + gl.arange(0, _HEADS, layout=s_rows)
+            gl.store(
+                lse_ptr + split * lse_stride_s + token * lse_stride_t + heads,
+                lse,
+                mask=heads < num_heads,
+            )
 
     @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
     def _gluon_decode_kernel(
@@ -1149,10 +785,6 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
         # Scores ahead waits for tile j + 1 before it frees tile j - 1: two buffers would hang.
         gl.static_assert((ORDER != 2) | (BUFFERS >= 3), "scores ahead needs 3 or more buffers")
-        # The seesaw's pair of tiles is freed only once the next pair's scores are waited for,
-        # and each direction of its handoff has one P buffer.
-        gl.static_assert((ORDER != 3) | (BUFFERS >= 4), "the seesaw needs 4 or more buffers")
-        gl.static_assert((ORDER != 3) | (P_BUFFERS == 2), "the seesaw takes 2 P buffers")
         BLOCK_N: gl.constexpr = KEY_TILE
         # The grid's first two axes: head groups and tokens, in the order HEADS_FIRST says.
         if HEADS_FIRST:
@@ -1247,16 +879,14 @@ if GLUON_IMPORT_ERROR is None:
         for b in gl.static_range(P_BUFFERS):
             mbarrier.init(p_ready.index(b), count=1)
             mbarrier.init(p_free.index(b), count=1)
+
         # The barriers' initialisation before any partition's copies arrive on them.
         fence_async_shared()
 
-        # The consumers' schedule: the split roles or the seesaw (the four take one signature).
-        # Written out in full: a tuple of arguments bound to a name loses its constexprs.
-        regs: gl.constexpr = SEESAW_CONSUMER_REGS if ORDER == 3 else CONSUMER_REGS
         gl.warp_specialize(
             [
                 (
-                    _seesaw_first if ORDER == 3 else _consumer_scores,
+                    _consumer_scores,
                     (
                         q_smem,
                         q_rope_smem,
@@ -1297,13 +927,9 @@ if GLUON_IMPORT_ERROR is None:
                     ),
                 ),
                 (
-                    _seesaw_second if ORDER == 3 else _consumer_values,
+                    _consumer_values,
                     (
-                        q_smem,
-                        q_rope_smem,
-                        q_ready,
                         kv_smem,
-                        rope_smem,
                         p_smem,
                         alpha_smem,
                         kv_ready,
@@ -1311,29 +937,16 @@ if GLUON_IMPORT_ERROR is None:
                         p_ready,
                         p_free,
                         out_ptr,
-                        lse_ptr,
-                        table_row,
                         token,
                         head0,
                         split,
-                        lo,
-                        hi,
-                        num_tiles,
                         num_heads,
-                        num_blocks,
-                        scale_log2,
+                        num_tiles,
                         out_stride_s,
                         out_stride_t,
                         out_stride_h,
-                        lse_stride_s,
-                        lse_stride_t,
-                        BLOCK_SIZE,
                         LATENT_DIM,
-                        BLOCK_N,
-                        NUM_SPLITS,
-                        LARGE_SCALE,
                         BUFFERS,
-                        ORDER,
                         P_BUFFERS,
                     ),
                 ),
@@ -1374,7 +987,7 @@ if GLUON_IMPORT_ERROR is None:
                 ),
             ],
             [_PWARPS, _PWARPS],
-            [regs, PRODUCER_REGS],
+            [CONSUMER_REGS, PRODUCER_REGS],
         )
 
     GLUON_DECODE_LAUNCHES = KernelLaunches(_gluon_decode_kernel, _RUNTIME_SIZES)

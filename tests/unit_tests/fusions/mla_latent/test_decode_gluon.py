@@ -84,15 +84,11 @@ VARIANTS = [
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
-    dict(order=decode_gluon.ORDER_SEESAW, p_buffers=2, block_size=37, splits=2),
-    dict(order=decode_gluon.ORDER_SEESAW, p_buffers=2, heads_first=True, large_scale=True),
 ]
-# Copies of a tile's score MMAs, and of its value MMAs beyond consumer 1's one, in the code, by
-# order: the lagged order issues the first tile's scores and the last tile's value product
-# outside its loop; scores ahead also the first tile's scores and the last tile's softmax and
-# value product. The seesaw's consumers each issue a pair's one score product and two value
-# products (each its half of both tiles').
-_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (2, 3)}
+# Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
+# tile's scores and the last tile's value product outside its loop; scores ahead also the first
+# tile's scores and the last tile's softmax and value product.
+_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2)}
 
 
 @NEEDS_GLUON
@@ -103,9 +99,9 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     """Per key tile of N keys: (512 + 64) / 16 = 36 m64nNk16 score MMAs (one warpgroup, not two)
     and N / 16 m64n256k16 value MMAs in each warpgroup (its half of the 512 columns); N x 576 /
     (8 x 128) 16-byte copies per producer thread, and the query's 64 x 576 / (8 x 128) once; no
-    spills. Where consumer 0 issues a tile's
-    value product behind the next tile's scores, the first tile's scores and the last tile's
-    value product are issued outside the loop, so its code holds them twice. The spill check
+    spills. Where consumer 0 issues a tile's value product behind the next tile's scores, the
+    first tile's scores and the last tile's value product are issued outside the loop, so its
+    code holds them twice. The spill check
     holds the launcher's own ring and schedule; the others (which the sweep script times) may
     spill a few bytes under some ptxas releases, and are compiled to keep them buildable."""
     variant, code = VARIANTS[index], compiled[index]
@@ -182,6 +178,9 @@ def test_wave_split_rule_fills_the_last_wave():
     assert rule(64, 132, 4096) == 2  # one wave either way: the fewer splits
     assert rule(32, 132, 8192) == 4
     assert rule(128, 132, 1024) == 1  # the device is full
+    # 4 waves of whole programs: 7 of halves save a quarter of a wave's keys, not their fixed
+    # costs and partials.
+    assert rule(400, 132, 1024) == 1
     assert rule(1, 132, 1024) == 1024 // tile_rules.MIN_KEYS_PER_SPLIT  # rows per split bound
     assert rule(1, 132, 10**6) <= tile_rules.MAX_KV_SPLITS
     for programs in range(1, 400, 7):
@@ -297,6 +296,8 @@ def test_refusal_refuses_what_is_not_a_tensor():
         attention_plan.gluon_decode_refusal(query, [0], 512, 1)
     with pytest.raises(TypeError, match="query must be a torch.Tensor, got NoneType"):
         attention_plan.gluon_decode_refusal(None, cache, 512, 1)
+    with pytest.raises(TypeError, match="query_rope must be a torch.Tensor or None, got tuple"):
+        attention_plan.gluon_decode_refusal(query, cache, 512, 1, query_rope=(1, 2))
 
 
 @NEEDS_GLUON
