@@ -386,14 +386,12 @@ def _mha_contenders(
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
     contenders = {}
     for name, split in splits.items():
-        # Each contender's MHA part takes the dynamic path's per-step backend (dense cuDNN for
-        # fresh prefills), unless the benchmark names one.
+        # Each contender's MHA part takes the dynamic path's backend (dense cuDNN where it
+        # runs), unless the benchmark names one.
         call_backend = backend
         if MHA_BACKEND is None:
             head_dim = mha_form.flash_head_dim(mha.query.shape[-1], forms_lib.V_HEAD)
-            call_backend = split_backend(
-                backend, mha.query_lengths, mha.kv_lengths, split, torch.device(DEVICE), head_dim
-            )
+            call_backend = split_backend(backend, torch.device(DEVICE), head_dim)
         call = functools.partial(forms_lib.run_split, step, mha, call_backend, split)
         entry: Dict[str, Any] = {"split": split, "backend": call_backend}
         try:

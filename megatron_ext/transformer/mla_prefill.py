@@ -20,10 +20,10 @@ When the MHA form runs (each rule decided in one function):
   on the (sm80+) device runs and agrees with plain torch, else Transformer Engine's fused
   attention where TE is installed, else torch's ragged cuDNN attention on the same terms
   (sm90+); otherwise (CPU, fp32, the Triton interpreter) none in ``auto`` mode, so CPU runs
-  stay absorbed. A step whose MHA-form requests are all fresh prefills takes ``cudnn-dense``
-  instead of ``flash`` (torch's dense cuDNN attention, batched by bucketed length: twice
-  FlashAttention-2's speed there) where it runs (:func:`dense_usable`); chunks stay on
-  ``flash`` (dense cuDNN takes them with the mask as a bias, measured 1.6x slower there);
+  stay absorbed. Where the rule picked ``flash``, a step takes ``cudnn-dense`` instead where it
+  runs (:func:`dense_usable`): torch's dense cuDNN attention, batched by bucketed length, twice
+  FlashAttention-2's speed on fresh prefills; a chunk behind cached rows runs as an unmasked
+  call over those rows and a square causal one over its own, merged by their log-sum-exps;
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
   (:func:`graphed_step`): the MHA form sizes its tensors from the step's lengths, read on the
   host. megatron-core 0.16 captures decode-only steps (and, with
@@ -65,7 +65,6 @@ __all__ = [
     "absorbed_request_count",
     "backend_for",
     "dense_usable",
-    "fresh_only",
     "graphed_step",
     "mha_form_core",
     "mha_form_mode",
@@ -150,7 +149,7 @@ class CostModel:
 # and the decompression weights kept across steps. ``flash``: FlashAttention-2 runs 220-255
 # TFLOP/s of real FLOPs at head size 192; the decompression GEMMs and the copy of the output out
 # of its padded value columns 270 TFLOP/s of decompression FLOPs; 0.31-0.46 ms of host time per
-# call. ``cudnn-dense`` (fresh prefills only: :func:`mha_form_split`): the dense cuDNN kernel
+# call. ``cudnn-dense`` (:func:`split_backend`): the dense cuDNN kernel
 # 455 TFLOP/s at 2 x 1536 tokens and 128 heads, its GEMMs (values at their own width) 440, 0.40-
 # 0.43 ms of host time per call. The cost of an extra chunk of rows (0.6 ms) was measured before
 # the plan was kept and is an upper bound. ``cudnn``: torch's ragged cuDNN entry rebuilds its
@@ -257,7 +256,7 @@ def _decide_fused(backend: str, index: int) -> bool:
         if usable is not None:
             return usable
         # torch's ragged cuDNN attention needs sm90, as torch's own nested-tensor rule for it;
-        # FlashAttention and dense cuDNN (whose unmasked calls take FlashAttention's entry) sm80.
+        # FlashAttention and dense cuDNN sm80.
         floor = (9, 0) if backend == "cudnn" else (8, 0)
         usable = (
             backend in mha_form.present_backends()
@@ -287,6 +286,8 @@ def _fused_usable(backend: str, device: torch.device) -> bool:
     usable = _DEVICE_SUPPORT.get((backend, index))
     if usable is None:
         usable = _decide_fused(backend, index)
+    # Dense cuDNN stands in for FlashAttention (dense_usable): a user who turned either off
+    # gets neither.
     switches = ("cudnn", "flash") if backend == "cudnn-dense" else (backend,)
     return usable and all(getattr(torch.backends.cuda, f"{s}_sdp_enabled")() for s in switches)
 
@@ -349,21 +350,6 @@ def backend_for(
         if available(backend):
             return backend
     return "torch" if mode == "force" else None
-
-
-def fresh_only(query_lengths: np.ndarray, kv_lengths: np.ndarray) -> bool:
-    """Whether every request with new tokens is a fresh prefill (its rows are its new tokens).
-
-    Args:
-        query_lengths, kv_lengths: new tokens and rows per request (host).
-
-    Returns:
-        bool: True where the MHA form's attention is only square causal blocks.
-    """
-    with_tokens = query_lengths > 0
-    return bool(with_tokens.any()) and np.array_equal(
-        query_lengths[with_tokens], kv_lengths[with_tokens]
-    )
 
 
 def dense_usable(backend: str, device: torch.device, head_dim: int) -> bool:
@@ -466,14 +452,9 @@ def step_split(
     device: torch.device,
     head_dim: int,
 ) -> Tuple[str, int]:
-    """The step's MHA-form backend and how many leading requests stay absorbed.
-
-    The split is the cost model's (:func:`absorbed_request_count`; none in ``force`` mode) for
-    ``backend``; where the requests after it are all fresh prefills and dense cuDNN may stand in
-    for FlashAttention (:func:`dense_usable`), the step takes ``cudnn-dense``, at its own rates'
-    split if that one leaves only fresh prefills too. Dense cuDNN runs the causal blocks of
-    fresh prefills about twice as fast as FlashAttention-2 (the rates of :data:`COST_MODELS`);
-    it plans per shape, so it takes only those (bucketed) steps.
+    """The step's MHA-form backend (:func:`split_backend`) and how many leading requests stay
+    absorbed: the cost model's split at that backend's rates (:func:`absorbed_request_count`;
+    none in ``force`` mode).
 
     Args:
         query_lengths, kv_lengths: new tokens and rows per request (host).
@@ -486,50 +467,31 @@ def step_split(
     Returns:
         Tuple[str, int]: the backend and the absorbed leading requests (all: absorbed form).
     """
-
-    def split_for(name: str) -> int:
-        if MODE == "force":
-            return 0
-        model = COST_MODELS.get(name, COST_MODEL)
-        return absorbed_request_count(query_lengths, kv_lengths, heads, widths, model)
-
-    split = split_for(backend)
-    if split == len(query_lengths):
-        return backend, split
-    after = split_backend(backend, query_lengths, kv_lengths, split, device, head_dim)
-    if after == "cudnn-dense":
-        dense_split = split_for(after)
-        if fresh_only(query_lengths[dense_split:], kv_lengths[dense_split:]):
-            split = dense_split
-    return after, split
+    backend = split_backend(backend, device, head_dim)
+    if MODE == "force":
+        return backend, 0
+    model = COST_MODELS.get(backend, COST_MODEL)
+    return backend, absorbed_request_count(query_lengths, kv_lengths, heads, widths, model)
 
 
-def split_backend(
-    backend: str,
-    query_lengths: np.ndarray,
-    kv_lengths: np.ndarray,
-    split: int,
-    device: torch.device,
-    head_dim: int,
-) -> str:
-    """The backend of the MHA-form requests after ``split``: ``cudnn-dense`` where they are all
-    fresh prefills and it may stand in for ``backend`` (:func:`dense_usable`), else
-    ``backend``.
+def split_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    """The backend of a step's MHA-form requests: ``cudnn-dense`` where it may stand in for
+    ``backend`` (:func:`dense_usable`), else ``backend``.
+
+    Dense cuDNN runs fresh prefills (square causal blocks) about twice as fast as
+    FlashAttention-2, and a chunk behind cached rows as two calls cuDNN runs at the same rates
+    (the rows before the chunk unmasked, the chunk's own square causal) merged by one kernel
+    (:data:`COST_MODELS`).
 
     Args:
         backend: :func:`backend_for`'s backend.
-        query_lengths, kv_lengths: new tokens and rows per request (host).
-        split: the leading requests that stay absorbed.
         device: the step's device.
         head_dim: the head size FlashAttention would run at.
 
     Returns:
         str: the backend.
     """
-    if fresh_only(query_lengths[split:], kv_lengths[split:]):
-        if dense_usable(backend, device, head_dim):
-            return "cudnn-dense"
-    return backend
+    return "cudnn-dense" if dense_usable(backend, device, head_dim) else backend
 
 
 def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSplit]:

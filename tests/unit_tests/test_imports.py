@@ -118,6 +118,7 @@ MLA_LATENT_ORDER = (
     "mha_dense",
     "mha_backends",
     "mha_chunks",
+    "mha_merge",
     "mha_plan",
     "mha_weights",
     "mha_form",

@@ -16,15 +16,15 @@ and values (:func:`varlen_attention`), each backend's once-per-device check
   (tens of milliseconds a call), which makes this backend slower than the absorbed form there.
 * ``cudnn-dense``: torch's dense cuDNN attention
   (:data:`megatron_ext.internals.cudnn_dense_attention_forward`), whose plans torch keeps by
-  shape, with the ``flash`` backend's bottom-right plan. Square causal sequences (fresh
-  prefills) take its causal flag: batched by length, each padded with zero rows to its length's
-  bucket (a query attends only keys at or before its own position, so the padding is seen only
-  by padding), the batch to its bucket with empty sequences; sequences of one length laid out
-  back to back go in as views. Others (a chunk behind cached rows, a chunk's unmasked rest) are
-  batched by bucketed query and key lengths with the mask as an additive bias, built once per
-  step (:func:`masked_groups`). Query/key and value head sizes stay apart (640 FLOPs per pair).
-  Checked once per device as ``cudnn`` is, both ways. Its calls live in
-  :mod:`~megatron_ext.fusions.mla_latent.mha_dense`.
+  shape, with ``cudnn``'s top-left plan: a chunk's queries over the rows before its own in an
+  unmasked call, over its own rows in a square causal one, merged by their log-sum-exps. Square
+  causal sequences take the entry's causal flag: batched by length, each padded with zero rows
+  to its length's bucket (a query attends only keys at or before its own position, so the
+  padding is seen only by padding), the batch to its bucket with empty sequences; sequences of
+  one length laid out back to back go in as views. Unmasked ones are batched by bucketed query
+  and key lengths, the keys' padding (if any) masked by an additive bias built once per step.
+  Query/key and value head sizes stay apart (640 FLOPs per pair). Checked once per device as
+  ``cudnn`` is. Its calls live in :mod:`~megatron_ext.fusions.mla_latent.mha_dense`.
 * ``flash``: torch's FlashAttention-2 entry
   (:data:`megatron_ext.internals.flash_attention_forward`), packed with cumulative lengths, its
   causal mask aligned bottom-right: one call per chunk of rows over the requests' cached and
@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from megatron_ext import internals
-from megatron_ext.fusions.mla_latent.mha_dense import masked_attention, square_causal_attention
+from megatron_ext.fusions.mla_latent.mha_dense import square_causal_attention, unmasked_attention
 from megatron_ext.fusions.mla_latent.mha_rows import bucket, to_device
 
 __all__ = [
@@ -74,14 +74,14 @@ __all__ = [
 
 # Backends whose causal mask is top-left (a cached prefix is attended in a second call) and those
 # with a bottom-right mask (a request's cached and new rows in one call).
-SPLIT_BACKENDS = ("cudnn", "torch")
-WHOLE_BACKENDS = ("te", "flash", "cudnn-dense", "torch-bottom-right")
+SPLIT_BACKENDS = ("cudnn", "cudnn-dense", "torch")
+WHOLE_BACKENDS = ("te", "flash", "torch-bottom-right")
 # The largest head size of FlashAttention-2 (and what the dense cuDNN backend is held to).
 FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.
-CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "bottom_right", "flash": "bottom_right"}
-BACKENDS = SPLIT_BACKENDS + WHOLE_BACKENDS
+CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "top_left", "flash": "bottom_right"}
+BACKENDS = ("cudnn", "torch", "te", "flash", "cudnn-dense", "torch-bottom-right")
 
 
 def _cumulative(lengths: np.ndarray, entries: int) -> np.ndarray:
@@ -320,8 +320,7 @@ def varlen_attention(
         q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v].
         lengths: host query and key lengths per request.
         causal: None, ``"top_left"`` (``cudnn``, ``torch``; ``cudnn-dense``: square sequences
-            only) or ``"bottom_right"`` (``te``, ``flash``, ``cudnn-dense``,
-            ``torch-bottom-right``).
+            only) or ``"bottom_right"`` (``te``, ``flash``, ``torch-bottom-right``).
         scale: the softmax scale.
         want_lse: also return the natural log-sum-exp of each query's scaled logits (split
             backends only).
@@ -340,15 +339,16 @@ def varlen_attention(
         out, lse = torch_varlen(q, k, v, q_lens, k_lens, causal, scale)
         return out, (lse if want_lse else None)
     if backend == "cudnn-dense":
-        if causal is not None and np.array_equal(q_lens, k_lens):
+        if causal is None:
+            return unmasked_attention(q, k, v, q_lens, k_lens, scale, want_lse)
+        if causal == "top_left" and np.array_equal(q_lens, k_lens):
             # Square: the causal flag (no mask to read; cuDNN skips the masked tiles).
             return square_causal_attention(q, k, v, q_lens, scale, want_lse)
-        if causal == "top_left":
-            raise ValueError(
-                "the cudnn-dense backend masks top-left square sequences only; got query "
-                f"lengths {q_lens.tolist()} and key lengths {k_lens.tolist()}"
-            )
-        return masked_attention(q, k, v, q_lens, k_lens, causal is not None, scale, want_lse)
+        raise ValueError(
+            "the cudnn-dense backend masks top-left square sequences only; got a "
+            f"{causal} call of query lengths {q_lens.tolist()} and key lengths "
+            f"{k_lens.tolist()}"
+        )
     if ragged is None:
         if cu is None:
             cu = to_device(ragged_offsets(backend, q_lens, k_lens), q.device)
@@ -397,16 +397,16 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
     """Why torch's ragged ``backend`` entry (one of :data:`CHECKED_BACKENDS`) cannot run on
     ``device``, or None.
 
-    Two small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
+    Small calls in the backend's layout (bf16, query/key head size 192 and value 128 as at
     DeepSeek-V3's widths, nine short sequences: a causal call in the backend's alignment, square
-    blocks for ``cudnn``, two cached rows before the new ones for ``flash`` and ``cudnn-dense``
-    (square blocks too for ``cudnn-dense``, which takes them another way), and an unmasked one),
-    compared with the plain-torch backend. torch releases and GPUs differ in what the
-    operators take (some releases refuse ragged queries of 128 rows or fewer on an older cuDNN;
-    GPUs before Hopper have no ragged cuDNN attention, before Ampere no FlashAttention), and a
-    refusal mid-step, or a result that disagrees (a mask aligned otherwise, another log-sum-exp
-    layout), must not reach a user's step. Not graph-safe (it allocates and compares on the
-    host): call it outside capture, once per device.
+    blocks for ``cudnn`` and ``cudnn-dense``, two cached rows before the new ones for ``flash``, and
+    an unmasked one; for ``cudnn-dense`` a second unmasked one whose keys fill their bucket, which
+    it runs without a bias), compared with the plain-torch backend. torch releases and GPUs differ
+    in what the operators take (some releases refuse ragged queries of 128 rows or fewer on an older
+    cuDNN; GPUs before Hopper have no ragged cuDNN attention, before Ampere no FlashAttention), and
+    a refusal mid-step, or a result that disagrees (a mask aligned otherwise, another log-sum-exp
+    layout), must not reach a user's step. Not graph-safe (it allocates and compares on the host):
+    call it outside capture, once per device.
 
     Args:
         backend: one of :data:`CHECKED_BACKENDS`.
@@ -433,8 +433,8 @@ def ragged_check(backend: str, device: torch.device) -> Optional[str]:
     q, scale = randn(tokens, 192), 0.1
     causal_keys = q_lens if mask == "top_left" else q_lens + 2
     calls = [(mask, causal_keys), (None, q_lens + 2)]
-    if backend == "cudnn-dense":  # square sequences take the causal flag, not the mask
-        calls.append((mask, q_lens))
+    if backend == "cudnn-dense":  # keys that fill their bucket: no padding bias
+        calls.append((None, np.full_like(q_lens, 16)))
     for causal, k_lens in calls:
         k, v = randn(int(k_lens.sum()), 192), randn(int(k_lens.sum()), 128)
         try:

@@ -1,20 +1,17 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """How the MHA form cuts a step's attended rows into chunks and its attention into calls
-(:func:`plan_chunks`), and how the partial attentions of one query over disjoint keys are merged
-by their log-sum-exps (:func:`merge_partials`). Host work on host lengths: nothing here launches
-on the GPU but the merge.
+(:func:`plan_chunks`): host work on host lengths, nothing here launches on the GPU. The calls'
+partial attentions are merged by :mod:`.mha_merge`.
 """
 
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from megatron_ext.fusions.mla_latent.mha_rows import offsets_within
 
-__all__ = ["Call", "Chunk", "call_tokens", "each_token_once", "merge_partials", "plan_chunks"]
+__all__ = ["Call", "Chunk", "call_tokens", "each_token_once", "plan_chunks"]
 
 
 class Call(NamedTuple):
@@ -139,26 +136,3 @@ def plan_chunks(q_lens: np.ndarray, kv_lens: np.ndarray, budget: int, top_left: 
         )
         plan.append(Chunk(sections, calls))
     return plan
-
-
-def merge_partials(
-    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
-) -> Tuple[Tensor, Tensor]:
-    """Softmax-weighted merge of two attentions of the same queries over disjoint keys.
-
-    Args:
-        out_a, out_b: [tokens, heads, v] the two partial outputs.
-        lse_a, lse_b: [tokens, heads] their log-sum-exps (-inf where a query attended nothing).
-
-    Returns:
-        Tuple[Tensor, Tensor]: the merged output in ``out_a``'s dtype and its log-sum-exp.
-    """
-    top = torch.maximum(lse_a, lse_b)
-    # Either side, or both, may be -inf (a query with no keys in a chunk, or none so far).
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    total = w_a + w_b
-    dtype = out_a.dtype
-    merged = out_a * w_a[..., None].to(dtype) + out_b.to(dtype) * w_b[..., None].to(dtype)
-    merged = torch.where(total[..., None] > 0, merged / total[..., None].to(dtype), 0.0)
-    return merged, top + torch.log(total)

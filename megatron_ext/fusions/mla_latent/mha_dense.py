@@ -7,9 +7,15 @@ by shape) on packed sequences batched by bucketed length.
 * :func:`square_causal_attention`: square causal sequences (fresh prefills) with the entry's
   causal flag, batched by length bucket (:func:`dense_groups`); sequences of one length back to
   back are views.
-* :func:`masked_attention`: any query and key lengths, the mask (bottom-right causal, or only
-  the padding) an additive bias, batched by bucketed query and key lengths
-  (:func:`masked_groups`).
+* :func:`unmasked_attention`: any query and key lengths, unmasked (a chunk's queries over the
+  cached rows before its own), batched by bucketed query and key lengths
+  (:func:`unmasked_groups`); the keys' padding, where a group has any, masked by an additive
+  bias, and no bias where every key length fills its bucket.
+
+Causal calls of other shapes are not taken: the MHA form's plan for this backend masks only
+square blocks (:func:`~megatron_ext.fusions.mla_latent.mha_chunks.plan_chunks`, top-left). A
+bottom-right mask as a bias ran a 1024-token chunk behind 3072 rows at 128 heads 1.6x slower
+than FlashAttention-2 on an H100, where the split calls run cuDNN's fast paths.
 
 The groups (their device indices and masks) are the same for every layer of a step: built once
 per lengths, device and stream, and kept (:func:`clear_groups` forgets them).
@@ -33,12 +39,12 @@ from megatron_ext.fusions.mla_latent.mha_rows import (
 
 __all__ = [
     "DenseGroup",
-    "MaskedGroup",
+    "UnmaskedGroup",
     "clear_groups",
     "dense_groups",
-    "masked_attention",
-    "masked_groups",
     "square_causal_attention",
+    "unmasked_attention",
+    "unmasked_groups",
 ]
 
 
@@ -190,17 +196,19 @@ def square_causal_attention(
     return out, lse
 
 
-class MaskedGroup(NamedTuple):
-    """Sequences of one (bucketed query length, bucketed key length) run as one dense batch
-    with an additive mask (:func:`masked_groups`).
+class UnmaskedGroup(NamedTuple):
+    """Sequences of one (bucketed query length, bucketed key length) run as one dense batch,
+    unmasked but for the keys' padding (:func:`unmasked_groups`).
 
     Attributes:
         query_length, key_length: the batch's rows per sequence.
         batch: the batch (the sequences rounded up to a bucket; the rest zero rows).
         queries, keys: [2, rows] int64 on the device: each packed row and its place in the
             batch.
-        bias: [batch, 1, query_length, key_length] in the operands' dtype: 0 where a query
-            attends a key, -inf elsewhere (padding queries attend the first key, their outputs
+        bias: [batch, 1, query_length, key_length] in the operands' dtype, 0 on a sequence's
+            keys and -inf on the padding after them (padding queries attend the first key,
+            their outputs dropped); None where every sequence's keys fill the key length (the
+            empty sequences that round the batch up attend zero keys and values: zeros,
             dropped).
         query_rows, key_rows: the packed rows where that side's sequences lie back to back and
             full (the batch is a view of them, no copy), else None.
@@ -211,14 +219,14 @@ class MaskedGroup(NamedTuple):
     batch: int
     queries: Tensor
     keys: Tensor
-    bias: Tensor
+    bias: Optional[Tensor]
     query_rows: Optional[slice]
     key_rows: Optional[slice]
 
 
-# A step's masks are the same for every layer: built once, kept like a step's plan (a mask is
-# query rows x key rows; the bound keeps few).
-_MASKED_GROUPS = PlanCache(max_entries=4)
+# A step's groups are the same for every layer: built once, kept like a step's plan (a padding
+# mask is query rows x key rows; the bound keeps few).
+_UNMASKED_GROUPS = PlanCache(max_entries=4)
 
 
 def _rows_into_batch(
@@ -244,9 +252,9 @@ def _back_to_back(
     return slice(int(starts[0]), int(starts[0]) + count * rows)
 
 
-def _build_masked_groups(
-    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
-) -> Tuple[MaskedGroup, ...]:
+def _build_unmasked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, device: torch.device, dtype: torch.dtype
+) -> Tuple[UnmaskedGroup, ...]:
     q_starts, k_starts = np.cumsum(q_lens) - q_lens, np.cumsum(k_lens) - k_lens
     q_buckets = np.array([bucket(int(n)) for n in q_lens], dtype=np.int64)
     k_buckets = np.array([bucket(int(n)) for n in k_lens], dtype=np.int64)
@@ -259,78 +267,89 @@ def _build_masked_groups(
         queries = np.stack(_rows_into_batch(q_starts[members], q_lens[members], lq))
         keys = np.stack(_rows_into_batch(k_starts[members], k_lens[members], lk))
         index = to_device(np.concatenate([queries, keys], axis=1), device).long()
-        lengths = np.zeros((2, batch), dtype=np.int64)
-        lengths[0, : len(members)], lengths[1, : len(members)] = q_lens[members], k_lens[members]
-        # Through pinned memory, asynchronously: a pageable copy would wait for the stream.
-        q_len, k_len = to_device(lengths, device)[:, :, None, None, None]
-        row = torch.arange(lq, device=device)[None, None, :, None]
-        col = torch.arange(lk, device=device)[None, None, None, :]
-        allowed = (col < k_len) & (row < q_len)
-        if causal:  # bottom-right: query i of q sits at key position k - q + i
-            allowed &= col <= k_len - q_len + row
-        allowed |= (row >= q_len) & (col == 0)
-        # Rows of the mask start on 16 bytes (cuDNN's alignment for its strides).
-        width = -(-lk // 8) * 8
-        bias = torch.zeros(batch, 1, lq, width, dtype=dtype, device=device)[..., :lk]
-        bias.masked_fill_(~allowed, -math.inf)
+        bias = None
+        if (k_lens[members] != lk).any():
+            bias = _padding_bias(q_lens[members], k_lens[members], batch, lq, lk, device, dtype)
         split = queries.shape[1]
         query_rows = _back_to_back(q_starts[members], q_lens[members], lq, batch)
         key_rows = _back_to_back(k_starts[members], k_lens[members], lk, batch)
         groups.append(
-            MaskedGroup(
+            UnmaskedGroup(
                 lq, lk, batch, index[:, :split], index[:, split:], bias, query_rows, key_rows
             )
         )
     return tuple(groups)
 
 
-def masked_groups(
-    q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, device: torch.device, dtype: torch.dtype
-) -> Tuple[MaskedGroup, ...]:
-    """Sequences grouped by bucketed query and key lengths for dense batches with an additive
-    mask (bottom-right causal, or only the padding), built once per lengths, device and stream.
+def _padding_bias(
+    q_lens: np.ndarray,
+    k_lens: np.ndarray,
+    batch: int,
+    lq: int,
+    lk: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor:
+    """[batch, 1, lq, lk]: 0 on each sequence's keys, -inf on the padding (a padding query row
+    attends the first key, so that no row is all -inf)."""
+    lengths = np.zeros((2, batch), dtype=np.int64)
+    lengths[0, : len(q_lens)], lengths[1, : len(k_lens)] = q_lens, k_lens
+    # Through pinned memory, asynchronously: a pageable copy would wait for the stream.
+    q_len, k_len = to_device(lengths, device)[:, :, None, None, None]
+    row = torch.arange(lq, device=device)[None, None, :, None]
+    col = torch.arange(lk, device=device)[None, None, None, :]
+    allowed = ((col < k_len) & (row < q_len)) | ((row >= q_len) & (col == 0))
+    # Rows of the mask start on 16 bytes (cuDNN's alignment for its strides).
+    width = -(-lk // 8) * 8
+    bias = torch.zeros(batch, 1, lq, width, dtype=dtype, device=device)[..., :lk]
+    return bias.masked_fill_(~allowed, -math.inf)
+
+
+def unmasked_groups(
+    q_lens: np.ndarray, k_lens: np.ndarray, device: torch.device, dtype: torch.dtype
+) -> Tuple[UnmaskedGroup, ...]:
+    """Sequences grouped by bucketed query and key lengths for unmasked dense batches (the
+    keys' padding masked by a bias where there is any), built once per lengths, device and
+    stream.
 
     Args:
         q_lens, k_lens: int64 query and key lengths per sequence (host).
-        causal: mask the keys past each query's position (bottom-right).
-        device, dtype: where the batches run, and the masks' dtype (the operands').
+        device, dtype: where the batches run, and the biases' dtype (the operands').
 
     Returns:
-        Tuple[MaskedGroup, ...]: the groups.
+        Tuple[UnmaskedGroup, ...]: the groups.
     """
     q_lens, k_lens = np.asarray(q_lens, dtype=np.int64), np.asarray(k_lens, dtype=np.int64)
     return kept_for_step(
-        _MASKED_GROUPS,
-        (q_lens.tobytes(), k_lens.tobytes(), causal, dtype),
+        _UNMASKED_GROUPS,
+        (q_lens.tobytes(), k_lens.tobytes(), dtype),
         device,
-        lambda: _build_masked_groups(q_lens, k_lens, causal, device, dtype),
+        lambda: _build_unmasked_groups(q_lens, k_lens, device, dtype),
     )
 
 
 def clear_groups() -> None:
-    """Forget the kept dense and masked groups (their index tensors and masks)."""
+    """Forget the kept dense and unmasked groups (their index tensors and biases)."""
     _DENSE_GROUPS.clear()
-    _MASKED_GROUPS.clear()
+    _UNMASKED_GROUPS.clear()
 
 
-def masked_attention(
+def unmasked_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     q_lens: np.ndarray,
     k_lens: np.ndarray,
-    causal: bool,
     scale: float,
     want_lse: bool,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """torch's dense cuDNN attention of packed sequences of any query and key lengths, the mask
-    (bottom-right causal, or only the padding) an additive bias, one call per group of bucketed
-    lengths (:func:`masked_groups`: cuDNN plans per shape, and buckets keep the shapes few).
+    """torch's dense cuDNN attention of packed sequences of any query and key lengths, unmasked,
+    one call per group of bucketed lengths (:func:`unmasked_groups`: cuDNN plans per shape, and
+    buckets keep the shapes few).
 
     Args:
         q, k, v: [tokens, heads, qk], [rows, heads, qk], [rows, heads, v], packed.
         q_lens, k_lens: the sequences' lengths (host).
-        causal: bottom-right causal, else unmasked.
         scale: the softmax scale.
         want_lse: also return the log-sum-exps.
 
@@ -343,7 +362,7 @@ def masked_attention(
     lse = None
     if want_lse:
         lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
-    for group in masked_groups(q_lens, k_lens, causal, q.device, q.dtype):
+    for group in unmasked_groups(q_lens, k_lens, q.device, q.dtype):
         lq, lk, batch = group.query_length, group.key_length, group.batch
         dense = []
         sides = (
@@ -358,7 +377,7 @@ def masked_attention(
             x = packed.new_zeros(batch * rows, heads, packed.shape[-1])
             x[index[1]] = packed[index[0]]
             dense.append(x.view(batch, rows, heads, -1))
-        bias = group.bias.expand(batch, heads, lq, lk)
+        bias = None if group.bias is None else group.bias.expand(batch, heads, lq, lk)
         dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
         if group.query_rows is not None:
             out[group.query_rows] = dense_out

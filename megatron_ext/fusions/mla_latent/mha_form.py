@@ -15,7 +15,9 @@ Rows are read through the block table from host-known lengths, packed without pa
 requests, and decompressed at most ``row_budget`` (:data:`ROW_BUDGET`: 6144, about 0.5 GB of keys
 and values at 128 heads in bf16) at a time: the rows, request after request, are cut into chunks
 (a request's rows split where they do not fit), every query attends each chunk and the partial
-results are merged by their log-sum-exps (:mod:`~megatron_ext.fusions.mla_latent.mha_chunks`).
+results are merged by their log-sum-exps (the chunks and calls:
+:mod:`~megatron_ext.fusions.mla_latent.mha_chunks`; the merge:
+:mod:`~megatron_ext.fusions.mla_latent.mha_merge`).
 The attention runs on one of the backends of
 :mod:`~megatron_ext.fusions.mla_latent.mha_backends` (:data:`BACKENDS`).
 
@@ -54,7 +56,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     ragged_check,
     varlen_attention,
 )
-from megatron_ext.fusions.mla_latent.mha_chunks import merge_partials
+from megatron_ext.fusions.mla_latent.mha_merge import merge_partials_into
 from megatron_ext.fusions.mla_latent.mha_plan import mha_plan
 from megatron_ext.fusions.mla_latent.mha_rows import bucket
 from megatron_ext.fusions.mla_latent.mha_weights import cached_up_projections, up_projections
@@ -449,9 +451,7 @@ def mla_paged_mha_attention(
             if direct:
                 out[ids] = part
                 continue
-            acc_out[ids], acc_lse[ids] = merge_partials(
-                acc_out[ids], acc_lse[ids], part, part_lse[:n]
-            )
+            merge_partials_into(acc_out, acc_lse, part, part_lse[:n], ids)
     if not direct:
         out[:used] = acc_out.to(query.dtype)
     return out

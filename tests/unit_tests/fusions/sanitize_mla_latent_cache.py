@@ -15,7 +15,8 @@ negative, past the tokens or decreasing, and NaN and inf rows behind the causal 
 warp-specialized Gluon decode kernel in stage 1's place where this GPU and Triton take it
 (``gluon_decode_refusal``; 128 and 40 heads, block sizes 16 and 64, one and three splits, padded
 requests, a -1 block id; ``--quick`` runs one small case, for racecheck's view of its barriers;
-``--gluon-only`` runs its cases alone).
+``--gluon-only`` runs its cases alone), and the MHA form's merge kernel (16 and 128 heads,
+consecutive and indexed tokens, rows no earlier call wrote).
 PyTorch's caching allocator is disabled so that every tensor is its own allocation and an
 out-of-bounds access is one memcheck can see. Exits non-zero if an appended row differs from
 megatron-core's or an attention output from float64 by more than the unit tests allow.
@@ -35,6 +36,7 @@ from megatron_ext.fusions.mla_latent import (  # noqa: E402
     attention,
     attention_plan,
     fused_mla_rope_cache_append,
+    mha_merge,
 )
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
@@ -172,6 +174,30 @@ def check_bad_metadata(heads: int, dtype: torch.dtype, splits: int, seed: int) -
     return ok
 
 
+def check_mha_merge(heads: int, tokens_kind: str, seed: int) -> bool:
+    """The MHA form's merge kernel on 96 of 200 accumulator rows (bf16 partials, a strided
+    log-sum-exp), against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    used, count, v = 200, 96, 128
+    acc = torch.randn(used, heads, v, generator=gen).cuda()
+    acc_lse = (torch.randn(used, heads, generator=gen) * 4).cuda()
+    acc_lse[::3] = -math.inf  # rows no earlier call wrote: not read
+    part = torch.randn(count, heads, v, generator=gen).to(torch.bfloat16).cuda()
+    part_lse = (torch.randn(heads, count, generator=gen) * 4).cuda().t()
+    if tokens_kind == "slice":
+        tokens = slice(50, 50 + count)
+    else:
+        tokens = torch.randperm(used, generator=gen)[:count].to(torch.int32).cuda()
+    a, la = torch.where(acc_lse[..., None] == -math.inf, 0.0, acc)[tokens], acc_lse[tokens]
+    top = torch.maximum(la, part_lse.float()).double()
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    wa, wb = torch.exp(la.double() - top), torch.exp(part_lse.double() - top)
+    want = (a.double() * wa[..., None] + part.double() * wb[..., None]) / (wa + wb)[..., None]
+    mha_merge.merge_partials_into(acc, acc_lse, part, part_lse, tokens)
+    torch.cuda.synchronize()
+    return bool((acc[tokens].double() - want).abs().max() <= 1e-5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for racecheck)")
@@ -221,6 +247,14 @@ def main() -> int:
             if not check_bad_metadata(heads, dtype, splits, seed=heads):
                 failures += 1
                 print(f"BAD metadata heads={heads} splits={splits} {dtype}")
+    merges = [] if args.gluon_only else [(128, "index")]
+    if not (args.quick or args.gluon_only):
+        merges += [(16, "slice"), (16, "index"), (128, "slice")]
+    for heads, tokens_kind in merges:
+        checks += 1
+        if not check_mha_merge(heads, tokens_kind, seed=heads):
+            failures += 1
+            print(f"BAD mha merge heads={heads} tokens={tokens_kind}")
     # Request 0 spans several pages, so check_attention's -1 at its second is a used row.
     gluon_decode = [(700, 1), (0, 1), (63, 1), (64, 1), (129, 1)]
     gluon_cases = [(128, 16, 1), (128, 64, 3), (40, 16, 3), (40, 64, 1)]

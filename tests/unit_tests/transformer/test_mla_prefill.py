@@ -373,21 +373,24 @@ def _split_of(monkeypatch, query_lengths, kv_lengths, heads=128):
     return mla_prefill.mha_form_split(module, context, torch.zeros(1, heads, 192))
 
 
-def test_fresh_prefill_steps_take_dense_cudnn_and_chunks_stay_on_flash(monkeypatch):
+def test_prefill_and_chunk_steps_take_dense_cudnn_at_its_rates(monkeypatch):
     fresh = _split_of(monkeypatch, [1536, 1536], [1536, 1536])
     assert fresh.backend == "cudnn-dense" and fresh.absorbed_requests == 0
     chunk = _split_of(monkeypatch, [1024], [1024 + 3072])
-    assert chunk.backend == "flash" and chunk.absorbed_requests == 0
-    # Decodes absorbed, fresh prefills after them: the MHA part is fresh.
-    mixed = _split_of(monkeypatch, [1] * 8 + [2048], [4096] * 8 + [2048])
+    assert chunk.backend == "cudnn-dense" and chunk.absorbed_requests == 0
+    mixed = _split_of(monkeypatch, [1] * 8 + [512], [4096] * 8 + [1536])
     assert mixed.backend == "cudnn-dense" and mixed.absorbed_requests == 8
-    # The backend after a split: dense only where every request after it is fresh.
-    q, kv, cuda = np.array([1] * 8 + [2048]), np.array([4096] * 8 + [2048]), torch.device("cuda")
-    assert mla_prefill.split_backend("flash", q, kv, 8, cuda, 192) == "cudnn-dense"
-    assert mla_prefill.split_backend("flash", q, kv, 0, cuda, 192) == "flash"
-    # A request without new tokens does not make a step less fresh.
-    assert mla_prefill.fresh_only(np.array([0, 5]), np.array([9, 5]))
-    assert not mla_prefill.fresh_only(np.array([0, 0]), np.array([9, 5]))
+    # The split is dense cuDNN's: at FlashAttention's rates a 96-token chunk behind 8k rows
+    # stays absorbed, at dense cuDNN's it does not.
+    widths, cuda = (512, 64, 128, 128), torch.device("cuda")
+    q, kv = np.array([96]), np.array([8192 + 96])
+    flash = mla_prefill.absorbed_request_count(q, kv, 128, widths, mla_prefill.COST_MODELS["flash"])
+    dense = mla_prefill.absorbed_request_count(
+        q, kv, 128, widths, mla_prefill.COST_MODELS["cudnn-dense"]
+    )
+    assert (flash, dense) == (1, 0)
+    assert mla_prefill.step_split(q, kv, 128, widths, "flash", cuda, 192) == ("cudnn-dense", 0)
+    assert mla_prefill.split_backend("flash", cuda, 192) == "cudnn-dense"
     # The override, or a rule that picked another backend, keeps its backend.
     monkeypatch.setattr(mla_prefill, "BACKEND", "flash")
     assert not mla_prefill.dense_usable("flash", torch.device("cuda", 0), 192)
@@ -478,8 +481,8 @@ def test_a_fused_backend_is_used_where_the_gpu_takes_it_and_its_check_passes(
 
 @pytest.mark.parametrize("off", ["cudnn", "flash"])
 def test_the_dense_cudnn_backend_needs_both_sdpa_switches(monkeypatch, off):
-    """Its causal blocks run cuDNN's entry and its unmasked calls FlashAttention's: either
-    switch off, and it is not used."""
+    """It runs cuDNN's entry in place of FlashAttention's: either switch off, and it is not
+    used."""
     monkeypatch.setattr(mla_prefill, "_DEVICE_SUPPORT", {("cudnn-dense", 0): True})
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: off != "cudnn")
     monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: off != "flash")

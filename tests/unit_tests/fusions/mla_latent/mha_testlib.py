@@ -198,8 +198,8 @@ def matches_float64(requests, backend, budget, seed, **widths) -> dict:
 def cudnn_dense_stand_in(seen):
     """A stand-in for torch's dense cuDNN operator (its contract: [batch, heads, length, width],
     top-left causal on square calls, an additive bias broadcast to [batch, heads, queries,
-    keys], log-sum-exp as [batch, heads, queries]) that records each call's shapes, storage and
-    whether it had a bias."""
+    keys], log-sum-exp as [batch, heads, queries]) that records each call's batch, queries,
+    query storage, whether it had a bias and whether it was causal."""
 
     def stand_in(q, k, v, bias, want_lse, dropout, causal, debug, *, scale):
         assert dropout == 0.0 and not debug
@@ -207,11 +207,11 @@ def cudnn_dense_stand_in(seen):
         keys = k.shape[2]
         assert k.shape[:2] == v.shape[:2] == (batch, heads) and v.shape[2] == keys
         assert not (causal and bias is not None), "the flag or a bias, not both"
-        seen.append((batch, length, q.untyped_storage().data_ptr(), bias is not None))
+        seen.append((batch, length, q.untyped_storage().data_ptr(), bias is not None, causal))
         scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
         if causal:
             assert length == keys, "top-left causal on a call that is not square"
-            rows = torch.arange(length)
+            rows = torch.arange(length, device=q.device)
             scores = scores.masked_fill(rows[None, :] > rows[:, None], -math.inf)
         if bias is not None:
             assert bias.shape == (batch, heads, length, keys) and bias.dtype == q.dtype

@@ -154,19 +154,20 @@ def test_cudnn_ragged_check(monkeypatch, operator, problem):
     "requests", [PREFILL, CHUNKED, MIXED, NINE], ids=["prefill", "chunked", "mixed", "nine"]
 )
 def test_cudnn_dense_glue_with_stand_in_operators(monkeypatch, requests, budget):
-    """The dense cuDNN backend: square causal sequences batched by length bucket with the
-    causal flag (padded rows and empty sequences), the others (a chunk behind cached rows, a
-    chunk's unmasked rest) batched by bucketed lengths with a bias; never FlashAttention's
-    entry; float64's result."""
+    """The dense cuDNN backend, top-left: square causal blocks batched by length bucket with the
+    causal flag (padded rows and empty sequences), the rows before them (a chunk's cached
+    prefix, a cut chunk's rest) in unmasked calls batched by bucketed lengths, merged; never a
+    causal bias, never FlashAttention's entry; float64's result."""
     seen, flash_seen = [], []
     dense_backend(monkeypatch, seen, flash_seen)
     matches_float64(requests, "cudnn-dense", budget, seed=13)
-    assert seen and all(length == bucket(length) and batch >= 1 for batch, length, _, _ in seen)
+    assert seen and all(length == bucket(length) and batch >= 1 for batch, length, *_ in seen)
     assert flash_seen == []
-    # A cached prefix (or, under a budget, rows of an earlier chunk) takes the masked path.
+    assert not any(bias and causal for *_, bias, causal in seen)
+    # A cached prefix (or, under a budget, rows of an earlier chunk) takes an unmasked call.
     has_prefix = any(cached for cached, _ in requests)
-    masked = any(bias for _, _, _, bias in seen)
-    assert masked == has_prefix if budget is None else masked >= has_prefix
+    unmasked = any(not causal for *_, causal in seen)
+    assert unmasked == has_prefix if budget is None else unmasked >= has_prefix
 
 
 @pytest.mark.parametrize(
@@ -198,8 +199,9 @@ def test_ragged_check_of_each_backend_passes_a_faithful_operator(monkeypatch, ba
 
 @pytest.mark.parametrize("ignores", ["causal flag", "bias"])
 def test_dense_cudnn_check_refuses_an_operator_that_drops_a_mask(monkeypatch, ignores):
-    """A dense operator that ignores the causal flag (the square path) or the bias (the masked
-    path) disagrees with plain torch on that call: refused, the call named."""
+    """A dense operator that ignores the causal flag (the square path) or the bias (the
+    unmasked path's padding) disagrees with plain torch on that call: refused, the call
+    named."""
     seen = []
     faithful = cudnn_dense_stand_in(seen)
 
@@ -220,7 +222,8 @@ def test_dense_cudnn_check_refuses_an_operator_that_drops_a_mask(monkeypatch, ig
 
     monkeypatch.setattr(mha_backends.internals, "cudnn_dense_attention_forward", unfaithful)
     problem = mha_form.ragged_check("cudnn-dense", torch.device("cpu"))
-    assert problem is not None and "dense cuDNN" in problem and "bottom_right" in problem
+    call = "top_left" if ignores == "causal flag" else "unmasked"
+    assert problem is not None and "dense cuDNN" in problem and f"a {call} call" in problem
     assert seen, "the check never reached the operator"
 
 
@@ -388,7 +391,8 @@ def test_gpu_check_of_each_backend_passes_where_torch_and_the_gpu_have_it(backen
 
 
 def test_present_backends_follow_the_operators_torch_has(monkeypatch):
-    """Dense cuDNN needs FlashAttention's entry too (its unmasked calls); TE where it imports."""
+    """Dense cuDNN stands in for FlashAttention only (``mla_prefill.dense_usable``): listed where
+    both entries are; TE where it imports."""
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)  # import fails
     for name in ("flash", "cudnn_dense", "cudnn"):
         monkeypatch.setattr(mha_backends.internals, f"{name}_attention_forward", None)

@@ -1,19 +1,15 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
-"""Tests of the MHA form's chunks of attended rows and their merge
-(megatron_ext.fusions.mla_latent.mha_chunks): row budgets that split requests across chunks keep
-the result, a step in one chunk writes its calls' outputs straight out with the merge's bits, and
-the merge of queries without keys.
+"""Tests of the MHA form's chunks of attended rows (megatron_ext.fusions.mla_latent.mha_chunks):
+row budgets that split requests across chunks keep the result, and a step in one chunk writes its
+calls' outputs straight out with the merge's bits. The merge itself: test_mha_merge.py.
 """
-
-import math
 
 import pytest
 import torch
 
 from megatron_ext.fusions.mla_latent import (
     mha_backends,
-    mha_chunks,
     mha_form,
     mha_plan,
 )
@@ -90,8 +86,8 @@ def test_writing_calls_straight_out_gives_the_merged_bits(monkeypatch, backend, 
     merge into an accumulator (forced here) gives the same bits, and only it merges."""
     monkeypatch.setattr(mha_backends.internals, "flash_attention_forward", flash_stand_in([]))
     merges = []
-    merge = mha_form.merge_partials
-    monkeypatch.setattr(mha_form, "merge_partials", lambda *a: merges.append(1) or merge(*a))
+    merge = mha_form.merge_partials_into
+    monkeypatch.setattr(mha_form, "merge_partials_into", lambda *a: merges.append(1) or merge(*a))
     step, query, cache, weight, lengths = mha_step(requests, 3, seed=12)
     call = dict(rope_dim=16, backend=backend, **lengths)
     direct = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **call)
@@ -142,17 +138,6 @@ def test_cudnn_glue_with_a_row_budget(monkeypatch, requests):
     assert_buckets(seen)
     # Two padded sections per chunk (cached rows, new rows): each at most a bucket of the budget.
     assert max(rows) <= 2 * 16 and len(rows) == -(-sum(lengths["kv_lengths"]) // 16)
-
-
-def test_merge_of_queries_without_keys():
-    """Both sides -inf (no keys in either): zeros and -inf, no NaN; one side -inf: the other."""
-    out_a, out_b = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
-    none = torch.full((3, 2), -math.inf)
-    lse_b = torch.randn(3, 2)
-    merged, lse = mha_chunks.merge_partials(out_a, none, out_b, none)
-    assert torch.equal(merged, torch.zeros_like(merged)) and torch.equal(lse, none)
-    merged, lse = mha_chunks.merge_partials(out_a, none, out_b, lse_b)
-    assert torch.equal(merged, out_b) and torch.equal(lse, lse_b)
 
 
 @pytest.mark.gpu

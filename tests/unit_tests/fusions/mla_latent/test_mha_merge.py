@@ -1,0 +1,180 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Tests of the MHA form's merge of partial attentions (megatron_ext.fusions.mla_latent.mha_merge):
+the torch merge's edge cases, and the merge kernel against a float64 merge, writing only its
+tokens' rows (guard rows around them), for consecutive and indexed tokens, strided partials and
+rows no earlier call wrote. Without a GPU the kernel runs in the Triton interpreter
+(tests/conftest.py); tests marked ``gpu`` run it compiled, as the MHA form does on CUDA.
+"""
+
+import math
+
+import pytest
+import torch
+
+from megatron_ext.fusions.mla_latent import mha_merge
+from megatron_ext.fusions.mla_latent.mha_merge import merge_partials, merge_partials_into
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
+GUARD = 1234.5
+
+
+def test_merge_of_queries_without_keys():
+    """Both sides -inf (no keys in either): zeros and -inf, no NaN; one side -inf: the other."""
+    out_a, out_b = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    none = torch.full((3, 2), -math.inf)
+    lse_b = torch.randn(3, 2)
+    merged, lse = merge_partials(out_a, none, out_b, none)
+    assert torch.equal(merged, torch.zeros_like(merged)) and torch.equal(lse, none)
+    merged, lse = merge_partials(out_a, none, out_b, lse_b)
+    assert torch.equal(merged, out_b) and torch.equal(lse, lse_b)
+
+
+def _float64_merge(acc, acc_lse, part, part_lse):
+    """The merge in float64 from the definition: outputs weighted by exp(lse), normalised."""
+    a, la, b, lb = acc.double(), acc_lse.double(), part.double(), part_lse.double()
+    top = torch.maximum(la, lb).nan_to_num(neginf=0.0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    wa, wb = torch.exp(la - top), torch.exp(lb - top)
+    total = wa + wb
+    merged = (a * wa[..., None] + b * wb[..., None]) / total.clamp_min(1e-300)[..., None]
+    merged = torch.where(total[..., None] > 0, merged, torch.zeros_like(merged))
+    return merged, top + torch.log(total)
+
+
+def _case(used, heads, v, count, dtype, seed):
+    """An accumulator with guard rows before and after it, some rows never written (-inf, their
+    values garbage the kernel must not read), a partial with -inf rows, and the call's tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    acc_buffer = torch.full((used + 2, heads, v), GUARD)
+    acc_buffer[1:-1] = torch.randn(used, heads, v, generator=gen)
+    lse_buffer = torch.full((used + 2, heads), GUARD)
+    lse_buffer[1:-1] = torch.randn(used, heads, generator=gen) * 4
+    fresh = torch.rand(used, heads, generator=gen) < 0.3
+    lse_buffer[1:-1][fresh] = -math.inf
+    acc_buffer[1:-1][fresh] = math.nan  # never read: a row no call wrote
+    # The partial as a strided view (wider rows, as a padded backend returns them).
+    part = torch.randn(count, heads, v + 8, generator=gen).to(dtype)[:, :, :v]
+    part_lse = (torch.randn(heads, count, generator=gen) * 4).t()  # [count, heads], strided
+    part_lse[torch.rand(count, heads, generator=gen) < 0.2] = -math.inf
+    tensors = (acc_buffer, lse_buffer, part, part_lse)
+    return [t.to(DEVICE) for t in tensors], fresh.to(DEVICE)
+
+
+def _tokens(kind, used, count, seed):
+    if kind == "slice":
+        return slice(used - count - 1, used - 1)
+    order = torch.randperm(used, generator=torch.Generator().manual_seed(seed))[:count]
+    return order.to(torch.int32 if kind == "int32" else torch.int64).to(DEVICE)
+
+
+@pytest.fixture
+def kernel_everywhere(monkeypatch):
+    """The kernel on this machine's device (the interpreter's on CPU), as on CUDA."""
+    if not ON_GPU:
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: True)
+
+
+@pytest.mark.parametrize("tokens_kind", ["slice", "int32", "int64"])
+@pytest.mark.parametrize(
+    "heads, v", [(1, 128), (3, 20), (16, 128), (5, 512)], ids=["1x128", "3x20", "16x128", "5x512"]
+)
+def test_kernel_matches_float64_and_writes_only_its_tokens(
+    kernel_everywhere, tokens_kind, heads, v
+):
+    used, count = 37, 11
+    dtypes = [torch.float32] + ([torch.bfloat16] if ON_GPU else [torch.float16])
+    for dtype in dtypes:
+        (acc_buffer, lse_buffer, part, part_lse), fresh = _case(used, heads, v, count, dtype, v)
+        acc, acc_lse = acc_buffer[1:-1], lse_buffer[1:-1]
+        tokens = _tokens(tokens_kind, used, count, heads)
+        before, lse_before = acc_buffer.clone(), lse_buffer.clone()
+        want, want_lse = _float64_merge(
+            torch.where(fresh[..., None], 0.0, acc)[tokens], acc_lse[tokens], part, part_lse
+        )
+        merge_partials_into(acc, acc_lse, part, part_lse, tokens)
+        torch.testing.assert_close(acc[tokens].double(), want, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(acc_lse[tokens].double(), want_lse, rtol=2e-6, atol=2e-6)
+        # Every other row, the guards included, keeps its bits (NaN rows too).
+        written = torch.zeros(used + 2, dtype=torch.bool, device=DEVICE)
+        written[1:-1][tokens] = True
+        assert torch.equal(
+            acc_buffer[~written].view(torch.int32), before[~written].view(torch.int32)
+        ), "the kernel wrote outside its tokens' accumulator rows"
+        assert torch.equal(
+            lse_buffer[~written].view(torch.int32), lse_before[~written].view(torch.int32)
+        ), "the kernel wrote outside its tokens' log-sum-exps"
+
+
+def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel_everywhere):
+    """Rows with no keys on either side: zeros and -inf (no NaN); the kernel's merge within fp32
+    rounding of the torch merge's everywhere."""
+    heads, v, used = 4, 64, 9
+    gen = torch.Generator().manual_seed(3)
+    acc = torch.zeros(used, heads, v)
+    acc_lse = torch.full((used, heads), -math.inf)
+    part = torch.randn(used, heads, v, generator=gen)
+    part_lse = torch.randn(used, heads, generator=gen)
+    part_lse[2:4] = -math.inf
+    acc, acc_lse, part, part_lse = (t.to(DEVICE) for t in (acc, acc_lse, part, part_lse))
+    torch_acc, torch_lse = merge_partials(acc, acc_lse, part, part_lse)
+    merge_partials_into(acc, acc_lse, part, part_lse, slice(0, used))
+    assert not acc[2:4].any() and (acc_lse[2:4] == -math.inf).all()
+    torch.testing.assert_close(acc, torch_acc, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_lse, torch_lse, rtol=1e-6, atol=1e-6)
+    # A second partial over the same rows: the merge of three, as the torch merge gives it.
+    again = torch.randn(used, heads, v, generator=gen).to(DEVICE)
+    again_lse = torch.randn(used, heads, generator=gen).to(DEVICE)
+    torch_acc, torch_lse = merge_partials(torch_acc, torch_lse, again, again_lse)
+    merge_partials_into(acc, acc_lse, again, again_lse, slice(0, used))
+    torch.testing.assert_close(acc, torch_acc, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_lse, torch_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("part_heads", "must be \\[used, heads, v\\]"),
+        ("part_lse", "part_lse must be"),
+        ("slice", "consecutive rows"),
+        ("index", "must hold 3 indices"),
+    ],
+)
+def test_mismatched_shapes_are_refused_before_any_write(change, message):
+    acc, acc_lse = torch.zeros(8, 2, 4), torch.full((8, 2), -math.inf)
+    part, part_lse, tokens = torch.ones(3, 2, 4), torch.zeros(3, 2), slice(0, 3)
+    if change == "part_heads":
+        part = torch.ones(3, 3, 4)
+    elif change == "part_lse":
+        part_lse = torch.zeros(3, 1)
+    elif change == "slice":
+        tokens = slice(0, 4)
+    else:
+        tokens = torch.arange(4)
+    with pytest.raises(ValueError, match=message):
+        merge_partials_into(acc, acc_lse, part, part_lse, tokens)
+    assert not acc.any() and (acc_lse == -math.inf).all()
+
+
+@pytest.mark.gpu
+def test_gpu_the_merge_runs_the_kernel_and_replays_from_a_graph(monkeypatch):
+    """On CUDA with an fp32 accumulator the kernel merges (not the torch path), and a CUDA
+    graph's replay of it gives the eager call's bits."""
+    monkeypatch.setattr(mha_merge, "merge_partials", None)  # the torch path would fail
+    (acc_buffer, lse_buffer, part, part_lse), _ = _case(64, 16, 128, 32, torch.bfloat16, 5)
+    tokens = torch.arange(10, 42, device=DEVICE, dtype=torch.int32)
+    acc, acc_lse = acc_buffer[1:-1].clone(), lse_buffer[1:-1].clone()
+    eager, eager_lse = acc.clone(), acc_lse.clone()
+    merge_partials_into(eager, eager_lse, part, part_lse, tokens)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        merge_partials_into(acc.clone(), acc_lse.clone(), part, part_lse, tokens)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        merge_partials_into(acc, acc_lse, part, part_lse, tokens)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(acc.nan_to_num(), eager.nan_to_num()), "graph replay moved the bits"
+    assert torch.equal(acc_lse, eager_lse)
