@@ -29,6 +29,11 @@ def _us(row: Dict[str, Any], name: str) -> Optional[float]:
     return entry.get("gpu_us") if isinstance(entry, dict) else None
 
 
+def _eager_us(row: Dict[str, Any], name: str) -> Optional[float]:
+    entry = row["ours"] if name == "ours" else row["forms"].get(name)
+    return entry.get("eager_us") if isinstance(entry, dict) else None
+
+
 def chosen_us(row: Dict[str, Any]) -> Optional[float]:
     """GPU time of the contender the cost model picks for the row (None if it did not run)."""
     return _us(row, row["forms"]["chosen"])
@@ -45,19 +50,22 @@ def _cell(value: Optional[float], spec: str, width: int) -> str:
 
 def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
     """The prefill rows' forms side by side: GPU us, the MHA form's TFLOP/s (its own FLOPs:
-    decompression GEMM included) and difference from ours, the cost model's pick and its time
-    against FlashInfer's and against the absorbed form (nothing without rows)."""
+    decompression GEMM included) and difference from ours, the cost model's pick, its eager
+    time per call, and its GPU time against FlashInfer's and against the absorbed form (nothing
+    without rows)."""
     if not rows:
         return []
     backends = sorted({str(r["forms"].get("backend")) for r in rows})
     lines = [
         f"=== table: prefill forms (MHA-form backend: {', '.join(backends)}); absorbed = the "
         "attention kernel alone (W_UK/W_UV left out, ours and FlashInfer's), MHA = gather + "
-        "decompression GEMM + dense attention, timed eagerly (it runs in eager steps only); "
-        "split = the leading requests absorbed; pick = the cost model's choice",
+        "decompression GEMM + dense attention (it runs in eager steps: its GPU time queued behind "
+        "a GPU sleep, the host ahead as in an engine step); split = the leading requests "
+        "absorbed; pick = the cost model's choice, eager = its time per call run eagerly, the "
+        "host's included",
         f"{'step':>50} {'heads':>5} | {'absorbed':>9} {'mha':>9} {'TFLOP/s':>8} {'rel diff':>8} "
-        f"{'split':>9} {'at':>5} | {'pick':>8} {'FI':>9} {'pick/FI':>7} {'pick/abs':>8} "
-        f"{'fastest':>8}",
+        f"{'split':>9} {'at':>5} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
+        f"{'pick/abs':>8} {'fastest':>8}",
     ]
     for r in rows:
         forms = r["forms"]
@@ -70,7 +78,8 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
             f"{r['case']:>50} {r['heads']:>5} | {absorbed:9.1f} {_cell(_us(r, 'mha'), '9.1f', 9)} "
             f"{_cell(mha.get('tflops'), '8.1f', 8)} {_cell(mha.get('max_rel_diff'), '8.1e', 8)} "
             f"{_cell(_us(r, 'split'), '9.1f', 9)} {at} | "
-            f"{forms['chosen']:>8} {_cell(fi, '9.1f', 9)} "
+            f"{forms['chosen']:>8} {_cell(_eager_us(r, forms['chosen']), '9.1f', 9)} "
+            f"{_cell(fi, '9.1f', 9)} "
             f"{_cell(pick / fi if pick and fi else None, '6.2f', 6)}x "
             f"{_cell(pick / absorbed if pick else None, '7.2f', 7)}x {fastest:>8}"
         )

@@ -187,8 +187,8 @@ def absorbed_request_count(
         model: the rates.
 
     Returns:
-        int: ``s`` in ``0..requests``; ``requests`` means all absorbed. Ties go to the absorbed
-        form.
+        int: ``s`` in ``0..requests``; ``requests`` means all absorbed. Of splits the host
+        bounds alike, the one with less GPU work; exact ties go to the absorbed form.
     """
     key = (
         query_lengths.dtype.str,
@@ -235,10 +235,13 @@ def _cheapest_split(
     mha_rows = np.concatenate([np.cumsum(np.where(q > 0, rows, 0.0)[::-1])[::-1], [0.0]])
     chunks = np.maximum(np.ceil(mha_rows / mha_form.ROW_BUDGET), 1.0)
     host = model.mha_fixed_seconds + (chunks - 1) * model.mha_chunk_seconds
-    cost = np.where(np.arange(n + 1) < n, np.maximum(before + after, host), before)
+    gpu = before + np.where(np.arange(n + 1) < n, after, 0.0)
+    cost = np.where(np.arange(n + 1) < n, np.maximum(gpu, host), before)
+    # Where the host bounds two splits alike, the one with less GPU work: it leaves the GPU to
+    # the step's other work sooner.
     best = n
     for s in range(n - 1, -1, -1):
-        if cost[s] < cost[best]:
+        if (cost[s], gpu[s]) < (cost[best], gpu[best]):
             best = s
     return best
 

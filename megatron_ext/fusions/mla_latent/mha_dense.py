@@ -145,6 +145,16 @@ def _dense_call(
     return out, result[1].reshape(-1, heads, rows).transpose(1, 2).reshape(-1, heads)
 
 
+def _empty_result(q: Tensor, v_dim: int, want_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """A call's result before its groups write theirs: zeros and -inf (rows past the lengths
+    and queries without keys keep them)."""
+    tokens, heads = q.shape[:2]
+    out = q.new_zeros(tokens, heads, v_dim)
+    if not want_lse:
+        return out, None
+    return out, torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+
+
 def square_causal_attention(
     q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
 ) -> Tuple[Tensor, Optional[Tensor]]:
@@ -172,11 +182,7 @@ def square_causal_attention(
         and groups[0].rows is not None
         and groups[0].count * groups[0].length == tokens
     )
-    out = lse = None
-    if not alone:
-        out = q.new_zeros(tokens, heads, v.shape[-1])
-        if want_lse:
-            lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    out, lse = (None, None) if alone else _empty_result(q, v.shape[-1], want_lse)
     for group in groups:
         length, rows = group.length, group.rows
         if rows is not None:
@@ -358,11 +364,12 @@ def unmasked_attention(
         (zeros and -inf for a query without keys and past the lengths).
     """
     tokens, heads = q.shape[:2]
-    out = q.new_zeros(tokens, heads, v.shape[-1])
-    lse = None
-    if want_lse:
-        lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
-    for group in unmasked_groups(q_lens, k_lens, q.device, q.dtype):
+    groups = unmasked_groups(q_lens, k_lens, q.device, q.dtype)
+    # One group whose batch is a view of every query row (a chunk over the rows before it):
+    # cuDNN's own output is the result, no zeroed output to copy it into.
+    alone = len(groups) == 1 and groups[0].query_rows == slice(0, tokens)
+    out, lse = (None, None) if alone else _empty_result(q, v.shape[-1], want_lse)
+    for group in groups:
         lq, lk, batch = group.query_length, group.key_length, group.batch
         dense = []
         sides = (
@@ -379,6 +386,8 @@ def unmasked_attention(
             dense.append(x.view(batch, rows, heads, -1))
         bias = None if group.bias is None else group.bias.expand(batch, heads, lq, lk)
         dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
+        if alone:
+            return dense_out, (dense_lse.float() if want_lse else None)
         if group.query_rows is not None:
             out[group.query_rows] = dense_out
             if want_lse:

@@ -409,7 +409,8 @@ def mla_paged_mha_attention(
         out[used:] = 0
     if not direct:
         accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
-        acc_out = torch.zeros(used, heads, v_dim, dtype=accumulate, device=query.device)
+        # Rows are read only where a call wrote them (their log-sum-exp no longer -inf).
+        acc_out = torch.empty(used, heads, v_dim, dtype=accumulate, device=query.device)
         acc_lse = torch.full((used, heads), -math.inf, dtype=torch.float32, device=query.device)
     if backend == "flash":
         key_width = value_width = flash_head_dim(width, v_dim)
@@ -451,7 +452,9 @@ def mla_paged_mha_attention(
             if direct:
                 out[ids] = part
                 continue
-            merge_partials_into(acc_out, acc_lse, part, part_lse[:n], ids)
-    if not direct:
-        out[:used] = acc_out.to(query.dtype)
+            # A call after which its tokens have no other writes their answers.
+            final = out if call.last else None
+            merge_partials_into(acc_out, acc_lse, part, part_lse[:n], ids, final)
+    if not direct and not plan.merges_write_out:
+        out[:used].copy_(acc_out)
     return out

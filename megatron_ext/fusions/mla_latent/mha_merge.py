@@ -6,9 +6,11 @@ by their log-sum-exps.
 * :func:`merge_partials`: the merge in torch (any device and dtype; fp64 included), the
   reference.
 * :func:`merge_partials_into`: a call's partial merged into the step's accumulator in place, for
-  the call's tokens (a slice or an index). On CUDA with an fp32 accumulator it is one kernel
-  that reads each accumulator row only where an earlier call wrote it and writes it once; the
-  torch merge reads and writes it about ten times over (at 1024 tokens, 128 heads and 128 value
+  the call's tokens (a slice or an index), or, for a call after which its tokens have no other,
+  written straight into the result in its dtype. On CUDA with an fp32 accumulator it is one
+  kernel that reads each accumulator row only where an earlier call wrote it (the accumulator
+  needs no zeroing, only its log-sum-exps set to -inf) and writes each row once; the torch
+  merge reads and writes it about ten times over (at 1024 tokens, 128 heads and 128 value
   columns a merge moves 64 MiB per pass), which made a chunk's split calls slower than one
   bottom-right call. Elsewhere the torch merge.
 
@@ -16,6 +18,7 @@ The kernel is graph-safe (no host synchronisation; its grid is the call's token 
 heads) and writes only the accumulator's rows of the call's tokens.
 """
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -63,6 +66,7 @@ def _merge_partials_kernel(
     part_ptr,
     part_lse_ptr,
     tokens_ptr,
+    out_ptr,
     first_token,
     heads,
     v_dim,
@@ -73,7 +77,10 @@ def _merge_partials_kernel(
     part_head_stride,
     part_lse_token_stride,
     part_lse_head_stride,
+    out_token_stride,
+    out_head_stride,
     HAS_INDEX: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -105,8 +112,12 @@ def _merge_partials_kernel(
     part = tl.load(part_at, mask=inside, other=0.0).to(tl.float32)
     merged = acc * w_a[:, None] + part * w_b[:, None]
     merged = tl.where(total[:, None] > 0, merged / total[:, None], 0.0)
-    tl.store(acc_at, merged, mask=inside)
-    tl.store(acc_lse_ptr + token * acc_lse_token_stride + h, top + tl.log(total), mask=live)
+    if WRITE_OUT:  # the tokens' last call: the result, in its dtype (the accumulator's cast)
+        out_at = out_ptr + token * out_token_stride + h[:, None] * out_head_stride + cols[None, :]
+        tl.store(out_at, merged.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        tl.store(acc_at, merged, mask=inside)
+        tl.store(acc_lse_ptr + token * acc_lse_token_stride + h, top + tl.log(total), mask=live)
 
 
 # Triton's JIT on a specialisation's first call, then the direct launch.
@@ -121,6 +132,7 @@ def _plan(
     part: Tensor,
     part_lse: Tensor,
     index: Optional[Tensor],
+    out: Optional[Tensor],
     first: int,
 ) -> LaunchPlan:
     count, heads, v_dim = part.shape
@@ -134,6 +146,7 @@ def _plan(
         part_ptr=part,
         part_lse_ptr=part_lse,
         tokens_ptr=index,
+        out_ptr=out,
         first_token=first,
         heads=heads,
         v_dim=v_dim,
@@ -144,17 +157,22 @@ def _plan(
         part_head_stride=part.stride(1),
         part_lse_token_stride=part_lse.stride(0),
         part_lse_head_stride=part_lse.stride(1),
+        out_token_stride=0 if out is None else out.stride(0),
+        out_head_stride=0 if out is None else out.stride(1),
         HAS_INDEX=index is not None,
+        WRITE_OUT=out is not None,
         BLOCK_H=block_h,
         BLOCK_V=block_v,
     )
     grid = (count, triton.cdiv(heads, block_h))
-    return PreparedLaunch(MERGE_LAUNCHES, grid, args, dict(num_warps=4), tensors=5)
+    return PreparedLaunch(MERGE_LAUNCHES, grid, args, dict(num_warps=4), tensors=6)
 
 
-def _kernel_takes(acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor) -> bool:
+def _kernel_takes(
+    acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor, out: Optional[Tensor]
+) -> bool:
     """Whether the kernel merges this call: CUDA, an fp32 accumulator of unit column and head
-    strides where it indexes them so, a partial of unit column stride."""
+    strides where it indexes them so, a partial (and a result) of unit column stride."""
     return (
         acc.is_cuda
         and acc.dtype == torch.float32
@@ -162,23 +180,32 @@ def _kernel_takes(acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor) 
         and acc.stride(2) == 1
         and acc_lse.stride(1) == 1
         and part.stride(2) == 1
+        and (out is None or out.stride(2) == 1)
     )
 
 
 def merge_partials_into(
-    acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor, tokens: Union[slice, Tensor]
+    acc: Tensor,
+    acc_lse: Tensor,
+    part: Tensor,
+    part_lse: Tensor,
+    tokens: Union[slice, Tensor],
+    out: Optional[Tensor] = None,
 ) -> None:
     """Merge a call's partial attention into the step's accumulator, in place, for the call's
-    tokens. Graph-safe. The accumulator's rows of other tokens are not touched.
+    tokens; or, with ``out``, write the merged rows into ``out`` (in its dtype) and leave the
+    accumulator as it was. Graph-safe. Rows of other tokens are not touched.
 
     Args:
-        acc: [used, heads, v] fp32 (fp64 for fp64 inputs) accumulated outputs (zeros where no
-            call has written yet).
+        acc: [used, heads, v] fp32 (fp64 for fp64 inputs) accumulated outputs (anything where no
+            call has written yet: such rows are not read).
         acc_lse: [used, heads] fp32 accumulated log-sum-exps (-inf where no call has written).
         part: [count, heads, v] the call's outputs (any float dtype; strided views welcome).
         part_lse: [count, heads] fp32 the call's log-sum-exps.
         tokens: the call's tokens: a slice of ``count`` consecutive ones, or ``count`` int32 or
             int64 indices on ``acc``'s device (distinct: each row is written once).
+        out: [>= used, heads, v], the result, for a call after which none of its tokens is in
+            another; None: merge into the accumulator.
 
     Raises:
         ValueError: for shapes that do not match, before any launch.
@@ -191,6 +218,13 @@ def merge_partials_into(
         )
     if part_lse.shape != part.shape[:2]:
         raise ValueError(f"part_lse must be {tuple(part.shape[:2])}; got {tuple(part_lse.shape)}")
+    if out is not None and (
+        out.dim() != 3 or out.shape[0] < acc.shape[0] or out.shape[1:] != acc.shape[1:]
+    ):
+        raise ValueError(
+            f"out must be [>= {acc.shape[0]}, {acc.shape[1]}, {acc.shape[2]}]; got "
+            f"{tuple(out.shape)}"
+        )
     if isinstance(tokens, slice):
         start, stop, step = tokens.indices(acc.shape[0])
         if step != 1 or stop - start != count:
@@ -200,11 +234,18 @@ def merge_partials_into(
         if tokens.shape != (count,):
             raise ValueError(f"tokens must hold {count} indices; got {tuple(tokens.shape)}")
         index, first = tokens, 0
-    if not _kernel_takes(acc, acc_lse, part, part_lse):
-        acc[tokens], acc_lse[tokens] = merge_partials(acc[tokens], acc_lse[tokens], part, part_lse)
+    if not _kernel_takes(acc, acc_lse, part, part_lse, out):
+        seen = acc_lse[tokens]
+        # Rows no call wrote are not read (as in the kernel): whatever they hold weighs 0.
+        earlier = torch.where((seen == -math.inf)[..., None], 0.0, acc[tokens])
+        merged, merged_lse = merge_partials(earlier, seen, part, part_lse)
+        if out is None:
+            acc[tokens], acc_lse[tokens] = merged, merged_lse
+        else:
+            out[tokens] = merged.to(out.dtype)
         return
-    key = layout_key((acc, acc_lse, part, part_lse, index), (first,))
+    key = layout_key((acc, acc_lse, part, part_lse, index, out), (first,))
     launch = _PLANS.get(key)
     if launch is None:
-        launch = _PLANS.put(key, _plan(acc, acc_lse, part, part_lse, index, first))
-    launch(acc, acc_lse, part, part_lse, index)
+        launch = _PLANS.put(key, _plan(acc, acc_lse, part, part_lse, index, out, first))
+    launch(acc, acc_lse, part, part_lse, index, out)

@@ -60,6 +60,8 @@ class PlannedCall(NamedTuple):
             backend takes none.
         ragged: the backend's packed-sequence metadata (views of ``offsets``, the bucketed
             maxima), or None where the backend takes none.
+        last: none of its tokens is in a later call, and the plan's merges write the result
+            (:attr:`MhaPlan.merges_write_out`): its merge writes its tokens' answers.
     """
 
     causal: Optional[str]
@@ -70,6 +72,7 @@ class PlannedCall(NamedTuple):
     lengths: Tuple[np.ndarray, np.ndarray]
     offsets: Optional[Tensor]
     ragged: Optional[Ragged]
+    last: bool
 
 
 class PlannedChunk(NamedTuple):
@@ -98,12 +101,16 @@ class MhaPlan(NamedTuple):
         chunks: the chunks, in order.
         single: whether the plan is one chunk of one call whose tokens are ``0..used`` in order
             (a slice).
+        merges_write_out: whether every token's last call is a call all of whose tokens end
+            there (:attr:`PlannedCall.last`), so that those calls' merges write the result and
+            no accumulator is cast into it afterwards.
     """
 
     used: int
     direct: bool
     chunks: Tuple[PlannedChunk, ...]
     single: bool
+    merges_write_out: bool
 
 
 def padded_size(backend: str, n: int) -> int:
@@ -126,6 +133,9 @@ def _build(
     plan = plan_chunks(q_lens, kv_lens, budget, backend in SPLIT_BACKENDS)
     tokens_per_call = [[call_tokens(call) for call in chunk.calls] for chunk in plan]
     direct = each_token_once(tokens_per_call, used)
+    last_flags = _last_calls([t for chunk in tokens_per_call for t in chunk], used)
+    merges_write_out = any(last_flags)
+    last_flags.reverse()  # popped in call order below
     chunks = []
     for chunk, tokens_of_calls in zip(plan, tokens_per_call):
         starts, index_parts = [], []
@@ -182,13 +192,28 @@ def _build(
                     (q_counts, k_counts),
                     offsets,
                     ragged,
+                    last_flags.pop(),
                 )
             )
         rows = device_copy[: index.size].view(2, -1)
         chunks.append(PlannedChunk(rows, tuple(calls), (rows[0], rows[1])))
     only = chunks[0].calls[0] if len(chunks) == 1 and len(chunks[0].calls) == 1 else None
     single = only is not None and isinstance(only.tokens, slice) and only.tokens == slice(0, used)
-    return MhaPlan(used, direct, tuple(chunks), single)
+    return MhaPlan(used, direct, tuple(chunks), single, merges_write_out)
+
+
+def _last_calls(tokens_of_calls: list, used: int) -> list:
+    """Per call (in order), whether its merge may write its tokens' answers: none of its tokens
+    is in a later call. All False unless every token's last call is such a call (a token whose
+    last call also holds tokens of later calls would be left in the accumulator, and the cast
+    of the accumulator afterwards would overwrite what the others wrote)."""
+    last_call = np.full(used, -1, dtype=np.int64)
+    for i, tokens in enumerate(tokens_of_calls):
+        last_call[tokens] = i
+    flags = [bool((last_call[tokens] == i).all()) for i, tokens in enumerate(tokens_of_calls)]
+    if used and not np.array(flags)[last_call].all():
+        return [False] * len(flags)
+    return flags
 
 
 def mha_plan(

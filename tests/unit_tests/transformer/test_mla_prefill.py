@@ -11,6 +11,7 @@ checked directly. Tests marked ``gpu`` run the default (cuDNN) backend in bf16 a
 CUDA graphs around it.
 """
 
+import dataclasses
 import os
 import types
 import warnings
@@ -288,6 +289,18 @@ def test_cost_model_takes_the_slower_of_host_and_gpu():
     host_bound = mla_prefill.CostModel(mha_fixed_seconds=20e-3)
     assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, gpu_bound) == 0
     assert mla_prefill.absorbed_request_count(q, kv, 128, DEEPSEEK_WIDTHS, host_bound) == 1
+
+
+def test_where_the_host_bounds_two_splits_alike_the_one_with_less_gpu_work_wins():
+    """Two fresh prefills of 1536 at 16 heads: the host's time bounds both the MHA form and the
+    split that keeps one request absorbed; the MHA form's GPU work is less (the absorbed form
+    was picked on the tie before, and ran at twice the MHA form's time)."""
+    q = kv = np.array([1536, 1536])
+    model = mla_prefill.COST_MODELS["cudnn-dense"]
+    assert mla_prefill.absorbed_request_count(q, kv, 16, DEEPSEEK_WIDTHS, model) == 0
+    # Without the tie (host time under both splits' GPU work) the cheaper GPU work wins as well.
+    fast_host = dataclasses.replace(model, mha_fixed_seconds=1e-6)
+    assert mla_prefill.absorbed_request_count(q, kv, 16, DEEPSEEK_WIDTHS, fast_host) == 0
 
 
 def test_the_cost_models_split_is_worked_out_once_per_lengths_and_rates(monkeypatch):

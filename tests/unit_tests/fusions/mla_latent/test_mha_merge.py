@@ -107,6 +107,38 @@ def test_kernel_matches_float64_and_writes_only_its_tokens(
         ), "the kernel wrote outside its tokens' log-sum-exps"
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_last_merge_writes_the_answers_and_leaves_the_accumulator(monkeypatch, path):
+    """With ``out`` the merged rows go to the result in its dtype (the accumulator's cast), the
+    accumulator and every other row of the result untouched; rows no call wrote are not read
+    (NaN there) on either path."""
+    if path == "kernel" and not ON_GPU:
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: True)
+    if path == "torch":
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: False)
+    used, heads, v, count = 21, 4, 64, 9
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    (acc_buffer, lse_buffer, part, part_lse), fresh = _case(used, heads, v, count, dtype, 17)
+    acc, acc_lse = acc_buffer[1:-1], lse_buffer[1:-1]
+    tokens = _tokens("int64", used, count, 4)
+    out_buffer = torch.full((used + 4, heads, v), GUARD, dtype=dtype, device=DEVICE)
+    out = out_buffer[1:-1]  # [used + 2, ...]: more rows than the accumulator, as a padded step's
+    before, lse_before, out_before = acc_buffer.clone(), lse_buffer.clone(), out_buffer.clone()
+    want, _ = _float64_merge(
+        torch.where(fresh[..., None], 0.0, acc)[tokens], acc_lse[tokens], part, part_lse
+    )
+    merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
+    # Within one rounding to the result's dtype of the float64 merge.
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    torch.testing.assert_close(out[tokens].double(), want, rtol=ulp, atol=1e-6)
+    assert out[tokens].dtype == dtype
+    assert torch.equal(acc_buffer.nan_to_num(), before.nan_to_num()), "the accumulator moved"
+    assert torch.equal(lse_buffer, lse_before), "the log-sum-exps moved"
+    written = torch.zeros(used + 4, dtype=torch.bool, device=DEVICE)
+    written[1:-1][tokens] = True
+    assert torch.equal(out_buffer[~written], out_before[~written]), "a row outside its tokens"
+
+
 def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel_everywhere):
     """Rows with no keys on either side: zeros and -inf (no NaN); the kernel's merge within fp32
     rounding of the torch merge's everywhere."""
@@ -139,6 +171,7 @@ def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel
         ("part_lse", "part_lse must be"),
         ("slice", "consecutive rows"),
         ("index", "must hold 3 indices"),
+        ("out", "out must be"),
     ],
 )
 def test_mismatched_shapes_are_refused_before_any_write(change, message):
@@ -150,10 +183,12 @@ def test_mismatched_shapes_are_refused_before_any_write(change, message):
         part_lse = torch.zeros(3, 1)
     elif change == "slice":
         tokens = slice(0, 4)
-    else:
+    elif change == "index":
         tokens = torch.arange(4)
+    out = torch.zeros(7 if change == "out" else 8, 2, 4)
     with pytest.raises(ValueError, match=message):
-        merge_partials_into(acc, acc_lse, part, part_lse, tokens)
+        merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
+    assert not out.any()
     assert not acc.any() and (acc_lse == -math.inf).all()
 
 

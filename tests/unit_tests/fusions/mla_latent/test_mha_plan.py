@@ -47,6 +47,21 @@ def test_a_plan_lays_out_rows_tokens_and_calls():
     assert prefix.causal is None and prefix.tokens == slice(0, 2) and prefix.rows == slice(0, 4)
     assert diagonal.causal == "top_left" and diagonal.tokens == slice(0, 5)
     assert [c.tolist() for c in diagonal.lengths] == [[2, 3], [2, 3]]
+    # The diagonal call is every token's last: its merge writes the answers.
+    assert (prefix.last, diagonal.last, plan.merges_write_out) == (False, True, True)
+
+
+def test_which_merges_write_the_answers():
+    """A call writes its tokens' answers only where none of them is in a later call and every
+    token's last call is such a call; otherwise every call merges into the accumulator."""
+    assert mha_plan._last_calls([np.array([0, 1]), np.array([0, 1, 2])], 3) == [False, True]
+    # Token 2's last call (the second) also holds token 0, which the third takes again.
+    calls = [np.array([0, 1, 2]), np.array([0, 2]), np.array([0, 1])]
+    assert mha_plan._last_calls(calls, 3) == [False, False, False]
+    # Under a budget of 4 rows request 0's 6 rows span two chunks; the flags hold per call.
+    plan = _plan([2, 3], [6, 3], budget=4)
+    calls = [c for chunk in plan.chunks for c in chunk.calls]
+    assert len(plan.chunks) == 3 and plan.merges_write_out == any(c.last for c in calls)
 
 
 def test_layers_sharing_a_plan_get_their_own_answers():
