@@ -190,9 +190,9 @@ def graph_us(
     """GPU us per call: do_bench of a CUDA graph of ``max(MIN_GRAPH_CALLS, len(sets))`` calls,
     call ``i`` on ``sets[i % len(sets)]``, divided by the number of calls. Where ``graph`` is
     False (a call that only runs eagerly, as the MHA form, which sizes its tensors from host
-    lengths) the same calls are queued behind a GPU sleep and timed there (:func:`queued_us`);
-    should the capture fail (a call that synchronises), they are timed eagerly. The method says
-    which.
+    lengths) the same calls are queued behind a GPU sleep and timed there (:func:`queued_us`).
+    Should the capture fail, or the host not get ahead of the sleep (a call that synchronises),
+    they are timed eagerly. The method says which.
 
     Args:
         call: the call, taking one set's tensors.
@@ -211,7 +211,12 @@ def graph_us(
 
     torch.cuda.synchronize()
     if not graph:
-        return {"gpu_us": queued_us(run_all, quick) / calls, "gpu_method": QUEUED_METHOD}
+        try:
+            return {"gpu_us": queued_us(run_all, quick) / calls, "gpu_method": QUEUED_METHOD}
+        except RuntimeError as error:  # the host could not get ahead: time eagerly, say so
+            torch.cuda.synchronize()
+            method = f"eager do_bench ({error})"
+            return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method}
     try:
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
@@ -244,7 +249,8 @@ def queued_us(run_all: Callable[[], None], quick: bool) -> float:
         float: GPU us of one ``run_all``.
 
     Raises:
-        RuntimeError: where the host could not get ahead even behind a long sleep.
+        RuntimeError: where the host could not get ahead even behind a sleep 16 times its
+            measured time (a call that waits for the GPU).
     """
     start = time.perf_counter()
     run_all()
@@ -264,7 +270,9 @@ def queued_us(run_all: Callable[[], None], quick: bool) -> float:
             torch.cuda.synchronize()
             cycles *= 2
         else:
-            raise RuntimeError("the host did not get ahead of the GPU behind a sleep")
+            raise RuntimeError(
+                "queued timing failed: the host did not get ahead of the GPU behind a sleep"
+            )
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end) * 1e3)
     return float(np.median(times))
