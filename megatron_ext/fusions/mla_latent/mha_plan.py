@@ -211,7 +211,8 @@ def _last_calls(tokens_of_calls: list, used: int) -> list:
     for i, tokens in enumerate(tokens_of_calls):
         last_call[tokens] = i
     flags = [bool((last_call[tokens] == i).all()) for i, tokens in enumerate(tokens_of_calls)]
-    if used and not np.array(flags)[last_call].all():
+    # A token in no call (never so in a plan) keeps -1: then the cast writes every token.
+    if used and not ((last_call >= 0).all() and np.array(flags)[last_call].all()):
         return [False] * len(flags)
     return flags
 

@@ -58,6 +58,8 @@ def test_which_merges_write_the_answers():
     # Token 2's last call (the second) also holds token 0, which the third takes again.
     calls = [np.array([0, 1, 2]), np.array([0, 2]), np.array([0, 1])]
     assert mha_plan._last_calls(calls, 3) == [False, False, False]
+    # A token in no call: nothing may skip the cast.
+    assert mha_plan._last_calls([np.array([0])], 2) == [False]
     # Under a budget of 4 rows request 0's 6 rows span two chunks; the flags hold per call.
     plan = _plan([2, 3], [6, 3], budget=4)
     calls = [c for chunk in plan.chunks for c in chunk.calls]
