@@ -15,7 +15,8 @@ by their log-sum-exps.
   bottom-right call. Elsewhere the torch merge.
 
 The kernel is graph-safe (no host synchronisation; its grid is the call's token count and the
-heads) and writes only the accumulator's rows of the call's tokens.
+heads) and writes only the call's tokens' rows: of the accumulator and its log-sum-exps, or of
+the result.
 """
 
 import math
