@@ -79,7 +79,7 @@ from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
 from megatron_ext.fusions.mla_latent import mha_form
-from megatron_ext.transformer.mla_prefill import backend_for, split_backend
+from megatron_ext.transformer.mla_prefill import backend_for
 
 __all__ = ["main", "parse_args"]
 
@@ -415,7 +415,8 @@ def mha_backend() -> Optional[str]:
     (:func:`~megatron_ext.transformer.mla_prefill.backend_for`), or :data:`MHA_BACKEND`."""
     if MHA_BACKEND is not None:
         return MHA_BACKEND
-    return backend_for(torch.device(DEVICE), DTYPE)
+    head_dim = mha_form.flash_head_dim(forms_lib.QK_HEAD + cases.ROPE, forms_lib.V_HEAD)
+    return backend_for(torch.device(DEVICE), DTYPE, head_dim=head_dim)
 
 
 def _mha_contenders(
@@ -442,14 +443,8 @@ def _mha_contenders(
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
     contenders = {}
     for name, split in splits.items():
-        # Each contender's MHA part takes the dynamic path's backend (dense cuDNN where it
-        # runs), unless the benchmark names one.
-        call_backend = backend
-        if MHA_BACKEND is None:
-            head_dim = mha_form.flash_head_dim(mha.query.shape[-1], forms_lib.V_HEAD)
-            call_backend = split_backend(backend, torch.device(DEVICE), head_dim)
-        call = functools.partial(forms_lib.run_split, step, mha, call_backend, split)
-        entry: Dict[str, Any] = {"split": split, "backend": call_backend}
+        call = functools.partial(forms_lib.run_split, step, mha, backend, split)
+        entry: Dict[str, Any] = {"split": split, "backend": backend}
         try:
             out = call(*form_sets[0])
             call(*form_sets[min(1, len(form_sets) - 1)])  # cuDNN plans the shape on first use

@@ -22,7 +22,7 @@ import torch
 
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
-from megatron_ext.fusions.mla_latent.mha_form import flash_head_dim, mla_paged_mha_attention
+from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from megatron_ext.transformer.mla_prefill import absorbed_request_count, step_split
 
 # DeepSeek-V3's per-head query/key (without RoPE) and value widths.
@@ -97,8 +97,7 @@ def mha_step(
     if backend is None:
         split = absorbed_request_count(q_lens, kv_lens, heads, widths)
     else:
-        head_dim = flash_head_dim(QK_HEAD + step.rope, V_HEAD)
-        _, split = step_split(q_lens, kv_lens, heads, widths, backend, device, head_dim)
+        split = step_split(q_lens, kv_lens, heads, widths, backend)
     return MhaStep(query, weight, q_lens, kv_lens, split, int(q_lens[:split].sum()))
 
 

@@ -20,8 +20,8 @@ When the MHA form runs (each rule decided in one function):
   on the (sm80+) device runs and agrees with plain torch, else Transformer Engine's fused
   attention where TE is installed, else torch's ragged cuDNN attention on the same terms
   (sm90+); otherwise (CPU, fp32, the Triton interpreter) none in ``auto`` mode, so CPU runs
-  stay absorbed. Where the rule picked ``flash``, a step takes ``cudnn-dense`` instead where it
-  runs (:func:`dense_usable`): torch's dense cuDNN attention, batched by bucketed length, twice
+  stay absorbed. Where the rule reaches ``flash``, torch's dense cuDNN attention
+  (``cudnn-dense``) stands in for it where that runs too: batched by bucketed length, twice
   FlashAttention-2's speed on fresh prefills; a chunk behind cached rows runs as an unmasked
   call over those rows and a square causal one over its own, merged by their log-sum-exps;
 * never in a step megatron-core runs from a CUDA graph or while a stream is capturing
@@ -64,12 +64,10 @@ __all__ = [
     "MhaFormSplit",
     "absorbed_request_count",
     "backend_for",
-    "dense_usable",
     "graphed_step",
     "mha_form_core",
     "mha_form_mode",
     "mha_form_split",
-    "split_backend",
     "step_lengths",
     "step_split",
 ]
@@ -149,7 +147,7 @@ class CostModel:
 # and the decompression weights kept across steps. ``flash``: FlashAttention-2 runs 220-255
 # TFLOP/s of real FLOPs at head size 192; the decompression GEMMs and the copy of the output out
 # of its padded value columns 270 TFLOP/s of decompression FLOPs; 0.31-0.46 ms of host time per
-# call. ``cudnn-dense`` (:func:`split_backend`): the dense cuDNN kernel
+# call. ``cudnn-dense`` (in FlashAttention's place: :func:`backend_for`): the dense cuDNN kernel
 # 455 TFLOP/s at 2 x 1536 tokens and 128 heads, its GEMMs (values at their own width) 440, 0.40-
 # 0.43 ms of host time per call. The cost of an extra chunk of rows (0.6 ms) was measured before
 # the plan was kept and is an upper bound. ``cudnn``: torch's ragged cuDNN entry rebuilds its
@@ -289,7 +287,7 @@ def _fused_usable(backend: str, device: torch.device) -> bool:
     usable = _DEVICE_SUPPORT.get((backend, index))
     if usable is None:
         usable = _decide_fused(backend, index)
-    # Dense cuDNN stands in for FlashAttention (dense_usable): a user who turned either off
+    # Dense cuDNN stands in for FlashAttention (backend_for): a user who turned either off
     # gets neither.
     switches = ("cudnn", "flash") if backend == "cudnn-dense" else (backend,)
     return usable and all(getattr(torch.backends.cuda, f"{s}_sdp_enabled")() for s in switches)
@@ -315,10 +313,11 @@ def backend_for(
     """The MHA form's backend for tensors on ``device`` in ``dtype``, or None (absorbed form).
 
     The rule: on CUDA in bf16/fp16, :data:`BACKEND` if it names one that runs there, else torch's
-    FlashAttention entry where usable (and the head size fits it), else Transformer Engine where
-    installed, else torch's cuDNN entry where usable; anywhere else none, except in ``force``
-    mode, which takes the plain-torch backend. A backend's once-per-device check runs only when
-    the rule reaches it.
+    FlashAttention entry where usable (and the head size fits it), with torch's dense cuDNN entry
+    standing in for it where that runs too (twice its speed on prefills and chunks:
+    :data:`COST_MODELS`), else Transformer Engine where installed, else torch's cuDNN entry where
+    usable; anywhere else none, except in ``force`` mode, which takes the plain-torch backend. A
+    backend's once-per-device check runs only when the rule reaches it.
 
     Args:
         device: the step's device.
@@ -351,20 +350,11 @@ def backend_for(
     # FlashAttention builds no plan.
     for backend in ("flash", "te", "cudnn"):
         if available(backend):
+            # Dense cuDNN stands in for FlashAttention only: it needs both SDPA switches.
+            if backend == "flash" and available("cudnn-dense"):
+                return "cudnn-dense"
             return backend
     return "torch" if mode == "force" else None
-
-
-def dense_usable(backend: str, device: torch.device, head_dim: int) -> bool:
-    """Whether a step that :func:`backend_for` gave ``backend`` may take ``cudnn-dense``
-    instead: the rule picked FlashAttention (no backend named by the override), and dense cuDNN
-    attention runs on the device at this head size (its once-per-device check)."""
-    return (
-        BACKEND == "auto"
-        and backend == "flash"
-        and head_dim <= mha_form.FLASH_MAX_HEAD_DIM
-        and _fused_usable("cudnn-dense", device)
-    )
 
 
 def graphed_step(context: Any) -> bool:
@@ -452,49 +442,23 @@ def step_split(
     heads: int,
     widths: Tuple[int, int, int, int],
     backend: str,
-    device: torch.device,
-    head_dim: int,
-) -> Tuple[str, int]:
-    """The step's MHA-form backend (:func:`split_backend`) and how many leading requests stay
-    absorbed: the cost model's split at that backend's rates (:func:`absorbed_request_count`;
-    none in ``force`` mode).
+) -> int:
+    """How many leading requests of a step stay absorbed: the cost model's split at
+    ``backend``'s rates (:func:`absorbed_request_count`; none in ``force`` mode).
 
     Args:
         query_lengths, kv_lengths: new tokens and rows per request (host).
         heads: query heads on this rank.
         widths: (latent, rope, qk, v) head widths.
         backend: :func:`backend_for`'s backend.
-        device: the step's device.
-        head_dim: the head size FlashAttention would run at.
 
     Returns:
-        Tuple[str, int]: the backend and the absorbed leading requests (all: absorbed form).
+        int: the absorbed leading requests (all: absorbed form).
     """
-    backend = split_backend(backend, device, head_dim)
     if MODE == "force":
-        return backend, 0
+        return 0
     model = COST_MODELS.get(backend, COST_MODEL)
-    return backend, absorbed_request_count(query_lengths, kv_lengths, heads, widths, model)
-
-
-def split_backend(backend: str, device: torch.device, head_dim: int) -> str:
-    """The backend of a step's MHA-form requests: ``cudnn-dense`` where it may stand in for
-    ``backend`` (:func:`dense_usable`), else ``backend``.
-
-    Dense cuDNN runs fresh prefills (square causal blocks) about twice as fast as
-    FlashAttention-2, and a chunk behind cached rows as two calls cuDNN runs at the same rates
-    (the rows before the chunk unmasked, the chunk's own square causal) merged by one kernel
-    (:data:`COST_MODELS`).
-
-    Args:
-        backend: :func:`backend_for`'s backend.
-        device: the step's device.
-        head_dim: the head size FlashAttention would run at.
-
-    Returns:
-        str: the backend.
-    """
-    return "cudnn-dense" if dense_usable(backend, device, head_dim) else backend
+    return absorbed_request_count(query_lengths, kv_lengths, heads, widths, model)
 
 
 def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSplit]:
@@ -524,7 +488,7 @@ def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSpli
         config.v_head_dim,
     )
     query_lengths, rows = step_lengths(context)
-    backend, split = step_split(query_lengths, rows, heads, widths, backend, q.device, head_dim)
+    split = step_split(query_lengths, rows, heads, widths, backend)
     if split == len(query_lengths):
         return None
     leading = query_lengths[:split]

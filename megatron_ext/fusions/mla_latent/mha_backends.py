@@ -81,7 +81,7 @@ FLASH_MAX_HEAD_DIM = 256
 # The fused backends checked once per device before use (:func:`ragged_check`), by their causal
 # alignment.
 CHECKED_BACKENDS = {"cudnn": "top_left", "cudnn-dense": "top_left", "flash": "bottom_right"}
-BACKENDS = ("cudnn", "torch", "te", "flash", "cudnn-dense", "torch-bottom-right")
+BACKENDS = SPLIT_BACKENDS + WHOLE_BACKENDS
 
 
 def _cumulative(lengths: np.ndarray, entries: int) -> np.ndarray:

@@ -172,12 +172,14 @@ def _plan(
 def _kernel_takes(
     acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor, out: Optional[Tensor]
 ) -> bool:
-    """Whether the kernel merges this call: CUDA, an fp32 accumulator of unit column and head
-    strides where it indexes them so, a partial (and a result) of unit column stride."""
+    """Whether the kernel merges this call: CUDA, fp32 accumulators and log-sum-exps, unit
+    column and head strides where it indexes them so, a partial (and a result) of unit column
+    stride."""
     return (
         acc.is_cuda
         and acc.dtype == torch.float32
         and acc_lse.dtype == torch.float32
+        and part_lse.dtype == torch.float32
         and acc.stride(2) == 1
         and acc_lse.stride(1) == 1
         and part.stride(2) == 1

@@ -39,6 +39,7 @@ from megatron_ext.fusions.mla_latent import (  # noqa: E402
     mha_merge,
 )
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
+from tests.unit_tests.fusions.mla_latent.mha_testlib import float64_merge  # noqa: E402
 from tests.unit_tests.fusions.mla_latent_cache_testlib import (  # noqa: E402
     ALIGNED_CACHE_OFFSET,
     GUARD_ELEMENTS,
@@ -188,11 +189,7 @@ def check_mha_merge(heads: int, tokens_kind: str, last: bool, seed: int) -> bool
         tokens = slice(50, 50 + count)
     else:
         tokens = torch.randperm(used, generator=gen)[:count].to(torch.int32).cuda()
-    a, la = torch.where(acc_lse[..., None] == -math.inf, 0.0, acc)[tokens], acc_lse[tokens]
-    top = torch.maximum(la, part_lse.float()).double()
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    wa, wb = torch.exp(la.double() - top), torch.exp(part_lse.double() - top)
-    want = (a.double() * wa[..., None] + part.double() * wb[..., None]) / (wa + wb)[..., None]
+    want, _ = float64_merge(acc[tokens], acc_lse[tokens], part, part_lse)
     out = torch.empty(used, heads, v, dtype=torch.bfloat16, device="cuda") if last else None
     mha_merge.merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
     torch.cuda.synchronize()

@@ -368,11 +368,20 @@ def test_backend_rule(monkeypatch):
     assert mla_prefill.backend_for(cuda, torch.bfloat16) is None
     usable.add("flash")
     assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
+    # Dense cuDNN stands in for FlashAttention where both run, and only there: not over a named
+    # backend, not where the rule took another, not past FlashAttention's head size.
+    usable.update({"cudnn-dense", "cudnn"})
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "flash"
+    monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn-dense"
+    assert mla_prefill.backend_for(cuda, torch.bfloat16, head_dim=264) == "cudnn"
+    usable.discard("flash")
+    assert mla_prefill.backend_for(cuda, torch.bfloat16) == "cudnn"
 
 
 def _split_of(monkeypatch, query_lengths, kv_lengths, heads=128):
-    """mha_form_split on a stand-in module and context with these lengths, FlashAttention the
-    rule's backend and dense cuDNN usable."""
+    """mha_form_split on a stand-in module and context with these lengths, dense cuDNN the
+    rule's backend."""
     config = types.SimpleNamespace(
         kv_lora_rank=512, qk_pos_emb_head_dim=64, qk_head_dim=128, v_head_dim=128
     )
@@ -381,8 +390,7 @@ def _split_of(monkeypatch, query_lengths, kv_lengths, heads=128):
     lengths = (np.array(query_lengths), np.array(kv_lengths))
     monkeypatch.setattr(mla_prefill, "MODE", "auto")
     monkeypatch.setattr(mla_prefill, "step_lengths", lambda _: lengths)
-    monkeypatch.setattr(mla_prefill, "backend_for", lambda *args: "flash")
-    monkeypatch.setattr(mla_prefill, "_fused_usable", lambda backend, device: True)
+    monkeypatch.setattr(mla_prefill, "backend_for", lambda *args: "cudnn-dense")
     return mla_prefill.mha_form_split(module, context, torch.zeros(1, heads, 192))
 
 
@@ -395,22 +403,17 @@ def test_prefill_and_chunk_steps_take_dense_cudnn_at_its_rates(monkeypatch):
     assert mixed.backend == "cudnn-dense" and mixed.absorbed_requests == 8
     # The split is dense cuDNN's: at FlashAttention's rates a 96-token chunk behind 8k rows
     # stays absorbed, at dense cuDNN's it does not.
-    widths, cuda = (512, 64, 128, 128), torch.device("cuda")
+    widths = (512, 64, 128, 128)
     q, kv = np.array([96]), np.array([8192 + 96])
     flash = mla_prefill.absorbed_request_count(q, kv, 128, widths, mla_prefill.COST_MODELS["flash"])
     dense = mla_prefill.absorbed_request_count(
         q, kv, 128, widths, mla_prefill.COST_MODELS["cudnn-dense"]
     )
     assert (flash, dense) == (1, 0)
-    assert mla_prefill.step_split(q, kv, 128, widths, "flash", cuda, 192) == ("cudnn-dense", 0)
-    assert mla_prefill.split_backend("flash", cuda, 192) == "cudnn-dense"
-    # The override, or a rule that picked another backend, keeps its backend.
-    monkeypatch.setattr(mla_prefill, "BACKEND", "flash")
-    assert not mla_prefill.dense_usable("flash", torch.device("cuda", 0), 192)
-    monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
-    assert not mla_prefill.dense_usable("te", torch.device("cuda", 0), 192)
-    assert not mla_prefill.dense_usable("flash", torch.device("cuda", 0), 264)
-    assert mla_prefill.dense_usable("flash", torch.device("cuda", 0), 192)
+    assert mla_prefill.step_split(q, kv, 128, widths, "cudnn-dense") == 0
+    assert mla_prefill.step_split(q, kv, 128, widths, "flash") == 1
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    assert mla_prefill.step_split(q, kv, 128, widths, "flash") == 0
 
 
 def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):
@@ -424,8 +427,9 @@ def test_the_backend_rule_checks_a_backend_only_when_it_reaches_it(monkeypatch):
 
     monkeypatch.setattr(mla_prefill, "BACKEND", "auto")
     monkeypatch.setattr(mla_prefill, "_fused_usable", usable)
-    assert mla_prefill.backend_for(torch.device("cuda", 0), torch.bfloat16) == "flash"
-    assert asked == ["flash"]
+    # FlashAttention's stand-in is asked about after it; cuDNN's ragged entry never.
+    assert mla_prefill.backend_for(torch.device("cuda", 0), torch.bfloat16) == "cudnn-dense"
+    assert asked == ["flash", "cudnn-dense"]
 
 
 @pytest.mark.parametrize(

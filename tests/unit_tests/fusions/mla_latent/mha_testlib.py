@@ -1,8 +1,9 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Steps, references and stand-in operators shared by the MHA form's tests: a paged step with an
-MHA-form query and up-projection weight (:func:`mha_step`), its float64 reference, the absorbed
-kernel on the same inputs, and stand-ins for torch's ragged cuDNN, dense cuDNN and FlashAttention
+MHA-form query and up-projection weight (:func:`mha_step`), its float64 reference, the float64
+merge of partial attentions (:func:`float64_merge`), the absorbed kernel on the same inputs, and
+stand-ins for torch's ragged cuDNN, dense cuDNN and FlashAttention
 operators that keep the operators' contracts and record their calls."""
 
 import math
@@ -67,6 +68,27 @@ def deepseek_step(requests, heads, dtype=torch.float32):
     64 rows."""
     sizes = dict(qk_dim=128, v_dim=128, latent_dim=512, rope_dim=64, block_size=64)
     return mha_step(requests, heads, seed=heads, dtype=dtype, **sizes)
+
+
+def float64_merge(acc, acc_lse, part, part_lse):
+    """A partial attention merged into accumulated ones in float64, from the definition: outputs
+    weighted by exp(lse) and normalised. Rows whose accumulated log-sum-exp is -inf (no call wrote
+    them) count as empty whatever they hold.
+
+    Returns:
+        Tuple[Tensor, Tensor]: the merged outputs and log-sum-exps (float64).
+    """
+    la, lb = acc_lse.double(), part_lse.double()
+    a = torch.where((la == -math.inf)[..., None], 0.0, acc.double())
+    top = torch.maximum(la, lb)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    wa, wb = torch.exp(la - top), torch.exp(lb - top)
+    total = wa + wb
+    merged = (a * wa[..., None] + part.double() * wb[..., None]) / total.clamp_min(1e-300)[
+        ..., None
+    ]
+    merged = torch.where(total[..., None] > 0, merged, torch.zeros_like(merged))
+    return merged, top + torch.log(total)
 
 
 def reference(step, query, cache, weight, lengths, softmax_scale=SCALE):

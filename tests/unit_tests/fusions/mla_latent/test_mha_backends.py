@@ -391,7 +391,7 @@ def test_gpu_check_of_each_backend_passes_where_torch_and_the_gpu_have_it(backen
 
 
 def test_present_backends_follow_the_operators_torch_has(monkeypatch):
-    """Dense cuDNN stands in for FlashAttention only (``mla_prefill.dense_usable``): listed where
+    """Dense cuDNN stands in for FlashAttention only (``mla_prefill.backend_for``): listed where
     both entries are; TE where it imports."""
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)  # import fails
     for name in ("flash", "cudnn_dense", "cudnn"):

@@ -14,6 +14,7 @@ import torch
 
 from megatron_ext.fusions.mla_latent import mha_merge
 from megatron_ext.fusions.mla_latent.mha_merge import merge_partials, merge_partials_into
+from tests.unit_tests.fusions.mla_latent.mha_testlib import float64_merge
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
@@ -29,18 +30,6 @@ def test_merge_of_queries_without_keys():
     assert torch.equal(merged, torch.zeros_like(merged)) and torch.equal(lse, none)
     merged, lse = merge_partials(out_a, none, out_b, lse_b)
     assert torch.equal(merged, out_b) and torch.equal(lse, lse_b)
-
-
-def _float64_merge(acc, acc_lse, part, part_lse):
-    """The merge in float64 from the definition: outputs weighted by exp(lse), normalised."""
-    a, la, b, lb = acc.double(), acc_lse.double(), part.double(), part_lse.double()
-    top = torch.maximum(la, lb).nan_to_num(neginf=0.0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    wa, wb = torch.exp(la - top), torch.exp(lb - top)
-    total = wa + wb
-    merged = (a * wa[..., None] + b * wb[..., None]) / total.clamp_min(1e-300)[..., None]
-    merged = torch.where(total[..., None] > 0, merged, torch.zeros_like(merged))
-    return merged, top + torch.log(total)
 
 
 def _case(used, heads, v, count, dtype, seed):
@@ -59,7 +48,7 @@ def _case(used, heads, v, count, dtype, seed):
     part_lse = (torch.randn(heads, count, generator=gen) * 4).t()  # [count, heads], strided
     part_lse[torch.rand(count, heads, generator=gen) < 0.2] = -math.inf
     tensors = (acc_buffer, lse_buffer, part, part_lse)
-    return [t.to(DEVICE) for t in tensors], fresh.to(DEVICE)
+    return [t.to(DEVICE) for t in tensors]
 
 
 def _tokens(kind, used, count, seed):
@@ -86,13 +75,11 @@ def test_kernel_matches_float64_and_writes_only_its_tokens(
     used, count = 37, 11
     dtypes = [torch.float32] + ([torch.bfloat16] if ON_GPU else [torch.float16])
     for dtype in dtypes:
-        (acc_buffer, lse_buffer, part, part_lse), fresh = _case(used, heads, v, count, dtype, v)
+        acc_buffer, lse_buffer, part, part_lse = _case(used, heads, v, count, dtype, v)
         acc, acc_lse = acc_buffer[1:-1], lse_buffer[1:-1]
         tokens = _tokens(tokens_kind, used, count, heads)
         before, lse_before = acc_buffer.clone(), lse_buffer.clone()
-        want, want_lse = _float64_merge(
-            torch.where(fresh[..., None], 0.0, acc)[tokens], acc_lse[tokens], part, part_lse
-        )
+        want, want_lse = float64_merge(acc[tokens], acc_lse[tokens], part, part_lse)
         merge_partials_into(acc, acc_lse, part, part_lse, tokens)
         torch.testing.assert_close(acc[tokens].double(), want, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(acc_lse[tokens].double(), want_lse, rtol=2e-6, atol=2e-6)
@@ -118,15 +105,13 @@ def test_a_last_merge_writes_the_answers_and_leaves_the_accumulator(monkeypatch,
         monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: False)
     used, heads, v, count = 21, 4, 64, 9
     dtype = torch.bfloat16 if ON_GPU else torch.float16
-    (acc_buffer, lse_buffer, part, part_lse), fresh = _case(used, heads, v, count, dtype, 17)
+    acc_buffer, lse_buffer, part, part_lse = _case(used, heads, v, count, dtype, 17)
     acc, acc_lse = acc_buffer[1:-1], lse_buffer[1:-1]
     tokens = _tokens("int64", used, count, 4)
     out_buffer = torch.full((used + 4, heads, v), GUARD, dtype=dtype, device=DEVICE)
     out = out_buffer[1:-1]  # [used + 2, ...]: more rows than the accumulator, as a padded step's
     before, lse_before, out_before = acc_buffer.clone(), lse_buffer.clone(), out_buffer.clone()
-    want, _ = _float64_merge(
-        torch.where(fresh[..., None], 0.0, acc)[tokens], acc_lse[tokens], part, part_lse
-    )
+    want, _ = float64_merge(acc[tokens], acc_lse[tokens], part, part_lse)
     merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
     # Within one rounding to the result's dtype of the float64 merge.
     ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
@@ -197,7 +182,7 @@ def test_gpu_the_merge_runs_the_kernel_and_replays_from_a_graph(monkeypatch):
     """On CUDA with an fp32 accumulator the kernel merges (not the torch path), and a CUDA
     graph's replay of it gives the eager call's bits."""
     monkeypatch.setattr(mha_merge, "merge_partials", None)  # the torch path would fail
-    (acc_buffer, lse_buffer, part, part_lse), _ = _case(64, 16, 128, 32, torch.bfloat16, 5)
+    acc_buffer, lse_buffer, part, part_lse = _case(64, 16, 128, 32, torch.bfloat16, 5)
     tokens = torch.arange(10, 42, device=DEVICE, dtype=torch.int32)
     acc, acc_lse = acc_buffer[1:-1].clone(), lse_buffer[1:-1].clone()
     eager, eager_lse = acc.clone(), acc_lse.clone()
