@@ -30,6 +30,7 @@ from torch import Tensor
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.launch_math import next_power_of_2
 from megatron_ext.fusions.launch_plans import NO_LAUNCH, LaunchPlan, PlanCache, layout_key
+from megatron_ext.fusions.tensor_checks import INDEX_DTYPES, check_device, check_tensor
 
 __all__ = ["MERGE_LAUNCHES", "merge_partials", "merge_partials_into"]
 
@@ -206,12 +207,14 @@ def merge_partials_into(
         part: [count, heads, v] the call's outputs (any float dtype; strided views welcome).
         part_lse: [count, heads] fp32 the call's log-sum-exps.
         tokens: the call's tokens: a slice of ``count`` consecutive ones, or ``count`` int32 or
-            int64 indices on ``acc``'s device (distinct: each row is written once).
+            int64 indices on ``acc``'s device, distinct and in ``[0, used)``: the step's plan
+            builds them, and their values are not read on the host (graph-safe).
         out: [>= used, heads, v], the result, for a call after which none of its tokens is in
             another; None: merge into the accumulator.
 
     Raises:
-        ValueError: for shapes that do not match, before any launch.
+        TypeError, ValueError: for an index of another dtype, tensors on other devices or shapes
+            that do not match, before any launch.
     """
     count = part.shape[0]
     if acc.dim() != 3 or part.shape[1:] != acc.shape[1:] or acc_lse.shape != acc.shape[:2]:
@@ -228,6 +231,13 @@ def merge_partials_into(
             f"out must be [>= {acc.shape[0]}, {acc.shape[1]}, {acc.shape[2]}]; got "
             f"{tuple(out.shape)}"
         )
+    named = (("acc_lse", acc_lse), ("part", part), ("part_lse", part_lse), ("out", out))
+    if not isinstance(tokens, slice):
+        check_tensor("tokens", tokens, INDEX_DTYPES)
+        named += (("tokens", tokens),)
+    for name, x in named:
+        if x is not None:
+            check_device(name, x, acc.device)
     if isinstance(tokens, slice):
         start, stop, step = tokens.indices(acc.shape[0])
         if step != 1 or stop - start != count:

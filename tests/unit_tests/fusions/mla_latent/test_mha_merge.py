@@ -157,6 +157,8 @@ def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel
         ("slice", "consecutive rows"),
         ("index", "must hold 3 indices"),
         ("out", "out must be"),
+        ("index_dtype", "tokens must have dtype int32, int64"),
+        ("device", "part is on meta"),
     ],
 )
 def test_mismatched_shapes_are_refused_before_any_write(change, message):
@@ -170,8 +172,13 @@ def test_mismatched_shapes_are_refused_before_any_write(change, message):
         tokens = slice(0, 4)
     elif change == "index":
         tokens = torch.arange(4)
+    elif change == "index_dtype":
+        tokens = torch.arange(3, dtype=torch.float32)
+    elif change == "device":
+        part = torch.ones(3, 2, 4, device="meta")
     out = torch.zeros(7 if change == "out" else 8, 2, 4)
-    with pytest.raises(ValueError, match=message):
+    error = TypeError if change == "index_dtype" else ValueError
+    with pytest.raises(error, match=message):
         merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
     assert not out.any()
     assert not acc.any() and (acc_lse == -math.inf).all()
