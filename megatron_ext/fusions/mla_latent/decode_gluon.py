@@ -156,6 +156,12 @@ if GLUON_IMPORT_ERROR is None:
     # The sizes above as the kernels see them (a kernel reads module globals only as constexprs).
     _HEADS = gl.constexpr(HEADS_PER_PROGRAM)
     _PWARPS = gl.constexpr(PARTITION_WARPS)
+    # The row vectors handed between the consumers (rescale factors, row sums) cross shared
+    # memory in a blocked layout, converted from and to the MMA row layout inside each
+    # warpgroup: stored from that layout (each row on a quad's four threads), racecheck reports
+    # the mbarrier-ordered handoff as a hazard (scripts/racecheck_mbarrier_handoff.py
+    # reproduces it on a kernel that does nothing else); stored from this one, it reports none.
+    _HANDOFF = gl.constexpr(gl.BlockedLayout([1], [32], [PARTITION_WARPS], [0]))
     # The one call whose name differs between the Gluon releases taken: Triton 3.7's cp.async
     # copy is async_copy_global_to_shared, 3.9's async_load (where the old name raises). Bound
     # here: a kernel's source may not name an attribute its Triton lacks, even in a branch it
@@ -403,7 +409,7 @@ if GLUON_IMPORT_ERROR is None:
             # cp.async and st.shared wrote through the generic proxy; wgmma reads through the
             # async one.
             fence_async_shared()
-            alpha = alpha_smem.index(pb).load(row_layout)
+            alpha = gl.convert_layout(alpha_smem.index(pb).load(_HANDOFF), row_layout)
             acc = acc * alpha[:, None]
             acc = warpgroup_mma(
                 p_smem.index(pb), kv_smem.index(buf).slice(HALF, HALF, dim=1), acc, is_async=True
@@ -414,7 +420,7 @@ if GLUON_IMPORT_ERROR is None:
         # The row sums come through the rescale factors' buffer, as one more tile's would.
         pb = num_tiles % P_BUFFERS
         mbarrier.wait(p_ready.index(pb), (num_tiles // P_BUFFERS) & 1)
-        l_i = alpha_smem.index(pb).load(row_layout)
+        l_i = gl.convert_layout(alpha_smem.index(pb).load(_HANDOFF), row_layout)
         _store_half(
             acc,
             l_i,
@@ -503,7 +509,7 @@ if GLUON_IMPORT_ERROR is None:
         pb = j % P_BUFFERS
         mbarrier.wait(p_free.index(pb), ((j // P_BUFFERS) & 1) ^ 1)
         p_smem.index(pb).store(p.to(p_smem.dtype))
-        alpha_smem.index(pb).store(alpha)
+        alpha_smem.index(pb).store(gl.convert_layout(alpha, _HANDOFF))
         fence_async_shared()
         mbarrier.arrive(p_ready.index(pb), count=1)
 
@@ -709,7 +715,7 @@ if GLUON_IMPORT_ERROR is None:
         # last tile's (the handoff of every tile, one more time).
         pb = num_tiles % P_BUFFERS
         mbarrier.wait(p_free.index(pb), ((num_tiles // P_BUFFERS) & 1) ^ 1)
-        alpha_smem.index(pb).store(l_i)
+        alpha_smem.index(pb).store(gl.convert_layout(l_i, _HANDOFF))
         mbarrier.arrive(p_ready.index(pb), count=1)
         _store_half(
             acc,
