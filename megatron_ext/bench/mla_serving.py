@@ -113,7 +113,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         argv: the arguments (None: sys.argv).
 
     Returns:
-        argparse.Namespace: ``out``, ``quick``, ``rows``, ``batch``, ``context``, ``heads``.
+        argparse.Namespace: ``out``, ``quick``, ``rows``, ``batch``, ``context``, ``heads``,
+        ``cases``.
     """
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ext.bench mla-serving",
@@ -137,6 +138,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     parser.add_argument("--heads", nargs="+", type=int, help="decode and prefill head counts")
     parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="WORDS",
+        help="only the prefill cases whose name holds one of these (e.g. 'mixed' 'chunk 1k')",
+    )
+    parser.add_argument(
         "--served-shapes",
         action="store_true",
         help="decode rows at the batches and contexts each head count is served at, not the grid",
@@ -157,6 +164,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for shape in args.shape or ():
         if min(shape) < 1:
             parser.error(f"--shape values must be >= 1, got {shape}")
+    for words in args.cases or ():
+        if not any(words in case for case in cases.PREFILL_CASES):
+            parser.error(f"--cases {words!r} names no prefill case: {list(cases.PREFILL_CASES)}")
     grid = [name for name in ("batch", "context") if getattr(args, name) is not None]
     if grid and (args.shape or args.served_shapes):
         parser.error(f"--{grid[0]} sets the grid; --shape and --served-shapes replace it")
@@ -212,7 +222,8 @@ def graph_us(
     torch.cuda.synchronize()
     if not graph:
         try:
-            return {"gpu_us": queued_us(run_all, quick) / calls, "gpu_method": QUEUED_METHOD}
+            us = queued_us(lambda i: call(*sets[i % len(sets)]), calls, quick)
+            return {"gpu_us": us, "gpu_method": QUEUED_METHOD}
         except RuntimeError as error:  # the host could not get ahead: time eagerly, say so
             torch.cuda.synchronize()
             method = f"eager do_bench ({error})"
@@ -233,48 +244,57 @@ def graph_us(
 QUEUED_METHOD = "queued behind a GPU sleep (the host ahead, as in an engine step)"
 
 
-def queued_us(run_all: Callable[[], None], quick: bool) -> float:
-    """GPU us of ``run_all``'s work with the host ahead of it: the calls are queued behind a
-    GPU sleep long enough for the host to enqueue them all, and timed between events around
-    them (the median of the rounds). This is a call's GPU time where it cannot be captured in a
-    CUDA graph (the MHA form runs in eager steps), as in an engine step whose other GPU work
-    lets the host run ahead; its eager time (host-bound where the host is slower) is reported
-    beside it.
+def queued_us(call: Callable[[int], None], calls: int, quick: bool) -> float:
+    """GPU us per call with the host ahead of the GPU: a round of calls is queued behind a GPU
+    sleep long enough for the host to issue them, and timed between events around them (the
+    median of the rounds). This is a call's GPU time where it cannot be captured in a CUDA graph
+    (the MHA form runs in eager steps), as in an engine step whose other GPU work lets the host
+    run ahead; its eager time (host-bound where the host is slower) is reported beside it.
+
+    A round holds ``calls`` calls, or fewer: the host blocks once the GPU's launch queue is full
+    (about a thousand pending launches), so a round of calls of many launches is halved until
+    the host issues it all behind the sleep.
 
     Args:
-        run_all: the calls to time (warmed up: plans built, kernels compiled).
+        call: call ``i`` of a round (warmed up: plans built, kernels compiled).
+        calls: calls in a full round.
         quick: fewer rounds.
 
     Returns:
-        float: GPU us of one ``run_all``.
+        float: GPU us per call.
 
     Raises:
-        RuntimeError: where the host could not get ahead even behind a sleep 16 times its
-            measured time (a call that waits for the GPU).
+        RuntimeError: where the host could not get ahead of one call even behind a sleep 16
+            times its measured time (a call that waits for the GPU).
     """
     start = time.perf_counter()
-    run_all()
+    for i in range(calls):
+        call(i)
     torch.cuda.synchronize()
-    # Cycles of the sleep: twice the host's time at 2 GHz, or more (a slower clock sleeps longer).
-    cycles = int(2 * (time.perf_counter() - start) * 2e9) + 1_000_000
+    per_call = (time.perf_counter() - start) / calls
+    n, stretch = calls, 1
     times = []
-    for _ in range(5 if quick else 15):
+    while len(times) < (5 if quick else 15):
+        # Twice the host's time at 2 GHz, or more (a slower clock sleeps longer).
+        cycles = stretch * (int(2 * n * per_call * 2e9) + 1_000_000)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(4):
-            torch.cuda._sleep(cycles)
-            begin.record()
-            run_all()
-            end.record()
-            if not begin.query():  # still asleep when the host was done: the host was ahead
-                break
-            torch.cuda.synchronize()
-            cycles *= 2
+        torch.cuda._sleep(cycles)
+        begin.record()
+        for i in range(n):
+            call(i)
+        end.record()
+        ahead = not begin.query()  # still asleep when the host was done
+        torch.cuda.synchronize()
+        if ahead:
+            times.append(begin.elapsed_time(end) * 1e3 / n)
+        elif n > 1:
+            n //= 2
+        elif stretch < 16:
+            stretch *= 2
         else:
             raise RuntimeError(
                 "queued timing failed: the host did not get ahead of the GPU behind a sleep"
             )
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3)
     return float(np.median(times))
 
 
@@ -424,7 +444,8 @@ def _mha_contenders(
 ) -> Tuple[Dict[str, Any], Dict[str, Tuple[Callable[..., Any], List[tuple]]]]:
     """The MHA-form contenders of a step (what the row reports, the contenders to time):
     ``mha``, every request in the MHA form; ``split``, the cost model's split where it mixes
-    the forms (the leading requests absorbed). Each output is compared with ours (run on
+    the forms (the leading requests absorbed), else the leading decodes absorbed where the step
+    has some. Each output is compared with ours (run on
     ``sets[0]`` already) through W_UV, relative to its largest value."""
     backend = mha_backend()
     report: Dict[str, Any] = {
@@ -436,8 +457,12 @@ def _mha_contenders(
         report["error"] = "no MHA-form backend runs here (cuDNN attention or Transformer Engine)"
         return report, {}
     splits = {"mha": 0}
-    if 0 < mha.split < mha.requests:
-        splits["split"] = mha.split
+    # The cost model's split where it mixes the forms; else, where the step leads with
+    # decodes, the decodes absorbed and the rest in the MHA form (timed beside the model's pick).
+    decodes = int(np.argmax(mha.query_lengths != 1)) if (mha.query_lengths != 1).any() else 0
+    split_at = mha.split if 0 < mha.split < mha.requests else decodes
+    if 0 < split_at < mha.requests:
+        splits["split"] = split_at
     reference = mha.value_projection(sets[0][2])
     form_sets = [(cache, query, mha.query, out) for cache, query, out in sets[:1]]
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
@@ -452,7 +477,8 @@ def _mha_contenders(
         except Exception as error:  # reported in the row: the others still run
             entry["error"] = f"failed: {type(error).__name__}: {error}"[:300]
         else:
-            expected = reference[mha.split_tokens :] if split else reference
+            # The MHA part's tokens: those after this contender's split (not the model's).
+            expected = reference[int(mha.query_lengths[:split].sum()) :]
             scale = float(expected.abs().max()) or 1.0
             entry["max_rel_diff"] = float((out.float() - expected).abs().max()) / scale
             entry["flops"] = forms_lib.mha_flops(mha, heads, step.latent, step.rope, split)
@@ -613,6 +639,8 @@ def row_jobs(
     if "prefill" in args.rows:
         for case, requests in cases.PREFILL_CASES.items():
             if quick and case not in cases.QUICK_PREFILL_CASES:
+                continue
+            if args.cases and not any(words in case for words in args.cases):
                 continue
             for h in args.heads or cases.PREFILL_HEADS:
                 make = functools.partial(prefill_row, case, requests, h, peak, quick, flashinfer)

@@ -61,10 +61,10 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         "attention kernel alone (W_UK/W_UV left out, ours and FlashInfer's), MHA = gather + "
         "decompression GEMM + dense attention (it runs in eager steps: its GPU time queued behind "
         "a GPU sleep, the host ahead as in an engine step); split = the leading requests "
-        "absorbed; pick = the cost model's choice, eager = its time per call run eagerly, the "
-        "host's included",
+        "absorbed, at = how many (* where that is not the cost model's split); pick = the "
+        "cost model's choice, eager = its time per call run eagerly, the host's included",
         f"{'step':>50} {'heads':>5} | {'absorbed':>9} {'mha':>9} {'TFLOP/s':>8} {'rel diff':>8} "
-        f"{'split':>9} {'at':>5} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
+        f"{'split':>9} {'at':>6} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
         f"{'pick/abs':>8} {'fastest':>8}",
     ]
     for r in rows:
@@ -73,7 +73,10 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         pick, fi, absorbed = chosen_us(r), _fi_us(r), r["ours"]["gpu_us"]
         timed = {n: _us(r, n) for n in ("ours", "mha", "split")}
         fastest = min((t, n) for n, t in timed.items() if t is not None)[1]
-        at = f"{forms['model_split']:>2}/{forms['requests']:<2}"
+        split = forms.get("split") if isinstance(forms.get("split"), dict) else {}
+        timed_at = split.get("split", forms["model_split"])
+        mark = "*" if timed_at != forms["model_split"] else " "
+        at = f"{timed_at:>2}/{forms['requests']:<2}{mark}"
         lines.append(
             f"{r['case']:>50} {r['heads']:>5} | {absorbed:9.1f} {_cell(_us(r, 'mha'), '9.1f', 9)} "
             f"{_cell(mha.get('tflops'), '8.1f', 8)} {_cell(mha.get('max_rel_diff'), '8.1e', 8)} "

@@ -119,6 +119,7 @@ MLA_LATENT_ORDER = (
     "mha_backends",
     "mha_chunks",
     "mha_merge",
+    "mha_gather",
     "mha_plan",
     "mha_weights",
     "mha_form",

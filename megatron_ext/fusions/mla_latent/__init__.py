@@ -19,9 +19,10 @@ One concern per module, each importing only the ones before it and the ground fl
 * :mod:`.rope_cache_append`: the RoPE + append kernel, its plan and
   :func:`fused_mla_rope_cache_append`.
 * :mod:`.mha_rows`, :mod:`.mha_dense`, :mod:`.mha_backends`, :mod:`.mha_chunks`,
-  :mod:`.mha_merge`, :mod:`.mha_plan`, :mod:`.mha_weights`: the MHA form's row arithmetic, its
-  dense cuDNN calls, its ragged attention backends, its chunks of rows, the merge of their
-  partial attentions (a kernel on CUDA), a step's plan and the decompression weights' layout.
+  :mod:`.mha_merge`, :mod:`.mha_gather`, :mod:`.mha_plan`, :mod:`.mha_weights`: the MHA form's
+  row arithmetic, its dense cuDNN calls, its ragged attention backends, its chunks of rows, the
+  merge of their partial attentions and the gather of cache rows through the block table (kernels
+  on CUDA), a step's plan and the decompression weights' layout.
 * :mod:`.mha_form`: :func:`mla_paged_mha_attention`, the same attention in the MHA form
   (decompressed keys and values, dense ragged attention on FlashAttention, cuDNN, Transformer
   Engine or torch).

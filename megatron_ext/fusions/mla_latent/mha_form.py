@@ -26,8 +26,8 @@ plan (chunks, calls, the rows' cache addresses, the calls' offsets on the device
 packed-sequence metadata: :mod:`~megatron_ext.fusions.mla_latent.mha_plan`), and per layer the
 decompression weights' layout, kept while the weight is unchanged
 (:mod:`~megatron_ext.fusions.mla_latent.mha_weights`). A layer's call then checks its tensors
-(and the lengths against them) and launches its GPU work: the gather of the rows, two GEMMs, the
-attention.
+(and the lengths against them) and launches its GPU work: the gather of the rows (one kernel:
+:mod:`~megatron_ext.fusions.mla_latent.mha_gather`), two GEMMs, the attention.
 """
 
 import math
@@ -56,6 +56,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     ragged_check,
     varlen_attention,
 )
+from megatron_ext.fusions.mla_latent.mha_gather import gather_cache_rows
 from megatron_ext.fusions.mla_latent.mha_merge import merge_partials_into
 from megatron_ext.fusions.mla_latent.mha_plan import mha_plan
 from megatron_ext.fusions.mla_latent.mha_rows import bucket
@@ -296,16 +297,10 @@ def decompressed_keys_values(
         in some releases (a strided view of the decompressed rows would be read at the wrong
         places there).
     """
-    blocks, block_size, width = kv_cache.shape
-    latent_dim = width - rope_dim
-    # A block id outside the cache (the table's -1 padding) reads block 0: such rows are only
-    # bucket padding, which no query attends.
-    ids = block_table.view(-1).index_select(0, rows[0]).clamp_(0, blocks - 1)
-    if kv_cache.stride(0) == block_size * kv_cache.stride(1):
-        # One gather of whole rows from the cache seen as [blocks * block_size, width] (a view).
-        cached = kv_cache.flatten(0, 1).index_select(0, rows[1].add(ids, alpha=block_size))
-    else:
-        cached = kv_cache[ids, rows[1]]
+    latent_dim = kv_cache.shape[2] - rope_dim
+    # A block id outside the cache (the table's -1 padding) is clamped into it: such rows are
+    # only bucket padding, which no query attends.
+    cached = gather_cache_rows(kv_cache, block_table, (rows[0], rows[1]))
     # The decompression GEMMs (``linear``: ``x @ w.t()`` in one call from Python, the same
     # matmul). The zero rows' outputs are exact zeros for the finite rows a query attends (a
     # non-finite padding row's can be anything: no query reads it).
@@ -407,7 +402,8 @@ def mla_paged_mha_attention(
     out = None if whole else query.new_empty(tokens, heads, v_dim)
     if used < tokens:
         out[used:] = 0
-    if not direct:
+    acc_out = acc_lse = None
+    if not direct and not plan.first_seeds:
         accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
         # Rows are read only where a call wrote them (their log-sum-exp no longer -inf).
         acc_out = torch.empty(used, heads, v_dim, dtype=accumulate, device=query.device)
@@ -451,6 +447,11 @@ def mla_paged_mha_attention(
                 return part if part.is_contiguous() else part.contiguous()
             if direct:
                 out[ids] = part
+                continue
+            if acc_out is None:
+                # The first call's output is what its merge into an empty accumulator would
+                # leave there; the later merges only read it (the plan's first_seeds).
+                acc_out, acc_lse = part, part_lse[:n]
                 continue
             # A call after which its tokens have no other writes their answers.
             final = out if call.last else None

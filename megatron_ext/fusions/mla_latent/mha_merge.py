@@ -75,6 +75,7 @@ def _merge_partials_kernel(
     acc_token_stride,
     acc_head_stride,
     acc_lse_token_stride,
+    acc_lse_head_stride,
     part_token_stride,
     part_head_stride,
     part_lse_token_stride,
@@ -94,7 +95,11 @@ def _merge_partials_kernel(
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_V)
     live = h < heads
-    lse_a = tl.load(acc_lse_ptr + token * acc_lse_token_stride + h, mask=live, other=-float("inf"))
+    lse_a = tl.load(
+        acc_lse_ptr + token * acc_lse_token_stride + h * acc_lse_head_stride,
+        mask=live,
+        other=-float("inf"),
+    )
     lse_b = tl.load(
         part_lse_ptr + i * part_lse_token_stride + h * part_lse_head_stride,
         mask=live,
@@ -110,6 +115,7 @@ def _merge_partials_kernel(
     acc_at = acc_ptr + token * acc_token_stride + h[:, None] * acc_head_stride + cols[None, :]
     # A row no earlier call wrote (its log-sum-exp still -inf) is not read: its weight is 0.
     acc = tl.load(acc_at, mask=inside & (lse_a > -float("inf"))[:, None], other=0.0)
+    acc = acc.to(tl.float32)  # a first call's output standing as the accumulator: 16-bit
     part_at = part_ptr + i * part_token_stride + h[:, None] * part_head_stride + cols[None, :]
     part = tl.load(part_at, mask=inside, other=0.0).to(tl.float32)
     merged = acc * w_a[:, None] + part * w_b[:, None]
@@ -119,7 +125,8 @@ def _merge_partials_kernel(
         tl.store(out_at, merged.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         tl.store(acc_at, merged, mask=inside)
-        tl.store(acc_lse_ptr + token * acc_lse_token_stride + h, top + tl.log(total), mask=live)
+        lse_at = acc_lse_ptr + token * acc_lse_token_stride + h * acc_lse_head_stride
+        tl.store(lse_at, top + tl.log(total), mask=live)
 
 
 # Triton's JIT on a specialisation's first call, then the direct launch.
@@ -155,6 +162,7 @@ def _plan(
         acc_token_stride=acc.stride(0),
         acc_head_stride=acc.stride(1),
         acc_lse_token_stride=acc_lse.stride(0),
+        acc_lse_head_stride=acc_lse.stride(1),
         part_token_stride=part.stride(0),
         part_head_stride=part.stride(1),
         part_lse_token_stride=part_lse.stride(0),
@@ -173,16 +181,16 @@ def _plan(
 def _kernel_takes(
     acc: Tensor, acc_lse: Tensor, part: Tensor, part_lse: Tensor, out: Optional[Tensor]
 ) -> bool:
-    """Whether the kernel merges this call: CUDA, fp32 accumulators and log-sum-exps, unit
-    column and head strides where it indexes them so, a partial (and a result) of unit column
-    stride."""
+    """Whether the kernel merges this call: CUDA, fp32 log-sum-exps, an fp32 accumulator (or,
+    where the merge writes the result and only reads it, a 16-bit one: a first call's output),
+    and unit column strides."""
+    read_only = out is not None and acc.dtype in (torch.float16, torch.bfloat16)
     return (
         acc.is_cuda
-        and acc.dtype == torch.float32
+        and (acc.dtype == torch.float32 or read_only)
         and acc_lse.dtype == torch.float32
         and part_lse.dtype == torch.float32
         and acc.stride(2) == 1
-        and acc_lse.stride(1) == 1
         and part.stride(2) == 1
         and (out is None or out.stride(2) == 1)
     )
@@ -202,8 +210,10 @@ def merge_partials_into(
 
     Args:
         acc: [used, heads, v] fp32 (fp64 for fp64 inputs) accumulated outputs (anything where no
-            call has written yet: such rows are not read).
-        acc_lse: [used, heads] fp32 accumulated log-sum-exps (-inf where no call has written).
+            call has written yet: such rows are not read); with ``out``, which leaves it as it
+            was, any float dtype (a first call's output standing as the accumulator).
+        acc_lse: [used, heads] fp32 accumulated log-sum-exps (-inf where no call has written),
+            any strides.
         part: [count, heads, v] the call's outputs (any float dtype; strided views welcome).
         part_lse: [count, heads] fp32 the call's log-sum-exps.
         tokens: the call's tokens: a slice of ``count`` consecutive ones, or ``count`` int32 or
@@ -231,6 +241,10 @@ def merge_partials_into(
             f"out must be [>= {acc.shape[0]}, {acc.shape[1]}, {acc.shape[2]}]; got "
             f"{tuple(out.shape)}"
         )
+    if out is None and acc.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"acc must be float32 or float64 where the merge writes it (no out); got {acc.dtype}"
+        )
     named = (("acc_lse", acc_lse), ("part", part), ("part_lse", part_lse), ("out", out))
     if not isinstance(tokens, slice):
         check_tensor("tokens", tokens, INDEX_DTYPES)
@@ -250,7 +264,8 @@ def merge_partials_into(
     if not _kernel_takes(acc, acc_lse, part, part_lse, out):
         seen = acc_lse[tokens]
         # Rows no call wrote are not read (as in the kernel): whatever they hold weighs 0.
-        earlier = torch.where((seen == -math.inf)[..., None], 0.0, acc[tokens])
+        wide = torch.float64 if torch.float64 in (acc.dtype, part.dtype) else torch.float32
+        earlier = torch.where((seen == -math.inf)[..., None], 0.0, acc[tokens].to(wide))
         merged, merged_lse = merge_partials(earlier, seen, part, part_lse)
         if out is None:
             acc[tokens], acc_lse[tokens] = merged, merged_lse

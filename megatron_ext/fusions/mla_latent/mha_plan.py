@@ -104,6 +104,11 @@ class MhaPlan(NamedTuple):
         merges_write_out: whether every token's last call is a call all of whose tokens end
             there (:attr:`PlannedCall.last`), so that those calls' merges write the result and
             no accumulator is cast into it afterwards.
+        first_seeds: whether the first call's output and log-sum-exps can stand as the
+            accumulator: its tokens are ``0..used`` in order, every token is in a later call
+            and every later call's merge writes the result (so none writes the accumulator).
+            Its merge into an empty accumulator would copy it there exactly; the step then
+            allocates no accumulator and launches one merge fewer.
     """
 
     used: int
@@ -111,6 +116,7 @@ class MhaPlan(NamedTuple):
     chunks: Tuple[PlannedChunk, ...]
     single: bool
     merges_write_out: bool
+    first_seeds: bool
 
 
 def padded_size(backend: str, n: int) -> int:
@@ -199,7 +205,23 @@ def _build(
         chunks.append(PlannedChunk(rows, tuple(calls), (rows[0], rows[1])))
     only = chunks[0].calls[0] if len(chunks) == 1 and len(chunks[0].calls) == 1 else None
     single = only is not None and isinstance(only.tokens, slice) and only.tokens == slice(0, used)
-    return MhaPlan(used, direct, tuple(chunks), single, merges_write_out)
+    return MhaPlan(
+        used, direct, tuple(chunks), single, merges_write_out, _first_seeds(chunks, used)
+    )
+
+
+def _first_seeds(chunks: list, used: int) -> bool:
+    """:attr:`MhaPlan.first_seeds` of a plan's chunks."""
+    calls = [call for chunk in chunks for call in chunk.calls]
+    first = calls[0].tokens if calls else None
+    if len(calls) < 2 or not isinstance(first, slice) or first != slice(0, used):
+        return False
+    later = calls[1:]
+    if not all(call.last for call in later):
+        return False
+    # Every token's answer is written by a later call's merge (the last ones hold disjoint
+    # tokens, so their counts add up to the tokens they cover).
+    return sum(call.count for call in later) == used
 
 
 def _last_calls(tokens_of_calls: list, used: int) -> list:

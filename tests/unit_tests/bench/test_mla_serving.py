@@ -35,8 +35,27 @@ def test_arguments_default_to_every_section():
     assert args.rows == ["decode"] and args.quick and args.out == "d"
 
 
+def test_cases_select_prefill_rows_by_name():
+    args = mla_serving.parse_args(["--rows", "prefill", "--cases", "mixed", "chunk 1k"])
+    labels = [label for label, _ in mla_serving.row_jobs(args, {}, {}, False)]
+    names = {label.split(": ", 1)[1].rsplit(",", 1)[0] for label in labels}
+    assert names == {
+        case
+        for case in cases.PREFILL_CASES
+        if case.startswith("mixed") or case.startswith("chunk 1k")
+    }
+    assert len(labels) == 2 * len(names)  # 16 and 128 heads
+
+
 @pytest.mark.parametrize(
-    "argv", [["--rows", "attention"], ["--batch", "0"], ["--context", "-1"], ["--heads", "x"]]
+    "argv",
+    [
+        ["--rows", "attention"],
+        ["--batch", "0"],
+        ["--context", "-1"],
+        ["--heads", "x"],
+        ["--cases", "no such case"],
+    ],
 )
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -212,20 +231,24 @@ def test_the_gpu_path_on_the_cpu_with_fake_timings(fake_gpu, monkeypatch, tmp_pa
     assert "not measured: no decode row in the region" in printed
 
 
-def test_prefill_rows_time_the_cost_models_split(fake_gpu, monkeypatch, tmp_path, capsys):
-    # Two decodes and a chunk; the split forced at the decodes (at these tiny sizes the model
-    # would absorb all): the leading requests absorbed, the chunk in the MHA form.
+@pytest.mark.parametrize("model_split, chosen, at", [(2, "split", " 2/3  "), (3, "ours", " 2/3 *")])
+def test_prefill_rows_time_the_split_at_the_decodes(
+    fake_gpu, monkeypatch, tmp_path, capsys, model_split, chosen, at
+):
+    """Two decodes and a chunk, the model's split forced (at these tiny sizes it would absorb
+    all): at the decodes, the split is the pick; all absorbed, the split at the decodes is still
+    timed and marked as not the pick. Its output is compared over the chunk's tokens."""
     monkeypatch.setattr(cases, "PREFILL_CASES", {"mixed": [(30, 1), (12, 1), (9, 6)]})
-    monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args: 2)
+    monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args: model_split)
     args = ["--rows", "prefill", "--heads", "4", "--out", str(tmp_path)]
     assert mla_serving.bench_gpu(mla_serving.parse_args(args)) == 0
     (row,) = json.loads((tmp_path / "mla_serving.json").read_text())["rows"]
     forms = row["forms"]
-    assert (forms["model_split"], forms["requests"], forms["chosen"]) == (2, 3, "split")
+    assert (forms["model_split"], forms["requests"], forms["chosen"]) == (model_split, 3, chosen)
     assert forms["split"]["split"] == 2 and forms["split"]["max_rel_diff"] < 1e-5, forms
     assert forms["mha"]["max_rel_diff"] < 1e-5, forms
     printed = capsys.readouterr().out
-    assert "mixed steps, the cost model's form" in printed and " 2/3 " in printed
+    assert "mixed steps, the cost model's form" in printed and at in printed
 
 
 def test_rows_pick_the_sections(fake_gpu, monkeypatch, tmp_path, capsys):
@@ -316,13 +339,34 @@ def test_gpu_queued_timing_is_the_gpu_time_of_calls_the_host_is_slow_to_issue():
         time.sleep(2e-3)
         torch.mm(a, a, out=out)
 
-    def run_all():
-        for _ in range(5):
-            slow_call()
-
-    run_all()
+    slow_call()
     torch.cuda.synchronize()
-    queued = mla_serving.queued_us(run_all, quick=True) / 5
+    queued = mla_serving.queued_us(lambda i: slow_call(), 5, quick=True)
     graphed = mla_serving.graph_us(lambda: torch.mm(a, a, out=out), [()], quick=True)["gpu_us"]
     assert queued < 1000, f"queued {queued:.1f} us: the host's 2 ms per call leaked in"
     assert 0.7 * graphed < queued < 1.5 * graphed + 5, (queued, graphed)
+
+
+@pytest.mark.gpu
+def test_gpu_queued_timing_takes_calls_of_more_launches_than_the_queue_holds():
+    """Calls of 300 small launches each, 20 to a round: 6000 launches, more than the GPU's launch
+    queue holds, where the host blocks behind the sleep. The round is cut until the host gets
+    ahead, and the time is the calls' GPU time, below their eager time per call."""
+    import time
+
+    x = torch.zeros(1024, device="cuda")
+
+    def many_launches():
+        for _ in range(300):
+            x.add_(1)
+
+    many_launches()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        many_launches()
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - start) / 20 * 1e6
+    queued = mla_serving.queued_us(lambda i: many_launches(), 20, quick=True)
+    graphed = mla_serving.graph_us(many_launches, [()], quick=True)["gpu_us"]
+    assert 0.5 * graphed < queued < eager, (queued, graphed, eager)

@@ -99,3 +99,13 @@ def test_table_names_the_pick_the_fastest_and_errors():
     assert second.rstrip().endswith("split") and " 1/2 " in second and "1.12x" in second
     assert lines[4].strip() == "mha: failed: RuntimeError: cuDNN refused"
     assert forms_report.forms_table([]) == []
+
+
+def test_table_marks_a_split_timed_beside_an_absorbed_pick():
+    """A mixed step the cost model keeps absorbed: its decodes-absorbed split is timed and shown
+    (marked as not the model's), the pick stays the absorbed form."""
+    row = prefill_row([(9, 1), (0, 600)], 500.0, mha=700.0, split=450.0, fi=400.0)
+    row["forms"]["split"]["split"] = 1
+    line = forms_report.forms_table([row])[2]
+    assert " 1/2 *" in line
+    assert line.split()[-6:] == ["ours", "625.0", "400.0", "1.25x", "1.00x", "split"]

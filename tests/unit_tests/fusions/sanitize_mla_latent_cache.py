@@ -15,8 +15,10 @@ negative, past the tokens or decreasing, and NaN and inf rows behind the causal 
 warp-specialized Gluon decode kernel in stage 1's place where this GPU and Triton take it
 (``gluon_decode_refusal``; 128 and 40 heads, block sizes 16 and 64, one and three splits, padded
 requests, a -1 block id; ``--quick`` runs one small case, for racecheck's view of its barriers;
-``--gluon-only`` runs its cases alone), and the MHA form's merge kernel (16 and 128 heads,
-consecutive and indexed tokens, rows no earlier call wrote).
+``--gluon-only`` runs its cases alone), and the MHA form's kernels (``--mha-only`` alone): the
+merge (16 and 128 heads, consecutive and indexed tokens, rows no earlier call wrote, a bf16 first
+call's output read as the accumulator) and the gather of cache rows through the block table
+(-1 and out-of-cache ids, a strided cache).
 PyTorch's caching allocator is disabled so that every tensor is its own allocation and an
 out-of-bounds access is one memcheck can see. Exits non-zero if an appended row differs from
 megatron-core's or an attention output from float64 by more than the unit tests allow.
@@ -36,6 +38,7 @@ from megatron_ext.fusions.mla_latent import (  # noqa: E402
     attention,
     attention_plan,
     fused_mla_rope_cache_append,
+    mha_gather,
     mha_merge,
 )
 from megatron_ext.testing.latent_cache_baseline import yarn_rotary_embedding
@@ -197,11 +200,52 @@ def check_mha_merge(heads: int, tokens_kind: str, last: bool, seed: int) -> bool
     return bool((got.double() - want).abs().max() <= tolerance)
 
 
+def check_mha_merge_seeded(heads: int, seed: int) -> bool:
+    """The merge kernel reading a bf16 first call's output (strided rows, log-sum-exps laid out
+    head-major) as the accumulator and writing a bf16 result, against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    used, v = 200, 128
+    first = torch.randn(used, heads, v + 64, generator=gen).to(torch.bfloat16).cuda()[..., :v]
+    first_lse = (torch.randn(heads, used, generator=gen) * 4).cuda().t()
+    first_lse[::5] = -math.inf
+    part = torch.randn(used, heads, v, generator=gen).to(torch.bfloat16).cuda()
+    part_lse = (torch.randn(used, heads, generator=gen) * 4).cuda()
+    want, _ = float64_merge(first, first_lse, part, part_lse)
+    out = torch.empty(used, heads, v, dtype=torch.bfloat16, device="cuda")
+    mha_merge.merge_partials_into(first, first_lse, part, part_lse, slice(0, used), out)
+    torch.cuda.synchronize()
+    return bool((out.double() - want).abs().max() <= 2e-2)
+
+
+def check_mha_gather(block_size: int, strided: bool, seed: int) -> bool:
+    """The MHA form's row gather: 300 rows through a table with -1 and out-of-cache ids, from a
+    cache inside a larger buffer (``strided``: blocks padded apart), against the torch gather."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, width, requests, max_blocks = 40, 576, 3, 12
+    pad = 7 if strided else 0
+    buffer = torch.randn(blocks + 2, block_size + pad, width, generator=gen).to(torch.bfloat16)
+    cache = buffer.cuda()[1:-1, :block_size]
+    table = torch.randint(-1, blocks + 3, (requests, max_blocks), generator=gen, dtype=torch.int32)
+    places = (
+        torch.randint(0, requests * max_blocks, (300,), generator=gen).cuda(),
+        torch.randint(0, block_size, (300,), generator=gen).to(torch.int32).cuda(),
+    )
+    table = table.cuda()
+    got = mha_gather.gather_cache_rows(cache, table, places)
+    want = mha_gather.gather_cache_rows_torch(cache, table, places)
+    torch.cuda.synchronize()
+    return bool(torch.equal(got, want))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for racecheck)")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--gluon-only", action="store_true", help="only the Gluon decode kernel's cases"
+    )
+    only.add_argument(
+        "--mha-only", action="store_true", help="only the MHA form's kernels (merge, gather)"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -230,7 +274,7 @@ def main() -> int:
     if args.quick:
         attention_cases = attention_cases[1:4]
     failures = checks = 0
-    for dtype in () if args.gluon_only else dtypes:
+    for dtype in () if args.gluon_only or args.mha_only else dtypes:
         for tokens in (1, 37) if args.quick else (1, 37, 300):
             checks += 1
             if not check_append(config, yarn, tokens, dtype, seed=tokens):
@@ -254,13 +298,26 @@ def main() -> int:
         if not check_mha_merge(heads, tokens_kind, last, seed=heads):
             failures += 1
             print(f"BAD mha merge heads={heads} tokens={tokens_kind} last={last}")
+    for heads in [] if args.gluon_only else [16, 128]:
+        checks += 1
+        if not check_mha_merge_seeded(heads, seed=heads):
+            failures += 1
+            print(f"BAD mha merge seeded heads={heads}")
+    gathers = [] if args.gluon_only else [(64, False), (37, True)]
+    for block_size, strided in gathers:
+        checks += 1
+        if not check_mha_gather(block_size, strided, seed=block_size):
+            failures += 1
+            print(f"BAD mha gather block={block_size} strided={strided}")
     # Request 0 spans several pages, so check_attention's -1 at its second is a used row.
     gluon_decode = [(700, 1), (0, 1), (63, 1), (64, 1), (129, 1)]
     gluon_cases = [(128, 16, 1), (128, 64, 3), (40, 16, 3), (40, 64, 1)]
     if args.quick:
         gluon_decode, gluon_cases = [(129, 1), (0, 1), (63, 1)], [(40, 16, 3)]
     refusal = gluon_decode_refusal_here()
-    if refusal is not None:
+    if args.mha_only:
+        gluon_cases = []
+    elif refusal is not None:
         print(f"Gluon decode cases skipped: {refusal}")
         gluon_cases = []
     for heads, block_size, splits in gluon_cases:

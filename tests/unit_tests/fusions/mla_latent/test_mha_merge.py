@@ -124,6 +124,34 @@ def test_a_last_merge_writes_the_answers_and_leaves_the_accumulator(monkeypatch,
     assert torch.equal(out_buffer[~written], out_before[~written]), "a row outside its tokens"
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_first_calls_output_as_the_accumulator_gives_the_merged_bits(monkeypatch, path):
+    """A 16-bit first call's output and strided log-sum-exps read as the accumulator by a merge
+    that writes the result: the bits of merging it into an empty fp32 accumulator first; the
+    16-bit output is left as it was, and a merge that would write it is refused."""
+    if path == "kernel" and not ON_GPU:
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: True)
+    if path == "torch":
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: False)
+    used, heads, v = 19, 4, 64
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    _, _, first, first_lse = _case(used, heads, v, used, dtype, 3)
+    _, _, second, second_lse = _case(used, heads, v, used, dtype, 5)
+    everything = slice(0, used)
+    acc = torch.empty(used, heads, v, device=DEVICE)
+    acc_lse = torch.full((used, heads), -math.inf, device=DEVICE)
+    merge_partials_into(acc, acc_lse, first, first_lse, everything)
+    want = torch.zeros(used, heads, v, dtype=dtype, device=DEVICE)
+    merge_partials_into(acc, acc_lse, second, second_lse, everything, want)
+    got = torch.zeros_like(want)
+    first_before = first.clone()
+    merge_partials_into(first, first_lse, second, second_lse, everything, got)
+    assert torch.equal(got, want), "the first call's output as the accumulator moved the bits"
+    assert torch.equal(first, first_before), "the first call's output was written"
+    with pytest.raises(TypeError, match="acc must be float32 or float64"):
+        merge_partials_into(first, first_lse.clone(), second, second_lse, everything)
+
+
 def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel_everywhere):
     """Rows with no keys on either side: zeros and -inf (no NaN); the kernel's merge within fp32
     rounding of the torch merge's everywhere."""

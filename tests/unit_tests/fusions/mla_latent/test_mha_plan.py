@@ -49,6 +49,42 @@ def test_a_plan_lays_out_rows_tokens_and_calls():
     assert [c.tolist() for c in diagonal.lengths] == [[2, 3], [2, 3]]
     # The diagonal call is every token's last: its merge writes the answers.
     assert (prefix.last, diagonal.last, plan.merges_write_out) == (False, True, True)
+    # The prefix call holds 2 of the 5 tokens: it cannot stand as the accumulator.
+    assert not plan.first_seeds
+
+
+def test_which_first_calls_stand_as_the_accumulator():
+    """A chunk's prefix call that holds every token, followed by calls that each write their
+    tokens' answers and between them hold every token: its output is the accumulator."""
+    one = _plan([4], [10])
+    assert [c.tokens for c in one.chunks[0].calls] == [slice(0, 4), slice(0, 4)]
+    assert one.first_seeds
+    assert _plan([4, 2], [10, 7]).first_seeds  # both requests have a prefix
+    # A fresh prefill's one call is direct: nothing to merge.
+    assert not _plan([4], [4]).first_seeds
+    # Request 1 has no prefix: the prefix call holds only request 0's tokens.
+    assert not _plan([4, 2], [10, 2]).first_seeds
+    # Under a budget of 4 rows, 10 rows span chunks whose calls merge into the accumulator.
+    split = _plan([4], [10], budget=4)
+    calls = [c for chunk in split.chunks for c in chunk.calls]
+    assert not all(c.last for c in calls[1:]) and not split.first_seeds
+
+
+def test_a_first_call_standing_as_the_accumulator_gives_the_same_bits(monkeypatch):
+    """A step whose plan seeds the accumulator with its first call's output against the same
+    step merging that output into an accumulator first: the same bits."""
+    mha = mha_step([(12, 5), (30, 2)], 3, seed=4)
+    assert mha_plan.mha_plan(
+        np.array([5, 2]), np.array([12, 30]), "torch", 6144, 16, 8, torch.device("cpu")
+    ).first_seeds
+    seeded = attend(mha, "torch")
+    mha_plan.MHA_PLANS.clear()
+    build = mha_plan._build
+    monkeypatch.setattr(mha_plan, "_build", lambda *a: build(*a)._replace(first_seeds=False))
+    merged = attend(mha, "torch")
+    mha_plan.MHA_PLANS.clear()
+    assert torch.equal(seeded, merged), "seeding the accumulator moved the answers' bits"
+    torch.testing.assert_close(seeded.double(), reference(*mha), rtol=1e-5, atol=2e-5)
 
 
 def test_which_merges_write_the_answers():
