@@ -147,9 +147,11 @@ class CostModel:
 # and the decompression weights kept across steps. ``flash``: FlashAttention-2 runs 220-255
 # TFLOP/s of real FLOPs at head size 192; the decompression GEMMs and the copy of the output out
 # of its padded value columns 270 TFLOP/s of decompression FLOPs; 0.31-0.46 ms of host time per
-# call. ``cudnn-dense`` (in FlashAttention's place: :func:`backend_for`): the dense cuDNN kernel
-# 455 TFLOP/s at 2 x 1536 tokens and 128 heads, its GEMMs (values at their own width) 440, 0.40-
-# 0.43 ms of host time per call. The cost of an extra chunk of rows (0.6 ms) was measured before
+# call. ``cudnn-dense`` (in FlashAttention's place: :func:`backend_for`), with the rows' gather
+# in one kernel and a chunk's first call standing as the merge's accumulator: 484-510 TFLOP/s of
+# real FLOPs at 128 heads (attention and decompression together; prefills of 2 x 1536, chunks of
+# 1k on 3k; 328-387 at 16 heads, where the host bounds the call), 0.18-0.31 ms of host time per
+# call (a fresh prefill, a chunk). The cost of an extra chunk of rows (0.6 ms) was measured before
 # the plan was kept and is an upper bound. ``cudnn``: torch's ragged cuDNN entry rebuilds its
 # cuDNN graph on every call (62-174 ms measured on that H100), which this fixed cost keeps out of
 # any step. ``te``: not measured; cuDNN's fused-attention rate.
@@ -157,7 +159,7 @@ COST_MODELS: Dict[str, CostModel] = {
     "flash": CostModel(decompress_flops=270e12, mha_fixed_seconds=450e-6),
     "te": CostModel(mha_flops=450e12, decompress_flops=440e12, mha_fixed_seconds=450e-6),
     "cudnn": CostModel(mha_fixed_seconds=60e-3),
-    "cudnn-dense": CostModel(mha_flops=450e12, decompress_flops=440e12, mha_fixed_seconds=430e-6),
+    "cudnn-dense": CostModel(mha_flops=500e12, decompress_flops=480e12, mha_fixed_seconds=310e-6),
 }
 COST_MODEL = COST_MODELS["flash"]
 
