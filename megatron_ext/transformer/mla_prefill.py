@@ -132,6 +132,11 @@ class CostModel:
             copies included.
         mha_fixed_seconds: the MHA form's host time per layer.
         mha_chunk_seconds: the MHA form's host time per extra chunk of rows.
+        absorbed_row_seconds: the absorbed kernel's time per attended row of one program, the
+            floor of a launch that holds a request of more than one new token: such a launch
+            runs prefill tiles without splitting the keys, so each request's longest rows are
+            one program's serial loop (a 4k decode beside a chunk takes about 0.39 ms at 16
+            heads, whatever the FLOPs).
     """
 
     absorbed_flops: float = 170e12
@@ -140,6 +145,7 @@ class CostModel:
     decompress_flops: float = 300e12
     mha_fixed_seconds: float = 900e-6
     mha_chunk_seconds: float = 600e-6
+    absorbed_row_seconds: float = 96e-9
 
 
 # Per backend, fitted to eager calls on an H100 (torch 2.11; 16 and 128 heads, prefills of
@@ -231,6 +237,11 @@ def _cheapest_split(
     # and one per extra chunk) if s < n: the host plans the MHA part while the GPU runs the
     # absorbed part and the MHA part's earlier launches
     before = np.concatenate([[0.0], np.cumsum(absorbed)])
+    # The absorbed launch of requests [0, s) has a floor where one of them has more than one new
+    # token (CostModel.absorbed_row_seconds); a launch of decodes alone splits its keys.
+    prefill_tiles = np.concatenate([[False], np.maximum.accumulate(q) > 1])
+    longest = np.concatenate([[0.0], np.maximum.accumulate(rows)])
+    before = np.maximum(before, np.where(prefill_tiles, longest * model.absorbed_row_seconds, 0))
     after = np.concatenate([np.cumsum(mha[::-1])[::-1], [0.0]])
     mha_rows = np.concatenate([np.cumsum(np.where(q > 0, rows, 0.0)[::-1])[::-1], [0.0]])
     chunks = np.maximum(np.ceil(mha_rows / mha_form.ROW_BUDGET), 1.0)

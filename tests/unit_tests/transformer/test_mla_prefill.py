@@ -258,6 +258,21 @@ def test_cost_model_split_points_at_deepseek_widths():
     assert split([1536, 1536], [1536, 1536], backend="cudnn-dense") == 0
 
 
+def test_an_absorbed_launch_of_prefill_tiles_is_floored_by_its_longest_rows():
+    """8 decodes at 4k beside a 512 chunk on 1k, 16 heads, dense cuDNN's rates: absorbed, the
+    step is one 4k decode's serial key loop (0.39 ms measured on an H100, where the FLOPs give
+    0.14 ms); the split (decodes absorbed, the chunk in the MHA form) is bound by its host time
+    (0.31 ms in the model, 0.30 ms measured): the split. Without the floor the model kept the
+    step absorbed. A launch of decodes alone has no floor (it splits its keys)."""
+    model = mla_prefill.COST_MODELS["cudnn-dense"]
+    q, kv = np.array([1] * 8 + [512]), np.array([4096] * 8 + [512 + 1024])
+    assert mla_prefill.absorbed_request_count(q, kv, 16, DEEPSEEK_WIDTHS, model) == 8
+    no_floor = dataclasses.replace(model, absorbed_row_seconds=0.0)
+    assert mla_prefill.absorbed_request_count(q, kv, 16, DEEPSEEK_WIDTHS, no_floor) == 9
+    decodes = np.array([1] * 8), np.array([4096] * 8)
+    assert mla_prefill.absorbed_request_count(*decodes, 16, DEEPSEEK_WIDTHS, model) == 8
+
+
 def test_cost_model_keeps_cudnn_out_of_every_step():
     """torch's ragged cuDNN entry rebuilds its plan per call (tens of ms): never worth it."""
     model = mla_prefill.COST_MODELS["cudnn"]
