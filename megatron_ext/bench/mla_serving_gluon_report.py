@@ -56,10 +56,11 @@ def gluon_table(decode: List[Dict[str, Any]]) -> List[str]:
         return []
     lines = [
         "=== table: decode attention, the warp-specialized kernel (Gluon) beside stage 1 (the "
-        "default) and FlashInfer, GPU time (us); TF/s: real FLOPs; x FI: Gluon / FlashInfer; "
-        "diff: max |Gluon - stage 1|",
+        "default) and FlashInfer, GPU time (us); TF/s: real FLOPs; host and eager: Gluon's host "
+        "time per call and its time per call run eagerly; x FI: Gluon / FlashInfer; diff: max "
+        "|Gluon - stage 1|",
         f"{'batch':>5} {'ctx':>6} {'heads':>5} | {'stage 1':>9} | {'Gluon':>9} {'splits':>6} "
-        f"{'TF/s':>6} {'host':>6} | {'FI':>9} {'x FI':>6} {'diff':>8}",
+        f"{'TF/s':>6} {'host':>6} {'eager':>8} | {'FI':>9} {'x FI':>6} {'diff':>8}",
     ]
     for r in rows:
         entry = r["gluon"]
@@ -72,7 +73,8 @@ def gluon_table(decode: List[Dict[str, Any]]) -> List[str]:
         ratio = f"{us / fi:5.2f}x" if fi else "     -"
         lines.append(
             f"{head} {us:9.1f} {entry['splits']:>6} {decode_flops(r) / us / 1e6:6.0f} "
-            f"{entry['host_us']:6.1f} | {fi if fi else float('nan'):9.1f} {ratio} "
+            f"{entry['host_us']:6.1f} {entry['eager_us']:8.1f} | "
+            f"{fi if fi else float('nan'):9.1f} {ratio} "
             f"{entry['max_abs_diff_vs_ours']:8.2e}"
         )
     return lines

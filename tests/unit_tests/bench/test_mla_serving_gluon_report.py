@@ -74,3 +74,5 @@ def test_table_rows_show_gluon_beside_stage_1_and_flashinfer():
     assert len(lines) == 3
     cells = lines[-1].split()
     assert "213.3" in cells and "124.1" in cells and "122.2" in cells and "1.02x" in cells
+    # Its host time and eager time per call beside the GPU time.
+    assert cells[cells.index("124.1") + 3 : cells.index("124.1") + 5] == ["9.0", "125.1"]
