@@ -15,7 +15,7 @@ it (the table's -1 padding reads block 0: only ever bucket padding, which no que
 a place outside the table or the block is clamped into it.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import triton
 import triton.language as tl
@@ -106,7 +106,10 @@ def _kernel_takes(kv_cache: Tensor, block_table: Tensor) -> bool:
 
 
 def gather_cache_rows(
-    kv_cache: Tensor, block_table: Tensor, places: Tuple[Tensor, Tensor]
+    kv_cache: Tensor,
+    block_table: Tensor,
+    places: Tuple[Tensor, Tensor],
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Copies of the cache rows at ``places``: row ``r`` is
     ``kv_cache[block_table.view(-1)[places[0][r]], places[1][r]]``, a block id outside the cache
@@ -118,9 +121,11 @@ def gather_cache_rows(
         places: each row's place in the flattened table and in its block ([rows] int32 or
             int64 each, on the cache's device; the step's plan builds them, and their values
             are not read on the host).
+        out: [rows, width] in the cache's dtype, unit column stride, to write the rows into (a
+            view of a larger buffer welcome: nothing else of it is written); None: a new tensor.
 
     Returns:
-        Tensor: [rows, width] in the cache's dtype.
+        Tensor: [rows, width] in the cache's dtype (``out`` where given).
 
     Raises:
         TypeError, ValueError: for index dtypes, devices or shapes that do not fit, before any
@@ -141,9 +146,21 @@ def gather_cache_rows(
             f"places must be two [rows] vectors; got {tuple(places[0].shape)} and "
             f"{tuple(places[1].shape)}"
         )
+    rows = places[0].shape[0]
+    if out is not None:
+        if out.shape != (rows, kv_cache.shape[2]) or out.dtype != kv_cache.dtype:
+            raise ValueError(
+                f"out must be [{rows}, {kv_cache.shape[2]}] {kv_cache.dtype}; got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        check_device("out", out, kv_cache.device)
+        if out.stride(1) != 1:
+            raise ValueError(f"out must have unit column stride; got strides {out.stride()}")
     if not _kernel_takes(kv_cache, block_table):
-        return gather_cache_rows_torch(kv_cache, block_table, places)
-    out = kv_cache.new_empty(places[0].shape[0], kv_cache.shape[2])
+        rows_read = gather_cache_rows_torch(kv_cache, block_table, places)
+        return rows_read if out is None else out.copy_(rows_read)
+    if out is None:
+        out = kv_cache.new_empty(rows, kv_cache.shape[2])
     key = layout_key((kv_cache, block_table, places[0], places[1], out), ())
     launch = _PLANS.get(key)
     if launch is None:

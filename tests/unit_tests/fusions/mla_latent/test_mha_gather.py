@@ -3,7 +3,8 @@
 """Tests of the MHA form's gather of cache rows through the block table
 (megatron_ext.fusions.mla_latent.mha_gather): the kernel against the torch gather bit for bit,
 block ids and places outside the cache or table, strided caches, reads only inside the cache
-(NaN guard rows around it), bad input refused before any launch, and graph replay on the GPU.
+(NaN guard rows around it), writes only inside ``out`` (guard rows and columns around it), bad
+input refused before any launch, and graph replay on the GPU.
 Without a GPU the kernel runs in the Triton interpreter (tests/conftest.py).
 """
 
@@ -61,6 +62,27 @@ def test_kernel_copies_the_torch_gathers_rows_bit_for_bit(
         assert torch.equal(got, cache[ids, places[1].long()])
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_rows_written_into_out_touch_nothing_else(monkeypatch, path):
+    """With ``out`` a view of a larger buffer (guard rows before and after, wider rows), the
+    rows go there and every other element keeps its bits."""
+    if path == "torch":
+        monkeypatch.setattr(mha_gather, "_kernel_takes", lambda *a: False)
+    elif not ON_GPU:
+        monkeypatch.setattr(mha_gather, "_kernel_takes", lambda *a: True)
+    cache, table, places = _case(16, 96, 0, torch.float32, seed=7)
+    rows = places[0].shape[0]
+    buffer = torch.full((rows + 2, 96 + 8), 1234.5, device=DEVICE)
+    before = buffer.clone()
+    out = buffer[1:-1, 4:-4]
+    got = gather_cache_rows(cache, table, places, out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, gather_cache_rows_torch(cache, table, places))
+    written = torch.zeros_like(buffer, dtype=torch.bool)
+    written[1:-1, 4:-4] = True
+    assert torch.equal(buffer[~written], before[~written]), "a write outside out's rows"
+
+
 def test_places_outside_the_table_or_block_are_clamped_into_them(kernel_everywhere):
     """Places the plan never builds (past the table, past a block) read inside, clamped."""
     cache, table, _ = _case(8, 64, 0, torch.float32, seed=3)
@@ -89,6 +111,8 @@ def test_no_rows_gives_an_empty_result(kernel_everywhere):
         ("strided table", ValueError, "contiguous"),
         ("float table", TypeError, "block_table"),
         ("2-d cache", ValueError, "kv_cache must be"),
+        ("out of another width", ValueError, "out must be"),
+        ("out of strided columns", ValueError, "unit column stride"),
     ],
 )
 def test_bad_input_is_refused_before_any_launch(monkeypatch, change, error, message):
@@ -101,15 +125,20 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, error, mess
         table = table.t()
     elif change == "float table":
         table = table.float()
-    else:
+    elif change == "2-d cache":
         cache = cache[0]
+    out = None
+    if change == "out of another width":
+        out = cache.new_empty(places[0].shape[0], cache.shape[2] + 1)
+    elif change == "out of strided columns":
+        out = cache.new_empty(places[0].shape[0], 2 * cache.shape[2])[:, ::2]
 
     def no_launch(*args):
         raise AssertionError("a launch was planned for bad input")
 
     monkeypatch.setattr(mha_gather, "_plan", no_launch)
     with pytest.raises(error, match=message):
-        gather_cache_rows(cache, table, places)
+        gather_cache_rows(cache, table, places, out)
 
 
 @pytest.mark.gpu
