@@ -6,7 +6,7 @@ step's lengths and shared by the layers, each layer still getting its own answer
 import numpy as np
 import torch
 
-from megatron_ext.fusions.mla_latent import mha_backends, mha_plan
+from megatron_ext.fusions.mla_latent import mha_backends, mha_form, mha_plan
 from tests.unit_tests.fusions.mla_latent.mha_testlib import (
     MIXED,
     attend,
@@ -72,18 +72,28 @@ def test_which_first_calls_stand_as_the_accumulator():
 
 def test_a_first_call_standing_as_the_accumulator_gives_the_same_bits(monkeypatch):
     """A step whose plan seeds the accumulator with its first call's output against the same
-    step merging that output into an accumulator first: the same bits."""
+    step merging that output into an accumulator first: the same bits, one merge fewer and no
+    accumulator of its own."""
     mha = mha_step([(12, 5), (30, 2)], 3, seed=4)
     assert mha_plan.mha_plan(
         np.array([5, 2]), np.array([12, 30]), "torch", 6144, 16, 8, torch.device("cpu")
     ).first_seeds
+    merges = []
+    merge = mha_form.merge_partials_into
+    monkeypatch.setattr(
+        mha_form, "merge_partials_into", lambda *a: merges.append(len(a)) or merge(*a)
+    )
     seeded = attend(mha, "torch")
+    seeded_merges, merges[:] = list(merges), []
     mha_plan.MHA_PLANS.clear()
     build = mha_plan._build
     monkeypatch.setattr(mha_plan, "_build", lambda *a: build(*a)._replace(first_seeds=False))
     merged = attend(mha, "torch")
     mha_plan.MHA_PLANS.clear()
     assert torch.equal(seeded, merged), "seeding the accumulator moved the answers' bits"
+    # Two calls: one merge (reading the first call's output) against two (the first into the
+    # step's own accumulator).
+    assert len(seeded_merges) == 1 and len(merges) == 2, (seeded_merges, merges)
     torch.testing.assert_close(seeded.double(), reference(*mha), rtol=1e-5, atol=2e-5)
 
 
