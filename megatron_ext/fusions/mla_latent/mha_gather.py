@@ -24,7 +24,15 @@ from torch import Tensor
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.launch_math import next_power_of_2
 from megatron_ext.fusions.launch_plans import NO_LAUNCH, LaunchPlan, PlanCache, layout_key
-from megatron_ext.fusions.tensor_checks import INDEX_DTYPES, check_device, check_tensor
+from megatron_ext.fusions.tensor_checks import (
+    INDEX_DTYPES,
+    check_device,
+    check_disjoint,
+    check_index_vector,
+    check_no_self_overlap,
+    check_tensor,
+    check_unit_last_stride,
+)
 
 __all__ = ["GATHER_LAUNCHES", "gather_cache_rows", "gather_cache_rows_torch"]
 
@@ -128,8 +136,8 @@ def gather_cache_rows(
         Tensor: [rows, width] in the cache's dtype (``out`` where given).
 
     Raises:
-        TypeError, ValueError: for index dtypes, devices or shapes that do not fit, before any
-            launch.
+        TypeError, ValueError: for index dtypes, devices, shapes or strides that do not fit, or
+            an ``out`` that shares memory with an input or within itself, before any launch.
     """
     if kv_cache.dim() != 3 or block_table.dim() != 2 or not block_table.is_contiguous():
         raise ValueError(
@@ -137,16 +145,13 @@ def gather_cache_rows(
             f"[requests, max_blocks]; got {tuple(kv_cache.shape)} and {tuple(block_table.shape)}"
         )
     check_tensor("block_table", block_table, INDEX_DTYPES)
-    for name, place in zip(("places[0]", "places[1]"), places):
-        check_tensor(name, place, INDEX_DTYPES)
-        check_device(name, place, kv_cache.device)
     check_device("block_table", block_table, kv_cache.device)
-    if places[0].shape != places[1].shape or places[0].dim() != 1:
-        raise ValueError(
-            f"places must be two [rows] vectors; got {tuple(places[0].shape)} and "
-            f"{tuple(places[1].shape)}"
-        )
+    if places[0].dim() != 1:
+        raise ValueError(f"places must be two [rows] vectors; got {tuple(places[0].shape)}")
     rows = places[0].shape[0]
+    # The kernel reads the places as contiguous vectors.
+    check_index_vector("places[0]", places[0], rows, kv_cache.device)
+    check_index_vector("places[1]", places[1], rows, kv_cache.device)
     if out is not None:
         if out.shape != (rows, kv_cache.shape[2]) or out.dtype != kv_cache.dtype:
             raise ValueError(
@@ -154,8 +159,10 @@ def gather_cache_rows(
                 f"{tuple(out.shape)} {out.dtype}"
             )
         check_device("out", out, kv_cache.device)
-        if out.stride(1) != 1:
-            raise ValueError(f"out must have unit column stride; got strides {out.stride()}")
+        check_unit_last_stride("out", out)
+        check_no_self_overlap("out", out)
+        read = (("kv_cache", kv_cache), ("block_table", block_table))
+        check_disjoint("out", out, read + (("places[0]", places[0]), ("places[1]", places[1])))
     if not _kernel_takes(kv_cache, block_table):
         rows_read = gather_cache_rows_torch(kv_cache, block_table, places)
         return rows_read if out is None else out.copy_(rows_read)

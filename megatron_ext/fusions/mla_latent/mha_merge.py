@@ -30,7 +30,14 @@ from torch import Tensor
 from megatron_ext.fusions.direct_launch import KernelLaunches, PreparedLaunch
 from megatron_ext.fusions.launch_math import next_power_of_2
 from megatron_ext.fusions.launch_plans import NO_LAUNCH, LaunchPlan, PlanCache, layout_key
-from megatron_ext.fusions.tensor_checks import INDEX_DTYPES, check_device, check_tensor
+from megatron_ext.fusions.tensor_checks import (
+    check_device,
+    check_disjoint,
+    check_index_vector,
+    check_no_self_overlap,
+    span_bytes,
+    spans_meet,
+)
 
 __all__ = ["MERGE_LAUNCHES", "merge_partials", "merge_partials_into"]
 
@@ -131,8 +138,9 @@ def _merge_partials_kernel(
 
 # Triton's JIT on a specialisation's first call, then the direct launch.
 MERGE_LAUNCHES = KernelLaunches(_merge_partials_kernel)
-# Call layouts -> their prepared launches: a step's layers merge with the same layouts.
-_PLANS: PlanCache[LaunchPlan] = PlanCache()
+# Call layouts -> their prepared launches and the tensors' byte spans (for the per-call test that
+# the written tensors share memory with no other): a step's layers merge with the same layouts.
+_PLANS: PlanCache[Tuple[LaunchPlan, Tuple[int, ...]]] = PlanCache()
 
 
 def _plan(
@@ -223,8 +231,10 @@ def merge_partials_into(
             another; None: merge into the accumulator.
 
     Raises:
-        TypeError, ValueError: for an index of another dtype, tensors on other devices or shapes
-            that do not match, before any launch.
+        TypeError, ValueError: for an index of another dtype or not contiguous, tensors on other
+            devices, shapes that do not match, or a written tensor (the accumulator and its
+            log-sum-exps, or ``out``) that shares memory with another or within itself, before
+            any launch.
     """
     count = part.shape[0]
     if acc.dim() != 3 or part.shape[1:] != acc.shape[1:] or acc_lse.shape != acc.shape[:2]:
@@ -245,11 +255,7 @@ def merge_partials_into(
         raise TypeError(
             f"acc must be float32 or float64 where the merge writes it (no out); got {acc.dtype}"
         )
-    named = (("acc_lse", acc_lse), ("part", part), ("part_lse", part_lse), ("out", out))
-    if not isinstance(tokens, slice):
-        check_tensor("tokens", tokens, INDEX_DTYPES)
-        named += (("tokens", tokens),)
-    for name, x in named:
+    for name, x in (("acc_lse", acc_lse), ("part", part), ("part_lse", part_lse), ("out", out)):
         if x is not None:
             check_device(name, x, acc.device)
     if isinstance(tokens, slice):
@@ -258,10 +264,12 @@ def merge_partials_into(
             raise ValueError(f"tokens {tokens} must be {count} consecutive rows of acc")
         index, first = None, start
     else:
-        if tokens.shape != (count,):
-            raise ValueError(f"tokens must hold {count} indices; got {tuple(tokens.shape)}")
+        # The kernel reads the indices as a contiguous vector.
+        check_index_vector("tokens", tokens, count, acc.device)
         index, first = tokens, 0
+    tensors = (acc, acc_lse, part, part_lse, index, out)
     if not _kernel_takes(acc, acc_lse, part, part_lse, out):
+        _check_written_apart(tensors)
         seen = acc_lse[tokens]
         # Rows no call wrote are not read (as in the kernel): whatever they hold weighs 0.
         wide = torch.float64 if torch.float64 in (acc.dtype, part.dtype) else torch.float32
@@ -272,8 +280,32 @@ def merge_partials_into(
         else:
             out[tokens] = merged.to(out.dtype)
         return
-    key = layout_key((acc, acc_lse, part, part_lse, index, out), (first,))
-    launch = _PLANS.get(key)
-    if launch is None:
-        launch = _PLANS.put(key, _plan(acc, acc_lse, part, part_lse, index, out, first))
+    key = layout_key(tensors, (first,))
+    kept = _PLANS.get(key)
+    if kept is None:
+        _check_written_apart(tensors)
+        spans = tuple(span_bytes(x) for x in tensors)
+        kept = _PLANS.put(key, (_plan(acc, acc_lse, part, part_lse, index, out, first), spans))
+    launch, spans = kept
+    # What the layout cannot tell: whether this call's written tensors share memory with the
+    # others (only the data pointers are read; the full check names the tensor).
+    if any(spans_meet(tensors, spans, w) for w in _written(out)):
+        _check_written_apart(tensors)
     launch(acc, acc_lse, part, part_lse, index, out)
+
+
+_NAMES = ("acc", "acc_lse", "part", "part_lse", "tokens", "out")
+
+
+def _written(out: Optional[Tensor]) -> Tuple[int, ...]:
+    """The places in a call's tensors of those the merge writes."""
+    return (5,) if out is not None else (0, 1)
+
+
+def _check_written_apart(tensors: Tuple[Optional[Tensor], ...]) -> None:
+    """Raise ValueError where a tensor the merge writes has elements that share memory, or
+    shares memory with another of the call's tensors."""
+    for w in _written(tensors[5]):
+        check_no_self_overlap(_NAMES[w], tensors[w])
+        others = [(name, x) for i, (name, x) in enumerate(zip(_NAMES, tensors)) if i != w]
+        check_disjoint(_NAMES[w], tensors[w], others)

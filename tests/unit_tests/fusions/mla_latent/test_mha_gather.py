@@ -107,12 +107,15 @@ def test_no_rows_gives_an_empty_result(kernel_everywhere):
     "change, error, message",
     [
         ("float places", TypeError, "places"),
-        ("places of two lengths", ValueError, "two \\[rows\\] vectors"),
+        ("places of two lengths", ValueError, "places\\[1\\] must have shape"),
+        ("strided places", ValueError, "places\\[0\\] must be contiguous"),
         ("strided table", ValueError, "contiguous"),
         ("float table", TypeError, "block_table"),
         ("2-d cache", ValueError, "kv_cache must be"),
         ("out of another width", ValueError, "out must be"),
-        ("out of strided columns", ValueError, "unit column stride"),
+        ("out of strided columns", ValueError, "unit stride in its last dimension"),
+        ("out in the cache", ValueError, "out overlaps kv_cache"),
+        ("out of shared rows", ValueError, "share memory"),
     ],
 )
 def test_bad_input_is_refused_before_any_launch(monkeypatch, change, error, message):
@@ -121,6 +124,8 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, error, mess
         places = (places[0].float(), places[1])
     elif change == "places of two lengths":
         places = (places[0], places[1][:-1])
+    elif change == "strided places":
+        places = (torch.stack([places[0], places[0]], 1)[:, 0], places[1])
     elif change == "strided table":
         table = table.t()
     elif change == "float table":
@@ -132,6 +137,11 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, error, mess
         out = cache.new_empty(places[0].shape[0], cache.shape[2] + 1)
     elif change == "out of strided columns":
         out = cache.new_empty(places[0].shape[0], 2 * cache.shape[2])[:, ::2]
+    elif change == "out in the cache":
+        rows = places[0].shape[0]
+        out = cache.view(-1, cache.shape[2])[:rows]
+    elif change == "out of shared rows":
+        out = cache.new_empty(1, cache.shape[2]).expand(places[0].shape[0], -1)
 
     def no_launch(*args):
         raise AssertionError("a launch was planned for bad input")

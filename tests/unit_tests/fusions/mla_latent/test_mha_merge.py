@@ -183,7 +183,9 @@ def test_the_kernel_and_torch_merge_agree_and_both_sides_empty_give_zeros(kernel
         ("part_heads", "must be \\[used, heads, v\\]"),
         ("part_lse", "part_lse must be"),
         ("slice", "consecutive rows"),
-        ("index", "must hold 3 indices"),
+        ("index", "tokens must have shape \\(3,\\)"),
+        ("strided index", "tokens must be contiguous"),
+        ("out over part", "out overlaps part"),
         ("out", "out must be"),
         ("index_dtype", "tokens must have dtype int32, int64"),
         ("device", "part is on meta"),
@@ -200,16 +202,43 @@ def test_mismatched_shapes_are_refused_before_any_write(change, message):
         tokens = slice(0, 4)
     elif change == "index":
         tokens = torch.arange(4)
+    elif change == "strided index":
+        tokens = torch.arange(6)[::2]
     elif change == "index_dtype":
         tokens = torch.arange(3, dtype=torch.float32)
     elif change == "device":
         part = torch.ones(3, 2, 4, device="meta")
     out = torch.zeros(7 if change == "out" else 8, 2, 4)
+    if change == "out over part":
+        part = out[5:]  # the partial's rows lie in the result's
     error = TypeError if change == "index_dtype" else ValueError
     with pytest.raises(error, match=message):
         merge_partials_into(acc, acc_lse, part, part_lse, tokens, out)
     assert not out.any()
     assert not acc.any() and (acc_lse == -math.inf).all()
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_written_tensor_sharing_memory_is_refused_on_every_call(monkeypatch, path):
+    """An accumulator that shares memory with the partial, on a layout the kernel has already
+    launched for (its cached plan) as on a first call and on the torch path: refused, nothing
+    written."""
+    if path == "kernel" and not ON_GPU:
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: True)
+    if path == "torch":
+        monkeypatch.setattr(mha_merge, "_kernel_takes", lambda *a: False)
+    used, heads, v = 6, 2, 8
+    storage = torch.zeros(2 * used, heads, v, device=DEVICE)
+    lse = torch.full((used, heads), -math.inf, device=DEVICE)
+    part_lse = torch.zeros(used, heads, device=DEVICE)
+    apart = storage[:used], storage[used:]
+    merge_partials_into(apart[0], lse, apart[1].clone(), part_lse, slice(0, used))
+    merge_partials_into(apart[0], lse, apart[1].clone(), part_lse, slice(0, used))
+    before = storage.clone()
+    shared = storage[used:]  # the same layout as the accumulator: the partial lies on it
+    with pytest.raises(ValueError, match="acc overlaps part"):
+        merge_partials_into(shared, lse.clone(), shared, part_lse, slice(0, used))
+    assert torch.equal(storage, before)
 
 
 @pytest.mark.gpu
