@@ -96,6 +96,7 @@ def apply_variant(text: str) -> None:
 
     for constant, value in zip(PLAN_CONSTANTS, parse_variant(text).values()):
         setattr(attention_plan, constant, value)
+    attention_plan.SHARED_KEYS_RING = False  # the variant at every head count
 
 
 def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: str):

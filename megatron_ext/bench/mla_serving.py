@@ -356,26 +356,31 @@ def _flashinfer_row(
     return {"max_abs_diff": diff}, (peer.run, fi_sets)
 
 
-def _gluon_contender(
+def _gluon_contenders(
     step: cases.PagedStep, sets: List[tuple]
-) -> Tuple[Dict[str, Any], Optional[Tuple[Callable[..., Any], List[tuple]]]]:
-    """The warp-specialized decode kernel on the step (what the row reports, the contender to
-    time or None where the kernel does not take the step: the report says why)."""
+) -> Tuple[Dict[str, Any], Dict[str, Tuple[Callable[..., Any], List[tuple]]]]:
+    """The warp-specialized decode kernel and stage 1 on the step, each through its own plan
+    (whichever the public entry takes, "ours" above): what the row reports, and the contenders
+    to time (none where the Gluon kernel does not take the step: the report says why)."""
     from megatron_ext.fusions.mla_latent import gluon_decode_refusal
 
     refusal = gluon_decode_refusal(
         step.query, step.kv_cache, step.latent, step.max_query_len, enabled=True
     )
     if refusal is not None:
-        return {"refused": refusal}, None
-    call, splits = cases.planned_attention(step, sets[0][2], "gluon")
-    out = torch.empty_like(sets[0][2])
-    # Compiles outside any capture; the step's own set last, its output compared with ours.
-    for cache, query, _ in reversed(sets[:2]):
-        call(cache, query, out)
+        return {"refused": refusal}, {}
+    contenders, outs, splits = {}, {}, 1
+    for kernel in ("stage1", "gluon"):
+        call, kernel_splits = cases.planned_attention(step, sets[0][2], kernel)
+        out = torch.empty_like(sets[0][2])
+        # Compiles outside any capture; the step's own set last, the outputs compared.
+        for cache, query, _ in reversed(sets[:2]):
+            call(cache, query, out)
+        contenders[kernel], outs[kernel] = (call, sets), out
+        splits = kernel_splits if kernel == "gluon" else splits
     _sync()
-    diff = (out.float() - sets[0][2].float()).abs().max().item()
-    return {"splits": splits, "max_abs_diff_vs_ours": diff}, (call, sets)
+    diff = (outs["gluon"].float() - outs["stage1"].float()).abs().max().item()
+    return {"splits": splits, "max_abs_diff_vs_stage1": diff}, contenders
 
 
 def attention_row(
@@ -388,7 +393,8 @@ def attention_row(
 ) -> Dict[str, Any]:
     """Time one attention step: ours, and FlashInfer's where ``flashinfer``; with ``forms``,
     ours in the MHA form too (:func:`_mha_contenders`); with ``gluon``, the warp-specialized
-    decode kernel beside ours (whatever the switch says: the benchmark is what decides it)."""
+    decode kernel and stage 1 beside ours (whatever the switch says: the benchmark is what
+    decides it)."""
 
     step = cases.build_step(
         requests, heads, dtype=DTYPE, device=DEVICE, seed=len(requests) * 131 + heads
@@ -413,15 +419,16 @@ def attention_row(
         contenders.update(extra)
     gluon_report: Dict[str, Any] = {}
     if gluon:
-        gluon_report, contender = _gluon_contender(step, sets)
-        if contender is not None:
-            contenders["gluon"] = contender
+        gluon_report, extra = _gluon_contenders(step, sets)
+        contenders.update(extra)
     times = _timed(contenders, quick, eager_only=FORM_CONTENDERS)
     if "flashinfer" in times:
         fi_report.update(times["flashinfer"])
     row = {"heads": heads, "bytes": nbytes, "ours": times["ours"], "flashinfer": fi_report}
     if gluon:
         row["gluon"] = {**gluon_report, **times.get("gluon", {})}
+        if "stage1" in times:
+            row["stage1"] = times["stage1"]
     if mha is not None:
         for name in FORM_CONTENDERS:
             if name in times:

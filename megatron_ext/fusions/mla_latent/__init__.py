@@ -11,8 +11,9 @@ One concern per module, each importing only the ones before it and the ground fl
 * :mod:`.checks`: the host-side checks of the cache layout and of both kernels' calls.
 * :mod:`.attention_kernels`: the attention's ``@triton.jit`` kernels (stage 1, split combine) and
   the kernel design.
-* :mod:`.decode_gluon`: the warp-specialized decode kernel in Gluon (Hopper, Triton >= 3.7; off
-  unless ``MEGATRON_EXT_MLA_GLUON_DECODE=on``), stage 1's replacement for decode tiles.
+* :mod:`.decode_gluon`: the warp-specialized decode kernel in Gluon (Hopper, Triton >= 3.7, 32
+  heads or more; ``MEGATRON_EXT_MLA_GLUON_DECODE=off`` keeps stage 1), stage 1's replacement for
+  decode tiles.
 * :mod:`.attention_plan`: :class:`LatentAttentionPlan`, a checked call's prepared launches, and
   the choice between stage 1 and the Gluon kernel (:func:`gluon_decode_refusal`).
 * :mod:`.attention`: :func:`mla_paged_latent_attention` and its plan cache.

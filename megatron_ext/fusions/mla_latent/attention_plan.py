@@ -29,6 +29,9 @@ from megatron_ext.fusions.mla_latent.decode_gluon import (
     NUM_BUFFERS,
     ORDER,
     P_BUFFERS,
+    SHARED_BUFFERS,
+    SHARED_KEY_TILE,
+    SHARED_ORDER,
     gluon_shared_memory,
 )
 from megatron_ext.fusions.mla_latent.tile_rules import (
@@ -55,11 +58,14 @@ __all__ = [
     "SplitOutputs",
     "gluon_decode_enabled",
     "gluon_decode_refusal",
+    "gluon_ring",
     "plan_for_call",
 ]
 
-# The warp-specialized decode kernel (:mod:`.decode_gluon`) is off unless this is "on": it has
-# not yet been measured against stage 1 on every Triton and GPU the project supports.
+# The warp-specialized decode kernel (:mod:`.decode_gluon`) runs wherever gluon_decode_refusal
+# gives no reason, unless this is "off" (stage 1 everywhere: its bits, e.g. to compare with a run
+# made before the kernel was the default). Where it runs it was faster than stage 1 in every row
+# measured (32-128 heads: an H100 under Triton 3.7.1 and 3.9, an H200 under 3.7.1; perf notes).
 GLUON_DECODE_ENV = "MEGATRON_EXT_MLA_GLUON_DECODE"
 # Below this many heads a 64-row program wastes most of its MMA rows; stage 1's 16- and 32-head
 # tiles are memory-bound there already.
@@ -73,12 +79,12 @@ def gluon_decode_enabled(value: Optional[str] = None) -> bool:
         value: the variable's value (None: read the environment).
 
     Returns:
-        bool: True for "on", False for "off" or unset.
+        bool: True for "on" or unset, False for "off".
 
     Raises:
         ValueError: for any other value, naming the variable and the accepted values.
     """
-    value = os.environ.get(GLUON_DECODE_ENV, "off") if value is None else value
+    value = os.environ.get(GLUON_DECODE_ENV, "on") if value is None else value
     if value not in ("on", "off"):
         raise ValueError(f"{GLUON_DECODE_ENV}={value!r}: expected 'on' or 'off'")
     return value == "on"
@@ -87,6 +93,27 @@ def gluon_decode_enabled(value: Optional[str] = None) -> bool:
 # Read once, at import (a bad value fails there); tests and tools may set it (the plan cache is
 # keyed by it).
 GLUON_DECODE = gluon_decode_enabled()
+
+
+# Whether more than 64 heads take the shared-keys ring (decode_gluon.SHARED_*); a tool that sets
+# the constants above for every head count turns it off.
+SHARED_KEYS_RING = True
+
+
+def gluon_ring(heads: int) -> Dict[str, int]:
+    """The warp-specialized decode kernel's ring and order for ``heads`` query heads.
+
+    Args:
+        heads: the call's query heads.
+
+    Returns:
+        Dict[str, int]: ``KEY_TILE``, ``BUFFERS``, ``ORDER`` and ``P_BUFFERS`` (its constexprs).
+    """
+    if SHARED_KEYS_RING and heads > HEADS_PER_PROGRAM:
+        return dict(
+            KEY_TILE=SHARED_KEY_TILE, BUFFERS=SHARED_BUFFERS, ORDER=SHARED_ORDER, P_BUFFERS=1
+        )
+    return dict(KEY_TILE=KEY_TILE, BUFFERS=NUM_BUFFERS, ORDER=ORDER, P_BUFFERS=P_BUFFERS)
 
 
 def gluon_decode_refusal(
@@ -126,7 +153,7 @@ def gluon_decode_refusal(
             f"query_rope must be a torch.Tensor or None, got {type(query_rope).__name__}"
         )
     if not (GLUON_DECODE if enabled is None else enabled):
-        return f"off ({GLUON_DECODE_ENV} is not 'on')"
+        return f"off ({GLUON_DECODE_ENV}=off)"
     if GLUON_IMPORT_ERROR is not None or TRITON_RELEASE < (3, 7):
         return f"Triton {'.'.join(map(str, TRITON_RELEASE))} has no Gluon Hopper API of 3.7"
     if max_query_len != 1:
@@ -161,7 +188,11 @@ def gluon_decode_refusal(
     limits = launch_limits(query.device)
     if limits.capability != (9, 0):
         return f"compute capability {limits.capability} (wgmma is sm_90a's)"
-    if limits.shared_memory < gluon_shared_memory(latent_dim, rope_dim):
+    ring = gluon_ring(query.shape[1])
+    memory = gluon_shared_memory(
+        latent_dim, rope_dim, ring["KEY_TILE"], ring["BUFFERS"], ring["P_BUFFERS"]
+    )
+    if limits.shared_memory < memory:
         return f"{limits.shared_memory} bytes of shared memory a block"
     return None
 
@@ -424,13 +455,7 @@ class LatentAttentionPlan(LaunchPlan):
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
             # An axis past the first holds 65,535 programs at most.
             heads_first = HEADS_FIRST and tokens <= 65535
-            ring = dict(
-                KEY_TILE=KEY_TILE,
-                BUFFERS=NUM_BUFFERS,
-                ORDER=ORDER,
-                P_BUFFERS=P_BUFFERS,
-                HEADS_FIRST=heads_first,
-            )
+            ring = dict(gluon_ring(heads), HEADS_FIRST=heads_first)
             groups = cdiv(heads, HEADS_PER_PROGRAM)
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,

@@ -77,6 +77,9 @@ __all__ = [
     "ORDER_VALUES_FIRST",
     "ORDER_VALUES_LAG",
     "P_BUFFERS",
+    "SHARED_BUFFERS",
+    "SHARED_KEY_TILE",
+    "SHARED_ORDER",
     "gluon_shared_memory",
 ]
 
@@ -111,6 +114,15 @@ ORDER = ORDER_VALUES_LAG
 # and 2-4% slower or faster at 128 heads in one wave of splits; on an H200 3-10% faster at 128
 # heads in most rows. The plan keeps tokens first past 65,535 tokens (the second axis's limit).
 HEADS_FIRST = True
+# Where a token has more than one head group (more than 64 heads), its programs read the same key
+# tiles, the second mostly from L2, so a shallower ring does: two 64-key tiles, values first,
+# which halve the query's shared-memory reads per key. On an H100, 5-13% faster than the 32-key
+# ring at 128 heads in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under 3.7.1 (the others
+# within 1%); on an H200 (3.7.1) in 4 of 4. At 32 and 64 heads it was 0-4% slower in 9 of 10 rows
+# (one program a token: each tile from memory, where the deeper ring hides more).
+SHARED_KEY_TILE = 64
+SHARED_BUFFERS = 2
+SHARED_ORDER = ORDER_VALUES_FIRST
 # Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
 # multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
 P_BUFFERS = 1

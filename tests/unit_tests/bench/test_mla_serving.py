@@ -370,3 +370,28 @@ def test_gpu_queued_timing_takes_calls_of_more_launches_than_the_queue_holds():
     queued = mla_serving.queued_us(lambda i: many_launches(), 20, quick=True)
     graphed = mla_serving.graph_us(many_launches, [()], quick=True)["gpu_us"]
     assert 0.5 * graphed < queued < eager, (queued, graphed, eager)
+
+
+def test_a_row_times_stage_1_beside_the_gluon_kernel_through_their_own_plans(fake_gpu, monkeypatch):
+    """Where the Gluon kernel takes the step (faked on the CPU), the row times it and stage 1
+    each through its own plan, whichever the public entry takes, and compares their outputs."""
+    from megatron_ext.fusions import mla_latent
+
+    monkeypatch.setattr(mla_latent, "gluon_decode_refusal", lambda *args, **kwargs: None)
+    planned = []
+
+    def fake_planned_attention(step, out, kernel):
+        planned.append(kernel)
+        shift = 0.5 if kernel == "gluon" else 0.0
+
+        def call(kv_cache, query, out):
+            return out.fill_(shift)
+
+        return call, 3 if kernel == "gluon" else 1
+
+    monkeypatch.setattr(cases, "planned_attention", fake_planned_attention)
+    row = mla_serving.attention_row(cases.decode_requests(2, 40), 16, True, False, gluon=True)
+    assert planned == ["stage1", "gluon"]
+    assert row["gluon"]["max_abs_diff_vs_stage1"] == 0.5 and row["gluon"]["splits"] == 3
+    assert row["stage1"]["gpu_us"] > 0 and row["gluon"]["gpu_us"] > 0
+    assert row["stage1"]["gpu_us"] not in (row["ours"]["gpu_us"], row["gluon"]["gpu_us"])

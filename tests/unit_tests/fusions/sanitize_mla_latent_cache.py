@@ -88,8 +88,20 @@ def check_append(config, yarn, tokens: int, dtype: torch.dtype, seed: int) -> bo
 
 
 def check_attention(
-    requests, heads, block_size, dtype, splits, seed, cache_offset=GUARD_ELEMENTS
+    requests, heads, block_size, dtype, splits, seed, cache_offset=GUARD_ELEMENTS, gluon=False
 ) -> bool:
+    """One step through the public entry against float64, with the Gluon decode kernel allowed
+    (``gluon``) or not (stage 1's cases: the default takes the Gluon kernel for decode launches
+    of 32+ heads on Hopper with Triton >= 3.7)."""
+    switch = attention_plan.GLUON_DECODE
+    attention_plan.GLUON_DECODE = gluon
+    try:
+        return _check_attention(requests, heads, block_size, dtype, splits, seed, cache_offset)
+    finally:
+        attention_plan.GLUON_DECODE = switch
+
+
+def _check_attention(requests, heads, block_size, dtype, splits, seed, cache_offset) -> bool:
     step = build_step(
         requests,
         heads=heads,
@@ -120,14 +132,19 @@ def check_attention(
 def check_gluon_decode(requests, heads, block_size, splits, seed) -> bool:
     """One decode step (padded requests and tokens, a -1 block id in request 0's used rows)
     through the Gluon kernel against float64; False also if stage 1 ran instead."""
-    switch = attention_plan.GLUON_DECODE
-    attention_plan.GLUON_DECODE = True
     attention.ATTENTION_PLANS.clear()
     try:
         # A 16-byte-aligned cache: the kernel copies its rows 16 bytes at a time and is refused
         # for any other (gluon_decode_refusal).
         if not check_attention(
-            requests, heads, block_size, torch.bfloat16, splits, seed, ALIGNED_CACHE_OFFSET
+            requests,
+            heads,
+            block_size,
+            torch.bfloat16,
+            splits,
+            seed,
+            ALIGNED_CACHE_OFFSET,
+            gluon=True,
         ):
             return False
         kernels = [plan.kernel for plan in attention.ATTENTION_PLANS.plans()]
@@ -136,7 +153,6 @@ def check_gluon_decode(requests, heads, block_size, splits, seed) -> bool:
             return False
         return True
     finally:
-        attention_plan.GLUON_DECODE = switch
         attention.ATTENTION_PLANS.clear()
 
 

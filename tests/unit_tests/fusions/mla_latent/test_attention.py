@@ -48,6 +48,14 @@ SCALE = (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192)
 FP32_TOLERANCE = dict(rtol=1e-5, atol=6e-5)
 
 
+@pytest.fixture(autouse=True)
+def stage_1_everywhere(monkeypatch):
+    """These tests are stage 1's (its tiles, launches and bits): on Hopper with Triton >= 3.7 the
+    launcher gives decode launches of 32+ heads to the Gluon kernel by default, which
+    test_decode_gluon_gpu.py tests through the same entry."""
+    monkeypatch.setattr(attention_plan, "GLUON_DECODE", False)
+
+
 def run_and_check(step, *, tolerance=FP32_TOLERANCE, **kwargs):
     """The kernel against float64, with its output poisoned and guarded and the cache checked
     bit for bit afterwards (attention only reads it)."""

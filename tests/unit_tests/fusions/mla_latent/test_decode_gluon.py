@@ -80,11 +80,18 @@ VARIANTS = [
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, splits=2),
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, p_buffers=2, block_size=37),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, splits=2),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, block_size=37),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_LAG, block_size=37),
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
 ]
+# The ring the launcher takes above 64 heads (attention_plan.gluon_ring), as VARIANTS name it.
+SHARED_RING = dict(
+    key_tile=decode_gluon.SHARED_KEY_TILE,
+    buffers=decode_gluon.SHARED_BUFFERS,
+    order=decode_gluon.SHARED_ORDER,
+)
 # Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
 # tile's scores and the last tile's value product outside its loop; scores ahead also the first
 # tile's scores and the last tile's softmax and value product.
@@ -102,8 +109,8 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     spills. Where consumer 0 issues a tile's value product behind the next tile's scores, the
     first tile's scores and the last tile's value product are issued outside the loop, so its
     code holds them twice. The spill check
-    holds the launcher's own ring and schedule (under Triton 3.9, a few bytes where a page splits
-    a key tile); the others (which the sweep script times) may
+    holds the launcher's own rings and schedules (under Triton 3.9, a few bytes where a page
+    splits a key tile); the others (which the sweep script times) may
     spill a few bytes under some ptxas releases, and are compiled to keep them buildable."""
     variant, code = VARIANTS[index], compiled[index]
     key_tile = variant.get("key_tile", decode_gluon.KEY_TILE)
@@ -119,7 +126,8 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
     assert len(re.findall(copy, ptx)) == (key_tile + 64) * 576 // (8 * 128)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", code["log"])
     assert spills is not None, code["log"][-2000:]
-    if not {"key_tile", "buffers", "order", "p_buffers"} & set(variant):
+    ring = {k: variant[k] for k in ("key_tile", "buffers", "order", "p_buffers") if k in variant}
+    if not ring or ring == SHARED_RING:
         stores, loads = (int(n) for n in spills.groups())
         if variant.get("block_size", 64) % key_tile and tile_rules.TRITON_RELEASE >= (3, 9):
             # Pages that split a key tile (per-key block ids) leave consumer 0 at its 256
@@ -216,10 +224,40 @@ def _call(
     return query.view(4, heads, latent + rope), cache.view(8, 64, latent + rope)
 
 
-def test_the_kernel_is_off_unless_switched_on(monkeypatch):
+def test_the_switch_off_refuses_the_kernel_with_its_name(monkeypatch):
     monkeypatch.setattr(attention_plan, "GLUON_DECODE", False)
     query, cache = _call()
-    assert "off" in attention_plan.gluon_decode_refusal(query, cache, 512, 1)
+    reason = attention_plan.gluon_decode_refusal(query, cache, 512, 1)
+    assert reason == f"off ({attention_plan.GLUON_DECODE_ENV}=off)"
+
+
+def test_the_kernel_is_on_unless_switched_off(monkeypatch):
+    monkeypatch.delenv(attention_plan.GLUON_DECODE_ENV, raising=False)
+    assert attention_plan.gluon_decode_enabled() is True
+    monkeypatch.setenv(attention_plan.GLUON_DECODE_ENV, "off")
+    assert attention_plan.gluon_decode_enabled() is False
+
+
+@pytest.mark.parametrize("heads", [32, 40, 64, 65, 128, 256])
+def test_more_than_one_head_group_takes_the_shared_keys_ring(heads):
+    """A token's programs share its key tiles above 64 heads: two 64-key tiles, values first;
+    up to 64 heads the 32-key ring. Both fit a Hopper block at DeepSeek-V3's widths."""
+    ring = attention_plan.gluon_ring(heads)
+    if heads > decode_gluon.HEADS_PER_PROGRAM:
+        assert ring == dict(
+            KEY_TILE=64, BUFFERS=2, ORDER=decode_gluon.ORDER_VALUES_FIRST, P_BUFFERS=1
+        )
+    else:
+        assert ring == dict(
+            KEY_TILE=decode_gluon.KEY_TILE,
+            BUFFERS=decode_gluon.NUM_BUFFERS,
+            ORDER=decode_gluon.ORDER,
+            P_BUFFERS=decode_gluon.P_BUFFERS,
+        )
+    memory = decode_gluon.gluon_shared_memory(
+        512, 64, ring["KEY_TILE"], ring["BUFFERS"], ring["P_BUFFERS"]
+    )
+    assert memory <= HOPPER_SHARED_MEMORY
 
 
 @pytest.mark.parametrize(
@@ -336,4 +374,7 @@ def test_the_plan_orders_the_grid_as_the_kernel_reads_it(monkeypatch, heads_firs
     )
     first = heads_first and tokens <= 65535
     assert plan.stage1.args["HEADS_FIRST"] is first
+    # 128 heads: the ring of a token's shared key tiles.
+    ring = {name: plan.stage1.args[name] for name in ("KEY_TILE", "BUFFERS", "ORDER", "P_BUFFERS")}
+    assert ring == attention_plan.gluon_ring(heads) and ring["KEY_TILE"] == 64
     assert plan.stage1.grid == ((2, tokens, 3) if first else (tokens, 2, 3))

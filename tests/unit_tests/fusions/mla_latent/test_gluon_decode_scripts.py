@@ -75,10 +75,12 @@ def test_a_variant_takes_its_defaults_sets_the_launch_layer_and_refuses_malforme
     for bad in ("32,4", "32,4,1,1,1,1", "a,b,c", ""):
         with pytest.raises(ValueError, match="KT,B,ORDER"):
             sweep.parse_variant(bad)
-    for constant in sweep.PLAN_CONSTANTS:  # restored after the test
+    for constant in (*sweep.PLAN_CONSTANTS, "SHARED_KEYS_RING"):  # restored after the test
         monkeypatch.setattr(attention_plan, constant, getattr(attention_plan, constant))
-    sweep.apply_variant("64,2,0,2,1")
-    assert [getattr(attention_plan, c) for c in sweep.PLAN_CONSTANTS] == [64, 2, 0, 2, True]
+    sweep.apply_variant("32,3,2,2,1")
+    assert [getattr(attention_plan, c) for c in sweep.PLAN_CONSTANTS] == [32, 3, 2, 2, True]
+    # The variant holds at every head count: 128 heads no longer take the shared-keys ring.
+    assert attention_plan.gluon_ring(128) == dict(KEY_TILE=32, BUFFERS=3, ORDER=2, P_BUFFERS=2)
 
 
 def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path):
