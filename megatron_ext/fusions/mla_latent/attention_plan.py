@@ -49,7 +49,7 @@ from megatron_ext.fusions.mla_latent.tile_rules import (
     tile_shape,
     wave_num_kv_splits,
 )
-from megatron_ext.fusions.tensor_checks import span_bytes, spans_meet
+from megatron_ext.fusions.tensor_checks import check_int, span_bytes, spans_meet
 
 __all__ = [
     "GLUON_DECODE_ENV",
@@ -108,7 +108,11 @@ def gluon_ring(heads: int) -> Dict[str, int]:
 
     Returns:
         Dict[str, int]: ``KEY_TILE``, ``BUFFERS``, ``ORDER`` and ``P_BUFFERS`` (its constexprs).
+
+    Raises:
+        TypeError, ValueError: for ``heads`` not an int of at least 1.
     """
+    check_int("heads", heads, 1)
     if SHARED_KEYS_RING and heads > HEADS_PER_PROGRAM:
         return dict(
             KEY_TILE=SHARED_KEY_TILE, BUFFERS=SHARED_BUFFERS, ORDER=SHARED_ORDER, P_BUFFERS=1

@@ -238,6 +238,15 @@ def test_the_kernel_is_on_unless_switched_off(monkeypatch):
     assert attention_plan.gluon_decode_enabled() is False
 
 
+def test_the_ring_refuses_a_head_count_that_is_not_a_positive_int():
+    with pytest.raises(TypeError, match="heads must be an int, got str"):
+        attention_plan.gluon_ring("128")
+    with pytest.raises(TypeError, match="heads must be an int, got bool"):
+        attention_plan.gluon_ring(True)
+    with pytest.raises(ValueError, match="heads"):
+        attention_plan.gluon_ring(0)
+
+
 @pytest.mark.parametrize("heads", [32, 40, 64, 65, 128, 256])
 def test_more_than_one_head_group_takes_the_shared_keys_ring(heads):
     """A token's programs share its key tiles above 64 heads: two 64-key tiles, values first;
