@@ -10,10 +10,12 @@ Runs ``ncu --set full`` on the Gluon kernel of one step (built as ``bench mla-se
 it: bf16, page 64, shuffled pages; the launcher's plan and split count), keeps the report
 (``DIR/gluon.ncu-rep``, ``DIR/raw.csv``, ``DIR/details.txt``) and prints the figures that decide
 what bounds the kernel: duration, SM and memory throughput, the tensor pipe's and shared memory's
-shares of their peaks, L2 hit rate, and the warp-stall reasons by share. ``--launch-only`` is the
-launch ncu profiles (it compiles first, outside the profile). ``--variant`` profiles the kernel
-with another ring, order or program order (as ``scripts/sweep_gluon_decode.py`` names them) in
-the launcher's place.
+shares of their peaks, L2 hit rate, the bytes read from DRAM against the step's cache bytes (at
+more than 64 heads a token's head groups are programs of their own that read the same key tiles:
+a ratio near 2 says the second reads them from memory, not from L2), and the warp-stall reasons
+by share. ``--launch-only`` is the launch ncu profiles (it compiles first, outside the profile).
+``--variant`` profiles the kernel with another ring, order or program order (as
+``scripts/sweep_gluon_decode.py`` names them) in the launcher's place.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +41,14 @@ METRICS = (
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared",
     "lts__t_sector_hit_rate.pct",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
 )
+DRAM_READ = "dram__bytes_read.sum"
+# ncu's byte units, in bytes.
+_BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+# Bytes of one cache row at DeepSeek-V3's widths (512 latent + 64 RoPE, 16-bit), as the benchmark
+# builds the step.
+ROW_BYTES = (512 + 64) * 2
 # Warp-stall reasons, per issued instruction.
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 
@@ -79,17 +88,35 @@ def read_raw(path: str) -> Dict[str, str]:
     return {h: f"{v} {u}".strip() for h, u, v in zip(header, units, values)}
 
 
-def summary(raw: Dict[str, str]) -> List[str]:
-    """The lines printed for a kernel's metrics: the chosen metrics, then the warp-stall reasons
-    by their share of the stalls (the eight largest).
+def byte_count(value: str) -> Optional[float]:
+    """A byte metric's ``"value unit"`` (as :func:`read_raw` gives it) in bytes, None if it is
+    not one."""
+    parts = value.replace(",", "").split()
+    if len(parts) != 2 or parts[1] not in _BYTE_UNITS:
+        return None
+    try:
+        return float(parts[0]) * _BYTE_UNITS[parts[1]]
+    except ValueError:
+        return None
+
+
+def summary(raw: Dict[str, str], cache_bytes: Optional[int] = None) -> List[str]:
+    """The lines printed for a kernel's metrics: the chosen metrics, the DRAM bytes read against
+    the step's cache bytes, then the warp-stall reasons by their share of the stalls (the eight
+    largest).
 
     Args:
         raw: :func:`read_raw`'s metrics.
+        cache_bytes: the bytes of the cache rows the step attends (each once), or None.
 
     Returns:
         List[str]: the lines.
     """
     lines = [f"  {name:75} {value}" for name, value in raw.items() if name.startswith(METRICS)]
+    if cache_bytes:
+        read = byte_count(raw.get(DRAM_READ, ""))
+        ratio = "not reported" if read is None else f"{read / cache_bytes:.2f}"
+        lines.append(f"  {'DRAM bytes read / the cache bytes the step attends':75} {ratio}")
     stalls = {}
     for name, value in raw.items():
         if name.startswith(STALL[0]) and name.endswith(STALL[1]):
@@ -140,7 +167,8 @@ def main(argv: Sequence[str] = None) -> int:
     shape = " x ".join(map(str, args.shape))
     label = args.variant or "as launched"
     print(f"\nGluon decode kernel {label}, batch x context x heads: {shape}")
-    print("\n".join(summary(raw)))
+    batch, context, _ = args.shape
+    print("\n".join(summary(raw, batch * context * ROW_BYTES)))
     print(f"report: {report}.ncu-rep")
     return 0
 

@@ -115,6 +115,23 @@ def test_the_profile_summary_reads_the_last_kernel_and_ranks_the_stalls(tmp_path
     ]
 
 
+def test_the_profile_compares_dram_reads_with_the_cache_bytes():
+    """The bytes ncu reports read from DRAM over the step's cache bytes, whatever the unit; a
+    missing or malformed figure says so instead of a number."""
+    profile = _script("profile_gluon_decode")
+    assert profile.byte_count("1.5 Gbyte") == 1.5e9
+    assert profile.byte_count("2,048 byte") == 2048
+    assert profile.byte_count("12 %") is None and profile.byte_count("") is None
+    label = "DRAM bytes read / the cache bytes the step attends"
+    cache = 128 * 2048 * profile.ROW_BYTES  # 302 MB
+    raw = {profile.DRAM_READ: f"{2 * cache / 1e6} Mbyte"}
+    (line,) = [x for x in profile.summary(raw, cache) if label in x]
+    assert line.split()[-1] == "2.00"
+    (line,) = [x for x in profile.summary({}, cache) if label in x]
+    assert line.endswith("not reported")
+    assert not [x for x in profile.summary(raw) if label in x]  # no step given: no ratio
+
+
 # The forms compiled in a process of their own: the test session runs Triton in its interpreter
 # (TRITON_INTERPRET=1 without a GPU), where Gluon kernels do not compile.
 _PROBE_FORMS = [
