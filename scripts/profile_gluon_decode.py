@@ -51,6 +51,8 @@ _BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e1
 ROW_BYTES = (512 + 64) * 2
 # Warp-stall reasons, per issued instruction.
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+# The source page's column of a SASS instruction's stall samples (every warp state sampled at it).
+SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def launch(shape: Sequence[int], variant: str = None) -> None:
@@ -131,6 +133,44 @@ def summary(raw: Dict[str, str], cache_bytes: Optional[int] = None) -> List[str]
     return lines
 
 
+def hot_instructions(path: str, count: int = 25) -> List[str]:
+    """The SASS instructions that took the most stall samples, in ncu's ``--page source
+    --print-source sass --csv`` export: which instruction each partition waits at (a consumer's
+    ``WARPGROUP.DEPBAR``, a barrier, an exponential's result), where the summary gives one share
+    for the whole kernel.
+
+    Args:
+        path: the CSV file (a header row, a row per instruction; columns vary by release).
+        count: how many instructions to print.
+
+    Returns:
+        List[str]: a line per instruction (address, share of all samples, source), or one line
+        saying the export has no sample column.
+    """
+    with open(path) as f:
+        rows = [row for row in csv.reader(f) if row]
+    header = next((i for i, row in enumerate(rows) if SAMPLES in row), None)
+    if header is None:
+        return [f"  no '{SAMPLES}' column in {os.path.basename(path)}"]
+    names = rows[header]
+    col, src = names.index(SAMPLES), names.index("Source") if "Source" in names else None
+    addr = names.index("Address") if "Address" in names else None
+    hot = []
+    for row in rows[header + 1 :]:
+        try:
+            samples = float(row[col].replace(",", ""))
+        except (ValueError, IndexError):
+            continue  # a units row or a kernel's separator
+        hot.append(
+            (samples, row[addr] if addr is not None else "", row[src] if src is not None else "")
+        )
+    total = sum(h[0] for h in hot) or 1.0
+    lines = [f"  hottest SASS instructions (share of {int(total)} stall samples):"]
+    for samples, address, source in sorted(hot, key=lambda h: -h[0])[:count]:
+        lines.append(f"    {address:>8} {100 * samples / total:5.1f}%  {source.strip()[:90]}")
+    return lines
+
+
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, default=[128, 2048, 128])
@@ -163,12 +203,16 @@ def main(argv: Sequence[str] = None) -> int:
         subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "raw", "--csv"], stdout=f)
     with open(os.path.join(out, "details.txt"), "w") as f:
         subprocess.run(["ncu", "-i", report + ".ncu-rep", "--page", "details"], stdout=f)
+    with open(os.path.join(out, "sass.csv"), "w") as f:
+        page = ["--page", "source", "--print-source", "sass", "--csv"]
+        subprocess.run(["ncu", "-i", report + ".ncu-rep"] + page, stdout=f)
     raw = read_raw(os.path.join(out, "raw.csv"))
     shape = " x ".join(map(str, args.shape))
     label = args.variant or "as launched"
     print(f"\nGluon decode kernel {label}, batch x context x heads: {shape}")
     batch, context, _ = args.shape
     print("\n".join(summary(raw, batch * context * ROW_BYTES)))
+    print("\n".join(hot_instructions(os.path.join(out, "sass.csv"))))
     print(f"report: {report}.ncu-rep")
     return 0
 

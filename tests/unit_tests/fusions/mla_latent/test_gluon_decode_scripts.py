@@ -132,6 +132,28 @@ def test_the_profile_compares_dram_reads_with_the_cache_bytes():
     assert not [x for x in profile.summary(raw) if label in x]  # no step given: no ratio
 
 
+def test_the_profile_ranks_sass_instructions_by_their_stall_samples(tmp_path):
+    """The source page's rows by share of all stall samples, largest first; rows whose sample
+    cell is not a number are left out; an export without the sample column says so."""
+    profile = _script("profile_gluon_decode")
+    path = tmp_path / "sass.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Address", "Source", profile.SAMPLES, "Instructions Executed"])
+        writer.writerow(["", "", "", ""])  # a units row
+        writer.writerow(["00a0", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "10", "5"])
+        writer.writerow(["00b0", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "60", "5"])
+        writer.writerow(["00c0", "MUFU.EX2 R3, R3", "30", "64"])
+    lines = profile.hot_instructions(str(path), count=2)
+    assert "100 stall samples" in lines[0]
+    assert [line.split()[:2] for line in lines[1:]] == [["00b0", "60.0%"], ["00c0", "30.0%"]]
+    assert "WARPGROUP.DEPBAR" in lines[1]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerow(["Address", "Source"])
+    (line,) = profile.hot_instructions(str(path))
+    assert "no 'Warp Stall Sampling (All Samples)' column" in line
+
+
 # The forms compiled in a process of their own: the test session runs Triton in its interpreter
 # (TRITON_INTERPRET=1 without a GPU), where Gluon kernels do not compile.
 _PROBE_FORMS = [
