@@ -139,6 +139,33 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
 
 
 @NEEDS_GLUON
+@pytest.mark.parametrize(
+    "index",
+    [i for i, v in enumerate(VARIANTS) if v.get("order") == decode_gluon.ORDER_VALUES_FIRST],
+    ids=lambda i: "-".join(f"{k}={VARIANTS[i][k]}" for k in VARIANTS[i]),
+)
+def test_values_first_releases_a_key_tile_while_the_next_scores_run(compiled, index):
+    """In the values-first order consumer 0 waits for the previous value product with the score
+    product's groups still pending and then releases that tile's buffer. The wait is right only if
+    the score product is exactly its _SCORE_GROUPS commit groups, issued after the value product:
+    with fewer, the buffer would go back while the value product still reads it."""
+    key_tile = VARIANTS[index].get("key_tile", decode_gluon.KEY_TILE)
+    groups = decode_gluon._SCORE_GROUPS.value
+    ptx = compiled[index]["ptx"]
+    waits = [m.start() for m in re.finditer(rf"wgmma\.wait_group\.sync\.aligned {groups};", ptx)]
+    assert len(waits) == 1, f"{len(waits)} waits with {groups} groups pending"
+    before = ptx[: waits[0]]
+    # The score product's MMAs and commits since the last value product.
+    since = before[before.rindex("m64n256k16") :] if "m64n256k16" in before else before
+    start = since.index(f"m64n{key_tile}k16")
+    assert since.count("wgmma.commit_group", start) == groups
+    assert len(re.findall(rf"m64n{key_tile}k16", since)) == 36
+    after = ptx[waits[0] :]
+    # The buffer's release comes before any other wait for the MMAs.
+    assert after.index("mbarrier.arrive") < after.index("wgmma.wait_group", 1)
+
+
+@NEEDS_GLUON
 def test_shared_memory_fits_a_hopper_block_and_the_plan_bound(compiled):
     """The compiler's figure is within what the plan checks against the device, which is within
     an H100/H200 block's, for every ring the kernel compiles with."""
