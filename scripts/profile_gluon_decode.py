@@ -8,12 +8,13 @@ goes (tensor pipe, shared memory, warp stalls), on one decode step of the servin
 
 Runs ``ncu --set full`` on the Gluon kernel of one step (built as ``bench mla-serving`` builds
 it: bf16, page 64, shuffled pages; the launcher's plan and split count), keeps the report
-(``DIR/gluon.ncu-rep``, ``DIR/raw.csv``, ``DIR/details.txt``) and prints the figures that decide
-what bounds the kernel: duration, SM and memory throughput, the tensor pipe's and shared memory's
-shares of their peaks, L2 hit rate, the bytes read from DRAM against the step's cache bytes (at
-more than 64 heads a token's head groups are programs of their own that read the same key tiles:
-a ratio near 2 says the second reads them from memory, not from L2), and the warp-stall reasons
-by share. ``--launch-only`` is the launch ncu profiles (it compiles first, outside the profile).
+(``DIR/gluon.ncu-rep``, ``DIR/raw.csv``, ``DIR/details.txt``, ``DIR/sass.csv``) and prints the
+figures that decide what bounds the kernel: duration, SM and memory throughput, the tensor pipe's
+and shared memory's shares of their peaks, L2 hit rate, the bytes read from DRAM against the
+step's cache bytes (at more than 64 heads a token's head groups are programs of their own that
+read the same key tiles: a ratio near 2 says the second reads them from memory, not from L2), the
+warp-stall reasons by share, and the SASS instructions that took the most stall samples.
+``--launch-only`` is the launch ncu profiles (it compiles first, outside the profile).
 ``--variant`` profiles the kernel with another ring, order or program order (as
 ``scripts/sweep_gluon_decode.py`` names them) in the launcher's place.
 """
@@ -29,6 +30,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+DRAM_READ = "dram__bytes_read.sum"
 # Raw metrics printed: those whose names start with one of these (ncu's "full" set; which of
 # them a release reports varies).
 METRICS = (
@@ -41,14 +43,10 @@ METRICS = (
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared",
     "lts__t_sector_hit_rate.pct",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram__bytes_read.sum",
+    DRAM_READ,
 )
-DRAM_READ = "dram__bytes_read.sum"
 # ncu's byte units, in bytes.
 _BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
-# Bytes of one cache row at DeepSeek-V3's widths (512 latent + 64 RoPE, 16-bit), as the benchmark
-# builds the step.
-ROW_BYTES = (512 + 64) * 2
 # Warp-stall reasons, per issued instruction.
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 # The source page's column of a SASS instruction's stall samples (every warp state sampled at it).
@@ -210,8 +208,11 @@ def main(argv: Sequence[str] = None) -> int:
     shape = " x ".join(map(str, args.shape))
     label = args.variant or "as launched"
     print(f"\nGluon decode kernel {label}, batch x context x heads: {shape}")
-    batch, context, _ = args.shape
-    print("\n".join(summary(raw, batch * context * ROW_BYTES)))
+    from megatron_ext.bench import mla_serving_cases as cases
+
+    batch, context, heads = args.shape
+    cache_bytes = cases.step_bytes(cases.decode_requests(batch, context), heads)["cache"]
+    print("\n".join(summary(raw, cache_bytes)))
     print("\n".join(hot_instructions(os.path.join(out, "sass.csv"))))
     print(f"report: {report}.ncu-rep")
     return 0

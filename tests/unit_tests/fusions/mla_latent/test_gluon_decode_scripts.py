@@ -123,7 +123,7 @@ def test_the_profile_compares_dram_reads_with_the_cache_bytes():
     assert profile.byte_count("2,048 byte") == 2048
     assert profile.byte_count("12 %") is None and profile.byte_count("") is None
     label = "DRAM bytes read / the cache bytes the step attends"
-    cache = 128 * 2048 * profile.ROW_BYTES  # 302 MB
+    cache = 128 * 2048 * (512 + 64) * 2  # 302 MB
     raw = {profile.DRAM_READ: f"{2 * cache / 1e6} Mbyte"}
     (line,) = [x for x in profile.summary(raw, cache) if label in x]
     assert line.split()[-1] == "2.00"
