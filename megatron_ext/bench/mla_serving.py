@@ -96,7 +96,7 @@ QUICK_HOST_ROUNDS = 3
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 # The MHA form's timed contenders (eager only: the form sizes its tensors from host lengths).
-FORM_CONTENDERS = ("mha", "split")
+FORM_CONTENDERS = ("mha", "split", "serial")
 # The MHA form's backend, None for the dynamic path's own choice (the tests set "torch").
 MHA_BACKEND: Optional[str] = None
 
@@ -468,13 +468,16 @@ def _mha_contenders(
     decodes = int(np.argmax(mha.query_lengths != 1)) if (mha.query_lengths != 1).any() else 0
     split_at = mha.split if 0 < mha.split < mha.requests else decodes
     if 0 < split_at < mha.requests:
-        splits["split"] = split_at
+        # The split as the dynamic path runs it (the parts on two streams) and in order.
+        splits["split"] = splits["serial"] = split_at
     reference = mha.value_projection(sets[0][2])
     form_sets = [(cache, query, mha.query, out) for cache, query, out in sets[:1]]
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]
     contenders = {}
     for name, split in splits.items():
-        call = functools.partial(forms_lib.run_split, step, mha, backend, split)
+        call = functools.partial(
+            forms_lib.run_split, step, mha, backend, split, overlap=name != "serial"
+        )
         entry: Dict[str, Any] = {"split": split, "backend": backend}
         try:
             out = call(*form_sets[0])

@@ -24,6 +24,7 @@ from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
 from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from megatron_ext.transformer.mla_prefill import absorbed_request_count, step_split
+from megatron_ext.transformer.side_stream import side_by_side
 
 # DeepSeek-V3's per-head query/key (without RoPE) and value widths.
 QK_HEAD = 128
@@ -110,10 +111,12 @@ def run_split(
     query_absorbed: torch.Tensor,
     query_mha: torch.Tensor,
     out_absorbed: torch.Tensor,
+    overlap: bool = True,
 ) -> Optional[torch.Tensor]:
     """The step as the dynamic path runs it with ``split`` leading requests absorbed: those
-    through megatron_ext's latent attention into ``out_absorbed``'s first rows, the rest in the
-    MHA form (decompression included) with ``backend``.
+    through megatron_ext's latent attention into ``out_absorbed``'s first rows (on a side
+    stream, as the dynamic path runs them, unless ``overlap`` is False), the rest in the MHA
+    form (decompression included) with ``backend``.
 
     Args:
         step: the step (block table, device lengths).
@@ -121,13 +124,15 @@ def run_split(
         backend: the MHA form's backend.
         split: leading requests in the absorbed form (``0..requests``).
         kv_cache, query_absorbed, query_mha, out_absorbed: one input set (the step's or copies).
+        overlap: the absorbed part on a side stream beside the MHA part (False: in order).
 
     Returns:
         Optional[torch.Tensor]: the MHA part's output ``[tokens after split, heads, v]``, or
         None when every request is absorbed.
     """
     head_tokens = int(mha.query_lengths[:split].sum())
-    if split:
+
+    def leading() -> None:
         mla_paged_latent_attention(
             query_absorbed[:head_tokens],
             kv_cache,
@@ -139,19 +144,32 @@ def run_split(
             max_query_len=int(mha.query_lengths[:split].max()),
             out=out_absorbed[:head_tokens],
         )
+
     if split == mha.requests:
+        leading()
         return None
-    return mla_paged_mha_attention(
-        query_mha[head_tokens:],
-        kv_cache,
-        step.block_table[split:],
-        mha.weight,
-        cases.SOFTMAX_SCALE,
-        query_lengths=mha.query_lengths[split:],
-        kv_lengths=mha.kv_lengths[split:],
-        rope_dim=step.rope,
-        backend=backend,
-    )
+    result = []
+
+    def rest() -> None:
+        result.append(
+            mla_paged_mha_attention(
+                query_mha[head_tokens:],
+                kv_cache,
+                step.block_table[split:],
+                mha.weight,
+                cases.SOFTMAX_SCALE,
+                query_lengths=mha.query_lengths[split:],
+                kv_lengths=mha.kv_lengths[split:],
+                rope_dim=step.rope,
+                backend=backend,
+            )
+        )
+
+    if split:
+        side_by_side(leading, rest, kv_cache.device, overlap)
+    else:
+        rest()
+    return result[0]
 
 
 def _pairs(mha: MhaStep) -> np.ndarray:

@@ -61,10 +61,12 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         "attention kernel alone (W_UK/W_UV left out, ours and FlashInfer's), MHA = gather + "
         "decompression GEMM + dense attention (it runs in eager steps: its GPU time queued behind "
         "a GPU sleep, the host ahead as in an engine step); split = the leading requests "
-        "absorbed, at = how many (* where that is not the cost model's split); pick = the "
+        "absorbed, on a side stream beside the MHA part as the dynamic path runs it (serial: "
+        "the same parts in order), at = how many (* where that is not the cost model's split); "
+        "pick = the "
         "cost model's choice, eager = its time per call run eagerly, the host's included",
         f"{'step':>50} {'heads':>5} | {'absorbed':>9} {'mha':>9} {'TFLOP/s':>8} {'rel diff':>8} "
-        f"{'split':>9} {'at':>6} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
+        f"{'split':>9} {'serial':>9} {'at':>6} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
         f"{'pick/abs':>8} {'fastest':>8}",
     ]
     for r in rows:
@@ -80,13 +82,13 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         lines.append(
             f"{r['case']:>50} {r['heads']:>5} | {absorbed:9.1f} {_cell(_us(r, 'mha'), '9.1f', 9)} "
             f"{_cell(mha.get('tflops'), '8.1f', 8)} {_cell(mha.get('max_rel_diff'), '8.1e', 8)} "
-            f"{_cell(_us(r, 'split'), '9.1f', 9)} {at} | "
+            f"{_cell(_us(r, 'split'), '9.1f', 9)} {_cell(_us(r, 'serial'), '9.1f', 9)} {at} | "
             f"{forms['chosen']:>8} {_cell(_eager_us(r, forms['chosen']), '9.1f', 9)} "
             f"{_cell(fi, '9.1f', 9)} "
             f"{_cell(pick / fi if pick and fi else None, '6.2f', 6)}x "
             f"{_cell(pick / absorbed if pick else None, '7.2f', 7)}x {fastest:>8}"
         )
-        for name in ("mha", "split"):
+        for name in ("mha", "split", "serial"):
             error = forms.get(name, {}).get("error") if isinstance(forms.get(name), dict) else None
             if error:
                 lines.append(f"{'':>50} {name}: {error}")

@@ -41,6 +41,7 @@ from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_
 from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
 from megatron_ext.transformer.mla_prefill import mha_form_core, mha_form_split
 from megatron_ext.transformer.rotary_tables import cos_sin_table
+from megatron_ext.transformer.side_stream import side_by_side
 
 __all__ = [
     "CACHE_DTYPES",
@@ -386,17 +387,25 @@ def mla_dynamic_attention(
     else:
         first, tokens_first = split.absorbed_requests, split.absorbed_tokens
         core = q.new_empty(n, heads * v_dim)
-        core[:tokens_first] = absorbed_core(
-            module,
-            q[:tokens_first],
-            kv_cache,
-            block_table[:first],
-            cu_query_lengths[: first + 1],
-            kv_lengths[:first],
-            split.absorbed_max_query_len,
-        )
-        mha = mha_form_core(module, q[tokens_first:], kv_cache, block_table, split)
-        core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
+
+        def leading() -> None:
+            core[:tokens_first] = absorbed_core(
+                module,
+                q[:tokens_first],
+                kv_cache,
+                block_table[:first],
+                cu_query_lengths[: first + 1],
+                kv_lengths[:first],
+                split.absorbed_max_query_len,
+            )
+
+        def rest() -> None:
+            mha = mha_form_core(module, q[tokens_first:], kv_cache, block_table, split)
+            core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
+
+        # The leading decodes on a side stream while the chunk's host work and kernels go on:
+        # the parts are independent and neither fills the GPU at few heads.
+        side_by_side(leading, rest, q.device)
     return module.linear_proj(core.view(n, 1, heads * v_dim))
 
 

@@ -161,6 +161,7 @@ def test_quick_defaults_and_refusals():
     assert args.models == ["dsv3_shard", "small"] and args.requests == [256, 1024]
     assert args.engines == ["dynamic-graphed", "dynamic-eager", "static"]
     assert mla_engine.parse_args(["--no-eager"]).engines == ["dynamic-graphed", "static"]
+    assert mla_engine.parse_args(["--no-static"]).engines == ["dynamic-graphed", "dynamic-eager"]
     assert mla_engine.parse_args([]).rounds == 8
     for bad in (["--rounds", "1"], ["--generate", "1"], ["--requests", "0"]):
         with pytest.raises(SystemExit):
@@ -470,3 +471,31 @@ def test_new_options_and_the_help_text():
     text = " ".join(mla_engine.parse_args.__globals__["_EPILOG"].split())
     assert "summed over the timed rounds" in text and "max(bytes / copy bandwidth" in text
     assert "95% bootstrap" in text
+
+
+@CPU_ONLY
+def test_without_the_static_engine_the_dynamic_one_is_measured_alone():
+    """``--no-static``: no static engine is built or stepped, and no comparison against it."""
+    from megatron_ext import undo_megatron_ext
+    from megatron_ext.testing.synthetic import cpu_torch_compat, ensure_model_parallel
+
+    args = argparse.Namespace(
+        prompt=5,
+        generate=3,
+        rounds=2,
+        engines=["dynamic-eager"],
+        server_loop=False,
+        prefill_forms=["off"],
+        host_profile_steps=0,
+    )
+    with cpu_torch_compat():
+        ensure_model_parallel()
+        try:
+            models = mla_engine.build_models("tiny", torch.float32, "cpu")
+            result = mla_engine.measure_config("tiny", 3, args, models)
+        finally:
+            undo_megatron_ext()
+    (row,) = result["rows"]
+    assert row["engine"] == "dynamic-eager" and row["decode_tokens_per_s"] > 0
+    assert row["prefill_ms_by_form"]["off"] > 0
+    assert result["comparisons"] == [] and not result["dropped"]

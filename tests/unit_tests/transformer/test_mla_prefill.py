@@ -605,6 +605,41 @@ def test_gpu_mha_form_prefill_step_has_no_host_sync(stack, monkeypatch, mha_call
 
 
 @pytest.mark.gpu
+def test_gpu_split_step_on_two_streams_equals_it_in_order(stack, monkeypatch, mha_calls):
+    """A split step (two decodes absorbed, a chunk in the MHA form) with its parts on two
+    streams: the same bits as the parts run in order, and no host synchronisation on 0.19."""
+    monkeypatch.setattr(mla_prefill, "MODE", "auto")
+    monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args, **kwargs: 2)
+    model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
+    context = _context_step(model, [1, 1, 40])
+    module = _attention(model)
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(
+        int(context.padded_active_token_count), 1, DEEPSEEK_LIKE["hidden_size"], generator=generator
+    ).to(DEVICE, torch.bfloat16)
+    overlapped = mla_dynamic_inference.side_by_side
+    with torch.no_grad():
+        module(hidden, None, inference_context=context)  # plans and compiles outside the checks
+        torch.cuda.synchronize()
+        if UPSTREAM_HAS_ACTIVE_SLICES:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got, _ = module(hidden, None, inference_context=context)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.setattr(
+            mla_dynamic_inference,
+            "side_by_side",
+            lambda side, main, device: overlapped(side, main, device, overlap=False),
+        )
+        expected, _ = module(hidden, None, inference_context=context)
+    assert mha_calls == [40] * 3
+    active = context.active_token_count
+    moved = (got[:active] != expected[:active]).nonzero()
+    assert not len(moved), f"the two-stream split's bits moved from the in-order run's at {moved}"
+
+
+@pytest.mark.gpu
 def test_gpu_engine_with_cuda_graphs_and_the_mha_form_generates_as_eager(stack, monkeypatch):
     """megatron-core's CUDA graphs (decode and small mixed steps graphed) with the MHA form
     forced in the eager steps: the same greedy tokens as the eager engine without the MHA form."""
