@@ -26,6 +26,8 @@ writes no state of the module (megatron-core's ``prepare_for_absorption`` replac
 on first use), so threads may share a module. GRAPH-SAFE: no host synchronisation; every size
 comes from shapes and host ints of the context (the MHA form runs only in steps megatron-core
 runs eagerly, and there reads the step's lengths on the host: a read of device memory on 0.16).
+In a step split between the forms, the absorbed requests run on a per-thread side stream beside
+the MHA-form ones (:func:`~megatron_ext.transformer.side_stream.side_by_side`).
 """
 
 import operator
