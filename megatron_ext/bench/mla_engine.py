@@ -701,6 +701,15 @@ def measure_config(
         breakdown = profile_decode_steps(units[profiled], prompts, args.profile_steps)
         profiles.append({"model": model_name, "requests": requests, "engine": profiled})
         profiles[-1]["breakdown"] = breakdown
+    if getattr(args, "profile_prefill", False) and profiled and torch.cuda.is_available():
+        from megatron_ext.bench.mla_engine_profile import profile_prefill
+        from megatron_ext.transformer.mla_prefill import MODE, mha_form_mode
+
+        for mode in getattr(args, "prefill_forms", None) or [MODE]:
+            with mha_form_mode(mode):
+                breakdown = profile_prefill(units[profiled], prompts)
+            profiles.append({"model": model_name, "requests": requests, "engine": profiled})
+            profiles[-1].update(step=f"prefill (MHA form {mode})", breakdown=breakdown)
     # The graphed engine's; the eager one's where there is none (a run without a GPU: the tests).
     hosted = profiled or ("dynamic-eager" if "dynamic-eager" in units else None)
     if getattr(args, "host_profile_steps", 0) and hosted:
@@ -955,6 +964,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "share of the GPU time, and the step's GPU time against its wall time (host share)",
     )
     parser.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="after the timed rounds, run one prefill of the graphed engine's batch (its time to "
+        "first token) under torch.profiler per --prefill-forms mode (else in the environment's "
+        "mode) and print the top kernels, the prefill's GPU time against its wall time",
+    )
+    parser.add_argument(
         "--host-profile-steps",
         type=int,
         default=0,
@@ -1141,10 +1157,11 @@ def bench_gpu(args: argparse.Namespace) -> int:
             )
     for entry in report["profiles"]:
         title = f"{entry['model']}, {entry['requests']} requests, {entry['engine']}"
+        step = entry.get("step", "decode step")
         if entry["breakdown"].get("steps"):
-            print("\n".join(breakdown_lines(title, entry["breakdown"])))
+            print("\n".join(breakdown_lines(title, entry["breakdown"], step=step)))
         else:
-            print(f"kernels per decode step ({title}): the profiler saw no GPU work")
+            print(f"kernels per {step} ({title}): the profiler saw no GPU work")
     for row in report["rows"]:
         if "host_profile" in row:
             title = f"{row['model']}, {row['requests']} requests, {row['engine']}"

@@ -22,6 +22,7 @@ __all__ = [
     "is_copy_kernel",
     "kernel_breakdown",
     "profile_decode_steps",
+    "profile_prefill",
 ]
 
 TOP_KERNELS = 12
@@ -107,19 +108,22 @@ def kernel_breakdown(
     }
 
 
-def breakdown_lines(title: str, breakdown: Dict[str, Any], width: int = 72) -> List[str]:
+def breakdown_lines(
+    title: str, breakdown: Dict[str, Any], width: int = 72, step: str = "decode step"
+) -> List[str]:
     """The printed breakdown: a head line, then one line per kernel.
 
     Args:
         title: what was profiled (model, requests, engine).
         breakdown: :func:`kernel_breakdown`'s result.
         width: kernel names longer than this are cut.
+        step: what one profiled step is (``decode step``, ``prefill``).
 
     Returns:
         List[str]: the lines.
     """
     lines = [
-        f"kernels per decode step ({title}, {breakdown['steps']} steps profiled): GPU "
+        f"kernels per {step} ({title}, {breakdown['steps']} profiled): GPU "
         f"{breakdown['gpu_ms_per_step']:.3f} ms of a {breakdown['wall_ms_per_step']:.3f} ms "
         f"step, host share {breakdown['host_share']:.0%}, "
         f"{breakdown['events_per_step']:.0f} GPU events per step"
@@ -185,3 +189,36 @@ def profile_decode_steps(
     if not events or not done:
         return {"steps": 0}
     return kernel_breakdown(events, done, wall, top)
+
+
+def profile_prefill(
+    unit: Any, prompts: Sequence[Sequence[int]], top: int = TOP_KERNELS
+) -> Dict[str, Any]:
+    """One prefill of the batch (its time to first token, as ``--prefill-forms`` times it)
+    under ``torch.profiler``, synchronised before and after. GPU only.
+
+    Args:
+        unit: a :class:`~megatron_ext.bench.mla_engine.DynamicUnit`.
+        prompts: the batch's prompts.
+        top: kernels listed by name.
+
+    Returns:
+        Dict[str, Any]: :func:`kernel_breakdown`'s result over one step (the prefill), or
+        ``{"steps": 0}`` when no GPU event was seen.
+    """
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    unit.start(prompts)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        unit.prefill()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    unit.drain()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not events:
+        return {"steps": 0}
+    return kernel_breakdown(events, 1, wall, top)

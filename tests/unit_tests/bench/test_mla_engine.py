@@ -499,3 +499,8 @@ def test_without_the_static_engine_the_dynamic_one_is_measured_alone():
     assert row["engine"] == "dynamic-eager" and row["decode_tokens_per_s"] > 0
     assert row["prefill_ms_by_form"]["off"] > 0
     assert result["comparisons"] == [] and not result["dropped"]
+
+
+def test_profile_prefill_option():
+    assert not mla_engine.parse_args([]).profile_prefill
+    assert mla_engine.parse_args(["--profile-prefill"]).profile_prefill

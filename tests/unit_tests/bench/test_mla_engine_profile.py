@@ -47,7 +47,7 @@ def test_the_printed_breakdown():
     breakdown = profile_lib.kernel_breakdown(_events(2), steps=2, wall_seconds=0.004, top=2)
     lines = profile_lib.breakdown_lines("small, 1024 requests, dynamic-graphed", breakdown, 20)
     assert lines[0] == (
-        "kernels per decode step (small, 1024 requests, dynamic-graphed, 2 steps profiled): GPU "
+        "kernels per decode step (small, 1024 requests, dynamic-graphed, 2 profiled): GPU "
         "1.115 ms of a 2.000 ms step, host share 44%, 8 GPU events per step"
     )
     assert lines[1].split() == ["53.8%", "0.600", "ms", "x2", "_latent_attention..."]
@@ -73,3 +73,11 @@ def test_copies_are_told_by_their_full_name():
     none = profile_lib.kernel_breakdown([_event("gemm", 1.0)], steps=1, wall_seconds=0.001)
     assert none["largest_copy"] is None and none["copy_share"] == 0.0
     assert profile_lib.breakdown_lines("t", none)[-1] == "  copies: none"
+
+
+def test_a_prefill_breakdown_is_titled_as_one():
+    breakdown = profile_lib.kernel_breakdown(
+        [_event("gemm", 300.0), _event("attn", 100.0)], 1, 1e-3
+    )
+    head = profile_lib.breakdown_lines("t", breakdown, step="prefill (MHA form auto)")[0]
+    assert head.startswith("kernels per prefill (MHA form auto) (t, 1 profiled): GPU 0.400 ms")
