@@ -682,7 +682,7 @@ def measure_config(
             row["graph_scope"] = getattr(args, "graph_scope", "layer")
         if row["engine"] in forms:
             row["prefill_ms_by_form"] = forms[row["engine"]]
-    pairs = [(name, "static") for name in units if name != "static" and "static" in units]
+    pairs = [(name, "static") for name in units if name != "static"] if "static" in units else []
     if {"dynamic-graphed", "dynamic-eager"} <= set(units):
         pairs.append(("dynamic-graphed", "dynamic-eager"))
     comparisons = [

@@ -148,28 +148,23 @@ def run_split(
     if split == mha.requests:
         leading()
         return None
-    result = []
 
-    def rest() -> None:
-        result.append(
-            mla_paged_mha_attention(
-                query_mha[head_tokens:],
-                kv_cache,
-                step.block_table[split:],
-                mha.weight,
-                cases.SOFTMAX_SCALE,
-                query_lengths=mha.query_lengths[split:],
-                kv_lengths=mha.kv_lengths[split:],
-                rope_dim=step.rope,
-                backend=backend,
-            )
+    def rest() -> torch.Tensor:
+        return mla_paged_mha_attention(
+            query_mha[head_tokens:],
+            kv_cache,
+            step.block_table[split:],
+            mha.weight,
+            cases.SOFTMAX_SCALE,
+            query_lengths=mha.query_lengths[split:],
+            kv_lengths=mha.kv_lengths[split:],
+            rope_dim=step.rope,
+            backend=backend,
         )
 
-    if split:
-        side_by_side(leading, rest, kv_cache.device, overlap)
-    else:
-        rest()
-    return result[0]
+    if not split:
+        return rest()
+    return side_by_side(leading, rest, kv_cache.device, overlap)
 
 
 def _pairs(mha: MhaStep) -> np.ndarray:

@@ -63,8 +63,8 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         "a GPU sleep, the host ahead as in an engine step); split = the leading requests "
         "absorbed, on a side stream beside the MHA part as the dynamic path runs it (serial: "
         "the same parts in order), at = how many (* where that is not the cost model's split); "
-        "pick = the "
-        "cost model's choice, eager = its time per call run eagerly, the host's included",
+        "pick = the cost model's choice, eager = its time per call run eagerly, the host's "
+        "included",
         f"{'step':>50} {'heads':>5} | {'absorbed':>9} {'mha':>9} {'TFLOP/s':>8} {'rel diff':>8} "
         f"{'split':>9} {'serial':>9} {'at':>6} | {'pick':>8} {'eager':>9} {'FI':>9} {'pick/FI':>7} "
         f"{'pick/abs':>8} {'fastest':>8}",

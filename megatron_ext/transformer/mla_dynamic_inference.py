@@ -401,13 +401,14 @@ def mla_dynamic_attention(
                 split.absorbed_max_query_len,
             )
 
-        def rest() -> None:
-            mha = mha_form_core(module, q[tokens_first:], kv_cache, block_table, split)
-            core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
-
         # The leading decodes on a side stream while the chunk's host work and kernels go on:
         # the parts are independent and neither fills the GPU at few heads.
-        side_by_side(leading, rest, q.device)
+        mha = side_by_side(
+            leading,
+            lambda: mha_form_core(module, q[tokens_first:], kv_cache, block_table, split),
+            q.device,
+        )
+        core[tokens_first:] = mha.view(n - tokens_first, heads * v_dim)
     return module.linear_proj(core.view(n, 1, heads * v_dim))
 
 

@@ -14,11 +14,13 @@ while the current stream may still read it.
 """
 
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 __all__ = ["side_by_side"]
+
+T = TypeVar("T")
 
 _local = threading.local()
 
@@ -37,8 +39,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def side_by_side(
-    side: Callable[[], None], main: Callable[[], None], device: torch.device, overlap: bool = True
-) -> None:
+    side: Callable[[], None], main: Callable[[], T], device: torch.device, overlap: bool = True
+) -> T:
     """Run ``side`` on a side stream of ``device`` and ``main`` on the current stream, both
     after the current stream's work so far; the current stream then waits for both. Serial
     (``side`` then ``main``) off CUDA or with ``overlap`` False. Capture-safe: the fork and the
@@ -50,18 +52,20 @@ def side_by_side(
         device: where both run.
         overlap: False runs the two in order on the current stream (the same bits: the parts
             are independent; for comparing the two in one process).
+
+    Returns:
+        T: what ``main`` returns (allocated on the current stream: safe to use after the call).
     """
     if not overlap or device.type != "cuda":
         side()
-        main()
-        return
+        return main()
     current = torch.cuda.current_stream(device)
     stream = _side_stream(device)
     stream.wait_stream(current)
     try:
         with torch.cuda.stream(stream):
             side()
-        main()
+        return main()
     finally:
         # Also on an error: the current stream's later work (and frees) come after the side's.
         current.wait_stream(stream)

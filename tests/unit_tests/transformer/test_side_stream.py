@@ -20,6 +20,7 @@ def test_off_cuda_the_parts_run_in_order(overlap):
         lambda: order.append("side"), lambda: order.append("main"), torch.device("cpu"), overlap
     )
     assert order == ["side", "main", "side", "main"]
+    assert side_by_side(lambda: None, lambda: 7, torch.device("cpu"), overlap) == 7
 
 
 def test_an_error_in_the_side_part_propagates_and_the_main_part_does_not_run():
@@ -51,7 +52,10 @@ def test_gpu_the_current_stream_waits_for_the_side_part(overlap):
     device = torch.device("cuda")
     side_out = torch.zeros(1024, device=device)
     main_out = torch.zeros(1024, device=device)
-    side_by_side(lambda: _slow_fill(side_out, 3.0), lambda: main_out.fill_(5.0), device, overlap)
+    returned = side_by_side(
+        lambda: _slow_fill(side_out, 3.0), lambda: main_out.fill_(5.0), device, overlap
+    )
+    assert returned is main_out  # what the main part returns
     total = side_out.sum() + main_out.sum()  # queued on the current stream
     assert total.item() == 1024 * 8.0, "the current stream read before the side part's write"
 
