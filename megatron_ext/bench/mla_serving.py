@@ -451,8 +451,9 @@ def _mha_contenders(
     """The MHA-form contenders of a step (what the row reports, the contenders to time):
     ``mha``, every request in the MHA form; ``split``, the cost model's split where it mixes
     the forms (the leading requests absorbed), else the leading decodes absorbed where the step
-    has some. Each output is compared with ours (run on
-    ``sets[0]`` already) through W_UV, relative to its largest value."""
+    has some; ``serial``, the split (else ``mha``) with everything in order on one stream. Each
+    output is compared with ours (run on ``sets[0]`` already) through W_UV, relative to its
+    largest value."""
     backend = mha_backend()
     report: Dict[str, Any] = {
         "backend": backend,
@@ -468,8 +469,10 @@ def _mha_contenders(
     decodes = int(np.argmax(mha.query_lengths != 1)) if (mha.query_lengths != 1).any() else 0
     split_at = mha.split if 0 < mha.split < mha.requests else decodes
     if 0 < split_at < mha.requests:
-        # The split as the dynamic path runs it (the parts on two streams) and in order.
-        splits["split"] = splits["serial"] = split_at
+        # The split as the dynamic path runs it (the parts on two streams).
+        splits["split"] = split_at
+    # The split (else the MHA form alone) with its parts and the MHA form's calls in order.
+    splits["serial"] = splits.get("split", 0)
     reference = mha.value_projection(sets[0][2])
     form_sets = [(cache, query, mha.query, out) for cache, query, out in sets[:1]]
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]

@@ -23,8 +23,8 @@ import torch
 from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
 from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
+from megatron_ext.fusions.side_stream import side_by_side
 from megatron_ext.transformer.mla_prefill import absorbed_request_count, step_split
-from megatron_ext.transformer.side_stream import side_by_side
 
 # DeepSeek-V3's per-head query/key (without RoPE) and value widths.
 QK_HEAD = 128
@@ -124,7 +124,8 @@ def run_split(
         backend: the MHA form's backend.
         split: leading requests in the absorbed form (``0..requests``).
         kv_cache, query_absorbed, query_mha, out_absorbed: one input set (the step's or copies).
-        overlap: the absorbed part on a side stream beside the MHA part (False: in order).
+        overlap: the absorbed part on a side stream beside the MHA part, and the MHA part's
+            calls side by side (False: everything in order).
 
     Returns:
         Optional[torch.Tensor]: the MHA part's output ``[tokens after split, heads, v]``, or
@@ -160,11 +161,12 @@ def run_split(
             kv_lengths=mha.kv_lengths[split:],
             rope_dim=step.rope,
             backend=backend,
+            overlap=overlap,
         )
 
     if not split:
         return rest()
-    return side_by_side(leading, rest, kv_cache.device, overlap)
+    return side_by_side(leading, rest, kv_cache.device, overlap)[1]
 
 
 def _pairs(mha: MhaStep) -> np.ndarray:

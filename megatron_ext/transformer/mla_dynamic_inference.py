@@ -27,7 +27,7 @@ on first use), so threads may share a module. GRAPH-SAFE: no host synchronisatio
 comes from shapes and host ints of the context (the MHA form runs only in steps megatron-core
 runs eagerly, and there reads the step's lengths on the host: a read of device memory on 0.16).
 In a step split between the forms, the absorbed requests run on a per-thread side stream beside
-the MHA-form ones (:func:`~megatron_ext.transformer.side_stream.side_by_side`).
+the MHA-form ones (:func:`~megatron_ext.fusions.side_stream.side_by_side`).
 """
 
 import operator
@@ -41,9 +41,9 @@ from torch import Tensor
 
 from megatron_ext.fusions.fused_mla_yarn_rope_apply import fused_apply_mla_rope_for_q
 from megatron_ext.fusions.mla_latent import fused_mla_rope_cache_append, mla_paged_latent_attention
+from megatron_ext.fusions.side_stream import side_by_side
 from megatron_ext.transformer.mla_prefill import mha_form_core, mha_form_split
 from megatron_ext.transformer.rotary_tables import cos_sin_table
-from megatron_ext.transformer.side_stream import side_by_side
 
 __all__ = [
     "CACHE_DTYPES",
@@ -403,7 +403,7 @@ def mla_dynamic_attention(
 
         # The leading decodes on a side stream while the chunk's host work and kernels go on:
         # the parts are independent and neither fills the GPU at few heads.
-        mha = side_by_side(
+        _, mha = side_by_side(
             leading,
             lambda: mha_form_core(module, q[tokens_first:], kv_cache, block_table, split),
             q.device,

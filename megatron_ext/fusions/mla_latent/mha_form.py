@@ -30,8 +30,9 @@ decompression weights' layout, kept while the weight is unchanged
 :mod:`~megatron_ext.fusions.mla_latent.mha_gather`), two GEMMs, the attention.
 """
 
+import functools
 import math
-from typing import NamedTuple, NoReturn, Optional, Sequence, Tuple, Union
+from typing import Callable, NamedTuple, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -58,9 +59,10 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
 )
 from megatron_ext.fusions.mla_latent.mha_gather import gather_cache_rows
 from megatron_ext.fusions.mla_latent.mha_merge import merge_partials_into
-from megatron_ext.fusions.mla_latent.mha_plan import mha_plan
+from megatron_ext.fusions.mla_latent.mha_plan import PlannedCall, mha_plan
 from megatron_ext.fusions.mla_latent.mha_rows import bucket
 from megatron_ext.fusions.mla_latent.mha_weights import cached_up_projections, up_projections
+from megatron_ext.fusions.side_stream import side_by_side
 from megatron_ext.fusions.tensor_checks import FLOAT_DTYPES, check_device, check_int, check_tensor
 
 __all__ = [
@@ -309,6 +311,11 @@ def decompressed_keys_values(
     return keys, values
 
 
+def _each(attend: Callable, calls: Sequence[PlannedCall], keys: Tensor, values: Tensor) -> list:
+    """``attend`` of each call, in order."""
+    return [attend(call, keys, values) for call in calls]
+
+
 def mla_paged_mha_attention(
     query: Tensor,
     kv_cache: Tensor,
@@ -321,6 +328,7 @@ def mla_paged_mha_attention(
     rope_dim: int = 64,
     backend: str = "torch",
     row_budget: Optional[int] = None,
+    overlap: bool = True,
 ) -> Tensor:
     """MLA attention of a step's new tokens over their requests' paged latent rows, in the MHA
     form (decompressed keys and values, dense ragged attention).
@@ -337,6 +345,10 @@ def mla_paged_mha_attention(
     request's rows split across chunks where they do not fit; each chunk's partial attentions
     are merged by their log-sum-exps into an fp32 (fp64 for fp64 inputs) accumulator. The
     ``te`` backend returns no log-sum-exp to merge: it runs one chunk whatever the budget.
+    Where a chunk has calls to merge, its first (on cuDNN: its queries over the rows before
+    their own) runs on a side stream beside its others
+    (:func:`~megatron_ext.fusions.side_stream.side_by_side`); the merges keep the calls' order,
+    so the bits are those of the calls run in order.
 
     Args:
         query (Tensor): [tokens, heads, qk_head_dim + rope_dim], ``[q_nope | rope(q_pe)]``.
@@ -352,6 +364,8 @@ def mla_paged_mha_attention(
         row_budget (Optional[int]): the most rows decompressed at once, before the fused
             backends' bucket padding (:func:`bucket`: at most a quarter more, 16 rows at least
             per section); default :data:`ROW_BUDGET`.
+        overlap (bool): a chunk's merged calls side by side on two streams (False: in order on
+            the current stream; the same bits).
 
     Returns:
         Tensor: [tokens, heads, v_head_dim] in query's dtype.
@@ -417,45 +431,64 @@ def mla_paged_mha_attention(
     )
     scale = float(softmax_scale)
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
+
+    def attend(call: PlannedCall, keys: Tensor, values: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        ids, n = call.tokens, call.count
+        q = query[ids]
+        if call.padded != n or not q.is_contiguous():
+            q = torch.cat([q, q.new_zeros(call.padded - n, heads, width)])
+        part, part_lse = varlen_attention(
+            backend,
+            q,
+            keys[call.rows],
+            values[call.rows],
+            call.lengths,
+            call.causal,
+            scale,
+            not direct,
+            call.offsets,
+            call.ragged,
+        )
+        # The flash backend's values carry zero columns past v_dim (and the fused backends
+        # that plan per shape return bucket padding past n).
+        if part.shape[0] != n or part.shape[2] != v_dim:
+            part = part[:n, :, :v_dim]
+        return part, None if part_lse is None else part_lse[:n]
+
     for chunk in plan.chunks:
         keys, values = decompressed_keys_values(
             kv_cache, table, chunk.places, up_weights, heads, rope_dim
         )
-        for call in chunk.calls:
-            ids, n = call.tokens, call.count
-            q = query[ids]
-            if call.padded != n or not q.is_contiguous():
-                q = torch.cat([q, q.new_zeros(call.padded - n, heads, width)])
-            part, part_lse = varlen_attention(
-                backend,
-                q,
-                keys[call.rows],
-                values[call.rows],
-                call.lengths,
-                call.causal,
-                scale,
-                not direct,
-                call.offsets,
-                call.ragged,
+        if direct:
+            for call in chunk.calls:
+                part, _ = attend(call, keys, values)
+                if whole:
+                    # The one call's output is the result (copied where it is a strided view).
+                    return part if part.is_contiguous() else part.contiguous()
+                out[call.tokens] = part
+            continue
+        first, rest = chunk.calls[0], chunk.calls[1:]
+        if rest:
+            # Each call alone leaves SMs idle at few heads and short chunks; the parts are
+            # independent until the merges below, which run in order on the current stream.
+            side, others = side_by_side(
+                functools.partial(attend, first, keys, values),
+                functools.partial(_each, attend, rest, keys, values),
+                query.device,
+                overlap,
             )
-            # The flash backend's values carry zero columns past v_dim (and the fused backends
-            # that plan per shape return bucket padding past n).
-            if part.shape[0] != n or part.shape[2] != v_dim:
-                part = part[:n, :, :v_dim]
-            if whole:
-                # The one call's output is the result (copied where it is a strided view).
-                return part if part.is_contiguous() else part.contiguous()
-            if direct:
-                out[ids] = part
-                continue
+            parts = [side, *others]
+        else:
+            parts = [attend(first, keys, values)]
+        for call, (part, part_lse) in zip(chunk.calls, parts):
             if acc_out is None:
                 # The first call's output is what its merge into an empty accumulator would
                 # leave there; the later merges only read it (the plan's first_seeds).
-                acc_out, acc_lse = part, part_lse[:n]
+                acc_out, acc_lse = part, part_lse
                 continue
             # A call after which its tokens have no other writes their answers.
             final = out if call.last else None
-            merge_partials_into(acc_out, acc_lse, part, part_lse[:n], ids, final)
+            merge_partials_into(acc_out, acc_lse, part, part_lse, call.tokens, final)
     if not direct and not plan.merges_write_out:
         out[:used].copy_(acc_out)
     return out

@@ -12,6 +12,7 @@ CUDA graphs around it.
 """
 
 import dataclasses
+import functools
 import os
 import types
 import warnings
@@ -607,7 +608,8 @@ def test_gpu_mha_form_prefill_step_has_no_host_sync(stack, monkeypatch, mha_call
 @pytest.mark.gpu
 def test_gpu_split_step_on_two_streams_equals_it_in_order(stack, monkeypatch, mha_calls):
     """A split step (two decodes absorbed, a chunk in the MHA form) with its parts on two
-    streams: the same bits as the parts run in order, and no host synchronisation on 0.19."""
+    streams and the chunk's calls on two more: the same bits as everything run in order on one
+    stream, and no host synchronisation on 0.19."""
     monkeypatch.setattr(mla_prefill, "MODE", "auto")
     monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args, **kwargs: 2)
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
@@ -627,11 +629,10 @@ def test_gpu_split_step_on_two_streams_equals_it_in_order(stack, monkeypatch, mh
             got, _ = module(hidden, None, inference_context=context)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        monkeypatch.setattr(
-            mla_dynamic_inference,
-            "side_by_side",
-            lambda side, main, device: overlapped(side, main, device, overlap=False),
-        )
+        in_order = functools.partial(overlapped, overlap=False)
+        # Both levels in order: the step's two parts and the MHA form's calls of its chunk.
+        monkeypatch.setattr(mla_dynamic_inference, "side_by_side", in_order)
+        monkeypatch.setattr(mha_form, "side_by_side", in_order)
         expected, _ = module(hidden, None, inference_context=context)
     assert mha_calls == [40] * 3
     active = context.active_token_count

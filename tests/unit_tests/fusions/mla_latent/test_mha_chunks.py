@@ -158,3 +158,43 @@ def test_gpu_merging_backends_with_a_row_budget_match_float64_in_bf16(requests, 
     got = mla_paged_mha_attention(query, cache, step.block_table, weight, SCALE, **chunked)
     expected = reference(step, query, cache, weight, lengths)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=2**-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "requests",
+    [[(1024, 512)], MIXED, [(5000, 300), (0, 700), (40, 1)]],
+    ids=["chunk_behind_1k", "mixed", "long_and_short"],
+)
+@pytest.mark.parametrize("heads", [16, 128])
+# flash's plan (bottom-right) has one call per chunk here: nothing to put side by side.
+@pytest.mark.parametrize("backend", ["cudnn", "cudnn-dense"])
+def test_gpu_a_chunks_calls_on_two_streams_give_the_in_order_bits(
+    monkeypatch, requests, heads, backend
+):
+    """A chunk's merged calls side by side (its first call on the side stream): the bits of the
+    same calls run in order on one stream, in bf16 at DeepSeek-V3's widths."""
+    if backend not in mha_backends.present_backends():
+        pytest.skip(f"the {backend} backend is not available here")
+    step, query, cache, weight, lengths = deepseek_step(requests, heads, torch.bfloat16)
+    args = (query, cache, step.block_table, weight, SCALE)
+    kwargs = dict(rope_dim=64, backend=backend, **lengths)
+    streams = []
+    attention = mha_form.varlen_attention
+
+    def recording(*call_args):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        return attention(*call_args)
+
+    monkeypatch.setattr(mha_form, "varlen_attention", recording)
+    mla_paged_mha_attention(*args, **kwargs)  # plans and builds the calls' graphs first
+    streams.clear()
+    got = mla_paged_mha_attention(*args, **kwargs)
+    main_stream = torch.cuda.current_stream().cuda_stream
+    # Each chunk's first call on the side stream, the others on the current one.
+    assert streams[0] != main_stream and set(streams) == {streams[0], main_stream}
+    streams.clear()
+    expected = mla_paged_mha_attention(*args, overlap=False, **kwargs)
+    assert set(streams) == {main_stream}
+    moved = (got != expected).nonzero()
+    assert not len(moved), f"the two-stream calls' bits moved from the in-order run's at {moved}"

@@ -1,15 +1,16 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Two parts of a step side by side: in order off CUDA, an error still joined, and on the GPU the
-current stream waiting for the side stream's writes (eagerly, under graph replay, per thread)."""
+current stream waiting for the side stream's writes (eagerly, under graph replay, per thread, per
+nesting level) and the side part's tensors handed over to it."""
 
 import threading
 
 import pytest
 import torch
 
-from megatron_ext.transformer import side_stream
-from megatron_ext.transformer.side_stream import side_by_side
+from megatron_ext.fusions import side_stream
+from megatron_ext.fusions.side_stream import side_by_side
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -20,7 +21,7 @@ def test_off_cuda_the_parts_run_in_order(overlap):
         lambda: order.append("side"), lambda: order.append("main"), torch.device("cpu"), overlap
     )
     assert order == ["side", "main", "side", "main"]
-    assert side_by_side(lambda: None, lambda: 7, torch.device("cpu"), overlap) == 7
+    assert side_by_side(lambda: 3, lambda: 7, torch.device("cpu"), overlap) == (3, 7)
 
 
 def test_an_error_in_the_side_part_propagates_and_the_main_part_does_not_run():
@@ -55,7 +56,7 @@ def test_gpu_the_current_stream_waits_for_the_side_part(overlap):
     returned = side_by_side(
         lambda: _slow_fill(side_out, 3.0), lambda: main_out.fill_(5.0), device, overlap
     )
-    assert returned is main_out  # what the main part returns
+    assert returned == (None, main_out)  # what the parts return
     total = side_out.sum() + main_out.sum()  # queued on the current stream
     assert total.item() == 1024 * 8.0, "the current stream read before the side part's write"
 
@@ -116,3 +117,52 @@ def test_gpu_each_thread_has_its_own_side_stream():
     take("here")
     assert len({s.cuda_stream for s in streams.values()}) == 3
     assert side_stream._side_stream(device) is streams["here"]  # kept for the thread
+
+
+@pytest.mark.gpu
+def test_gpu_a_tensor_the_side_part_returns_is_safe_on_the_current_stream():
+    """The side part allocates its result on the side stream and returns it; the caller drops
+    it while the current stream's read is still queued. Later side-stream work must not take its
+    memory before that read: the read sees the side part's values."""
+    device = torch.device("cuda")
+    total = torch.zeros((), device=device)
+
+    def side():
+        return torch.full((1 << 20,), 2.0, device=device)
+
+    def main():
+        torch.cuda._sleep(SLEEP_CYCLES)  # the current stream lags behind the side stream
+
+    for _ in range(3):
+        result, _ = side_by_side(side, main, device)
+        total += result.sum()  # queued behind the sleep
+        del result  # freed while the read is still queued
+        # Side-stream work that would reuse the freed block at once without the hand-over.
+        stream = side_stream._side_stream(device)
+        with torch.cuda.stream(stream):
+            torch.full((1 << 20,), -1.0, device=device)
+    assert total.item() == 3 * 2.0 * (1 << 20), "the side part's result was overwritten"
+
+
+@pytest.mark.gpu
+def test_gpu_a_nested_call_takes_a_side_stream_of_its_own():
+    device = torch.device("cuda")
+    seen = {}
+
+    def inner_side():
+        seen["inner"] = torch.cuda.current_stream(device).cuda_stream
+
+    def outer_main():
+        side_by_side(inner_side, lambda: None, device)
+
+    def outer_side():
+        seen["outer"] = torch.cuda.current_stream(device).cuda_stream
+
+    side_by_side(outer_side, outer_main, device)
+    current = torch.cuda.current_stream(device).cuda_stream
+    assert len({seen["outer"], seen["inner"], current}) == 3
+    assert seen["outer"] == side_stream._side_stream(device, 0).cuda_stream
+    assert seen["inner"] == side_stream._side_stream(device, 1).cuda_stream
+    # The level is restored: the next call at the top takes the first side stream again.
+    side_by_side(outer_side, lambda: None, device)
+    assert seen["outer"] == side_stream._side_stream(device, 0).cuda_stream
