@@ -86,17 +86,19 @@ def test_patches_imports_what_it_patches_in_with():
     assert not any(e.startswith("megatron_ext.models") for e in edges)
 
 
-# The ground floor of megatron_ext.fusions: what every kernel module builds on.
+# The ground floor of megatron_ext.fusions: what the kernel modules build on.
 FUSIONS_GROUND_FLOOR = (
     "megatron_ext.fusions.tensor_checks",
     "megatron_ext.fusions.launch_plans",
     "megatron_ext.fusions.direct_launch",
     "megatron_ext.fusions.launch_math",
+    "megatron_ext.fusions.side_stream",
 )
 
 
 def test_the_fusions_ground_floor_imports_only_the_ground_floor():
-    """Shared checks and the launch layer import no kernel module and nothing of mla_rope."""
+    """Shared checks, the launch layer and the side stream import no kernel module and nothing
+    of mla_rope."""
     graph = import_graph()
     for module in FUSIONS_GROUND_FLOOR:
         fusions = {m for m in graph[module] if m.startswith("megatron_ext.fusions")}
