@@ -79,7 +79,7 @@ from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
 from megatron_ext.fusions.mla_latent import mha_form
-from megatron_ext.transformer.mla_prefill import backend_for
+from megatron_ext.transformer.mla_prefill import OVERLAP_CALLS, backend_for
 
 __all__ = ["main", "parse_args"]
 
@@ -459,6 +459,7 @@ def _mha_contenders(
         "backend": backend,
         "model_split": mha.split,
         "requests": mha.requests,
+        "overlap_calls": OVERLAP_CALLS,
     }
     if backend is None:
         report["error"] = "no MHA-form backend runs here (cuDNN attention or Transformer Engine)"

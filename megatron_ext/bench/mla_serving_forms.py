@@ -24,6 +24,7 @@ from megatron_ext.bench import mla_serving_cases as cases
 from megatron_ext.fusions.mla_latent import mla_paged_latent_attention
 from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 from megatron_ext.fusions.side_stream import side_by_side
+from megatron_ext.transformer import mla_prefill
 from megatron_ext.transformer.mla_prefill import absorbed_request_count, step_split
 
 # DeepSeek-V3's per-head query/key (without RoPE) and value widths.
@@ -125,7 +126,9 @@ def run_split(
         split: leading requests in the absorbed form (``0..requests``).
         kv_cache, query_absorbed, query_mha, out_absorbed: one input set (the step's or copies).
         overlap: the absorbed part on a side stream beside the MHA part, and the MHA part's
-            calls side by side (False: everything in order).
+            calls side by side where the dynamic path runs them so
+            (:data:`~megatron_ext.transformer.mla_prefill.OVERLAP_CALLS`); False: everything in
+            order.
 
     Returns:
         Optional[torch.Tensor]: the MHA part's output ``[tokens after split, heads, v]``, or
@@ -161,7 +164,7 @@ def run_split(
             kv_lengths=mha.kv_lengths[split:],
             rope_dim=step.rope,
             backend=backend,
-            overlap=overlap,
+            overlap=overlap and mla_prefill.OVERLAP_CALLS,
         )
 
     if not split:

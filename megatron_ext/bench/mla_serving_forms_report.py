@@ -56,8 +56,10 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
     if not rows:
         return []
     backends = sorted({str(r["forms"].get("backend")) for r in rows})
+    calls = "side by side" if any(r["forms"].get("overlap_calls") for r in rows) else "in order"
     lines = [
-        f"=== table: prefill forms (MHA-form backend: {', '.join(backends)}); absorbed = the "
+        f"=== table: prefill forms (MHA-form backend: {', '.join(backends)}; a chunk's calls "
+        f"{calls}, MEGATRON_EXT_MLA_MHA_OVERLAP); absorbed = the "
         "attention kernel alone (W_UK/W_UV left out, ours and FlashInfer's), MHA = gather + "
         "decompression GEMM + dense attention (it runs in eager steps: its GPU time queued behind "
         "a GPU sleep, the host ahead as in an engine step); split = the leading requests "

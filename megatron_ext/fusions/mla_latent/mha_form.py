@@ -328,7 +328,7 @@ def mla_paged_mha_attention(
     rope_dim: int = 64,
     backend: str = "torch",
     row_budget: Optional[int] = None,
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> Tensor:
     """MLA attention of a step's new tokens over their requests' paged latent rows, in the MHA
     form (decompressed keys and values, dense ragged attention).
@@ -345,8 +345,8 @@ def mla_paged_mha_attention(
     request's rows split across chunks where they do not fit; each chunk's partial attentions
     are merged by their log-sum-exps into an fp32 (fp64 for fp64 inputs) accumulator. The
     ``te`` backend returns no log-sum-exp to merge: it runs one chunk whatever the budget.
-    Where a chunk has calls to merge, its first (on cuDNN: its queries over the rows before
-    their own) runs on a side stream beside its others
+    With ``overlap``, where a chunk has calls to merge, its first (on cuDNN: its queries over the
+    rows before their own) runs on a side stream beside its others
     (:func:`~megatron_ext.fusions.side_stream.side_by_side`); the merges keep the calls' order,
     so the bits are those of the calls run in order.
 
@@ -364,8 +364,9 @@ def mla_paged_mha_attention(
         row_budget (Optional[int]): the most rows decompressed at once, before the fused
             backends' bucket padding (:func:`bucket`: at most a quarter more, 16 rows at least
             per section); default :data:`ROW_BUDGET`.
-        overlap (bool): a chunk's merged calls side by side on two streams (False: in order on
-            the current stream; the same bits).
+        overlap (bool): a chunk's merged calls side by side on two streams (less GPU time
+            where one call leaves SMs idle, more host time); False: in order on the current
+            stream, the same bits.
 
     Returns:
         Tensor: [tokens, heads, v_head_dim] in query's dtype.

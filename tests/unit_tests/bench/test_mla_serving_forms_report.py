@@ -92,7 +92,12 @@ def test_table_names_the_pick_the_fastest_and_errors():
     ]
     rows[1]["forms"]["mha"] = {"error": "failed: RuntimeError: cuDNN refused"}
     lines = forms_report.forms_table(rows)
-    assert lines[0].startswith("=== table: prefill forms (MHA-form backend: cudnn)")
+    assert lines[0].startswith(
+        "=== table: prefill forms (MHA-form backend: cudnn; a chunk's calls in order, "
+        "MEGATRON_EXT_MLA_MHA_OVERLAP)"
+    )
+    rows[0]["forms"]["overlap_calls"] = True
+    assert "a chunk's calls side by side" in forms_report.forms_table(rows)[0]
     first, second = lines[2], lines[3]
     assert " 0/1 " in first
     assert first.split()[-6:] == ["mha", "250.0", "300.0", "0.67x", "0.33x", "mha"]

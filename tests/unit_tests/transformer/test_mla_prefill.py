@@ -608,9 +608,10 @@ def test_gpu_mha_form_prefill_step_has_no_host_sync(stack, monkeypatch, mha_call
 @pytest.mark.gpu
 def test_gpu_split_step_on_two_streams_equals_it_in_order(stack, monkeypatch, mha_calls):
     """A split step (two decodes absorbed, a chunk in the MHA form) with its parts on two
-    streams and the chunk's calls on two more: the same bits as everything run in order on one
-    stream, and no host synchronisation on 0.19."""
+    streams and the chunk's calls on two more (MEGATRON_EXT_MLA_MHA_OVERLAP=on): the same bits
+    as everything run in order on one stream, and no host synchronisation on 0.19."""
     monkeypatch.setattr(mla_prefill, "MODE", "auto")
+    monkeypatch.setattr(mla_prefill, "OVERLAP_CALLS", True)
     monkeypatch.setattr(mla_prefill, "absorbed_request_count", lambda *args, **kwargs: 2)
     model = build_model(DEEPSEEK_LIKE, torch.bfloat16)
     context = _context_step(model, [1, 1, 40])
@@ -655,7 +656,11 @@ def test_gpu_engine_with_cuda_graphs_and_the_mha_form_generates_as_eager(stack, 
 
 @pytest.mark.parametrize(
     "name, value",
-    [("MEGATRON_EXT_MLA_MHA_FORM", "on"), ("MEGATRON_EXT_MLA_MHA_BACKEND", "flash-attn")],
+    [
+        ("MEGATRON_EXT_MLA_MHA_FORM", "on"),
+        ("MEGATRON_EXT_MLA_MHA_BACKEND", "flash-attn"),
+        ("MEGATRON_EXT_MLA_MHA_OVERLAP", "yes"),
+    ],
 )
 def test_a_misspelt_setting_fails_at_import(name, value):
     """An unknown mode or backend is an error naming the variable, not the default in disguise."""
@@ -672,6 +677,42 @@ def test_a_misspelt_setting_fails_at_import(name, value):
     )
     assert proc.returncode != 0
     assert f"{name}={value!r}: expected one of" in proc.stderr
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_mha_form_core_passes_the_overlap_setting(monkeypatch, overlap):
+    """The chunk's calls run side by side only where MEGATRON_EXT_MLA_MHA_OVERLAP says so (off
+    by default: more host time per eager call)."""
+    seen = {}
+
+    def attention(*args, **kwargs):
+        seen.update(kwargs)
+        return "out"
+
+    monkeypatch.setattr(mla_prefill, "mla_paged_mha_attention", attention)
+    monkeypatch.setattr(mla_prefill, "OVERLAP_CALLS", overlap)
+    lengths = np.array([3, 5], dtype=np.int64)
+    split = mla_prefill.MhaFormSplit("torch", lengths, lengths + 2, 1, 3, 3)
+    module = types.SimpleNamespace(
+        linear_kv_up_proj=types.SimpleNamespace(weight="w"),
+        softmax_scale=0.5,
+        config=types.SimpleNamespace(qk_pos_emb_head_dim=64),
+    )
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    assert mla_prefill.mha_form_core(module, "q", "cache", table, split) == "out"
+    assert seen["overlap"] is overlap and seen["backend"] == "torch"
+    assert list(seen["query_lengths"]) == [5] and list(seen["kv_lengths"]) == [7]
+
+
+def test_the_overlap_setting_is_off_by_default():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_EXT_MLA_MHA_OVERLAP"}
+    code = "import megatron_ext.transformer.mla_prefill as m; print(m.OVERLAP_CALLS)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_mha_form_mode_sets_and_restores_the_process_wide_mode():

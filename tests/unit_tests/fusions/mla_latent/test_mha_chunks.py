@@ -187,14 +187,14 @@ def test_gpu_a_chunks_calls_on_two_streams_give_the_in_order_bits(
         return attention(*call_args)
 
     monkeypatch.setattr(mha_form, "varlen_attention", recording)
-    mla_paged_mha_attention(*args, **kwargs)  # plans and builds the calls' graphs first
+    mla_paged_mha_attention(*args, overlap=True, **kwargs)  # plans and builds graphs first
     streams.clear()
-    got = mla_paged_mha_attention(*args, **kwargs)
+    got = mla_paged_mha_attention(*args, overlap=True, **kwargs)
     main_stream = torch.cuda.current_stream().cuda_stream
     # Each chunk's first call on the side stream, the others on the current one.
     assert streams[0] != main_stream and set(streams) == {streams[0], main_stream}
     streams.clear()
-    expected = mla_paged_mha_attention(*args, overlap=False, **kwargs)
+    expected = mla_paged_mha_attention(*args, **kwargs)  # the default: in order
     assert set(streams) == {main_stream}
     moved = (got != expected).nonzero()
     assert not len(moved), f"the two-stream calls' bits moved from the in-order run's at {moved}"
