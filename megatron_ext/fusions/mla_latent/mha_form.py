@@ -469,18 +469,18 @@ def mla_paged_mha_attention(
                 out[call.tokens] = part
             continue
         first, rest = chunk.calls[0], chunk.calls[1:]
-        if rest:
+        if overlap and rest:
             # Each call alone leaves SMs idle at few heads and short chunks; the parts are
             # independent until the merges below, which run in order on the current stream.
             side, others = side_by_side(
                 functools.partial(attend, first, keys, values),
                 functools.partial(_each, attend, rest, keys, values),
                 query.device,
-                overlap,
             )
-            parts = [side, *others]
+            parts = iter([side, *others])
         else:
-            parts = [attend(first, keys, values)]
+            # In order, each call merged before the next runs (one partial alive at a time).
+            parts = (attend(call, keys, values) for call in chunk.calls)
         for call, (part, part_lse) in zip(chunk.calls, parts):
             if acc_out is None:
                 # The first call's output is what its merge into an empty accumulator would
