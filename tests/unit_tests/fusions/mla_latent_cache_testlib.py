@@ -34,6 +34,12 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+def assert_refuses_without_a_gpu(script: ModuleType, capsys) -> None:
+    """A GPU-only script's ``main([])`` exits 2 and says there is no CUDA GPU."""
+    assert script.main([]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
 # What the guard elements around a cache or an output hold: no kernel writes it.
 GUARD = 1234.5
 # What an output holds before a call: a row the kernel forgot stays NaN.

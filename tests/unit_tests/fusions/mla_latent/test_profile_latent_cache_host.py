@@ -6,7 +6,10 @@ each call's host time, its launch keys and its profile."""
 import pytest
 import torch
 
-from tests.unit_tests.fusions.mla_latent_cache_testlib import load_script
+from tests.unit_tests.fusions.mla_latent_cache_testlib import (
+    assert_refuses_without_a_gpu,
+    load_script,
+)
 
 
 def _load():
@@ -17,8 +20,7 @@ def _load():
     torch.cuda.is_available(), reason="the no-GPU refusal, on a machine without one"
 )
 def test_without_a_gpu_it_says_so_and_exits_2(capsys):
-    assert _load().main([]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    assert_refuses_without_a_gpu(_load(), capsys)
 
 
 @pytest.mark.gpu
