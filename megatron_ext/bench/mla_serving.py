@@ -79,7 +79,8 @@ from megatron_ext.bench import mla_serving_forms as forms_lib
 from megatron_ext.bench.mla_serving_report import pct_of_ceiling, plot_decode, tables, verdicts
 from megatron_ext.bench.rope import _copy_ceiling, _do_bench_us, interleaved_host_us
 from megatron_ext.fusions.mla_latent import mha_form
-from megatron_ext.transformer.mla_prefill import OVERLAP_CALLS, backend_for
+from megatron_ext.transformer import mla_prefill
+from megatron_ext.transformer.mla_prefill import backend_for
 
 __all__ = ["main", "parse_args"]
 
@@ -451,7 +452,8 @@ def _mha_contenders(
     """The MHA-form contenders of a step (what the row reports, the contenders to time):
     ``mha``, every request in the MHA form; ``split``, the cost model's split where it mixes
     the forms (the leading requests absorbed), else the leading decodes absorbed where the step
-    has some; ``serial``, the split (else ``mha``) with everything in order on one stream. Each
+    has some; ``serial``, the split (else ``mha`` where its calls overlap) with everything in
+    order on one stream. Each
     output is compared with ours (run on ``sets[0]`` already) through W_UV, relative to its
     largest value."""
     backend = mha_backend()
@@ -459,7 +461,7 @@ def _mha_contenders(
         "backend": backend,
         "model_split": mha.split,
         "requests": mha.requests,
-        "overlap_calls": OVERLAP_CALLS,
+        "overlap_calls": mla_prefill.OVERLAP_CALLS,
     }
     if backend is None:
         report["error"] = "no MHA-form backend runs here (cuDNN attention or Transformer Engine)"
@@ -472,8 +474,10 @@ def _mha_contenders(
     if 0 < split_at < mha.requests:
         # The split as the dynamic path runs it (the parts on two streams).
         splits["split"] = split_at
-    # The split (else the MHA form alone) with its parts and the MHA form's calls in order.
-    splits["serial"] = splits.get("split", 0)
+    if "split" in splits or mla_prefill.OVERLAP_CALLS:
+        # The split (else the MHA form alone) with its parts and the MHA form's calls in order;
+        # elsewhere that is ``mha`` itself, not timed twice.
+        splits["serial"] = splits.get("split", 0)
     reference = mha.value_projection(sets[0][2])
     form_sets = [(cache, query, mha.query, out) for cache, query, out in sets[:1]]
     form_sets += [(cache, query, mha.query.clone(), out) for cache, query, out in sets[1:]]

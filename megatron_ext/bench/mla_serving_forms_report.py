@@ -64,7 +64,8 @@ def forms_table(rows: List[Dict[str, Any]]) -> List[str]:
         "decompression GEMM + dense attention (it runs in eager steps: its GPU time queued behind "
         "a GPU sleep, the host ahead as in an engine step); split = the leading requests "
         "absorbed, on a side stream beside the MHA part as the dynamic path runs it (serial: "
-        "the split, else mha, with its parts and the MHA form's calls in order), at = how many "
+        "the split, else mha where its calls overlap, with its parts and the MHA form's calls in "
+        "order), at = how many "
         "(* where that is not the cost model's split); "
         "pick = the cost model's choice, eager = its time per call run eagerly, the host's "
         "included",

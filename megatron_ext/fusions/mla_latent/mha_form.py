@@ -375,6 +375,9 @@ def mla_paged_mha_attention(
         TypeError, ValueError: for arguments of other types, dtypes, shapes or devices, or
             lengths that do not fit, before any launch.
     """
+    if not isinstance(overlap, bool):
+        # A truthy string ("off") would otherwise mean on.
+        raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
     lengths, _, v_dim = _checked_call(
         query,
         kv_cache,
@@ -477,7 +480,7 @@ def mla_paged_mha_attention(
                 functools.partial(_each, attend, rest, keys, values),
                 query.device,
             )
-            parts = iter([side, *others])
+            parts = [side, *others]
         else:
             # In order, each call merged before the next runs (one partial alive at a time).
             parts = (attend(call, keys, values) for call in chunk.calls)

@@ -135,6 +135,7 @@ def _bad_inputs():
     yield "backend", dict(good, backend="flash-attn"), ValueError, "backend must be"
     yield "zero row budget", dict(good, row_budget=0), ValueError, "row_budget"
     yield "float row budget", dict(good, row_budget=8.0), TypeError, "row_budget"
+    yield "overlap as a string", dict(good, overlap="off"), TypeError, "overlap must be a bool"
     yield "float lengths", dict(good, query_lengths=[2.0, 3.0]), TypeError, "query_lengths"
     yield "negative length", dict(good, kv_lengths=[7, -3]), ValueError, "kv_lengths must be"
     yield "length count", dict(good, kv_lengths=[7]), ValueError, "same requests"
