@@ -75,7 +75,18 @@ def side_by_side(
     Returns:
         Tuple[S, T]: what ``side`` and ``main`` return, both safe to use on the current stream
         after the call.
+
+    Raises:
+        TypeError: for a ``device`` that is not a torch.device, an ``overlap`` that is not a
+            bool, or parts that are not callable, before either part runs.
     """
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+    for name, part in (("side", side), ("main", main)):
+        if not callable(part):
+            raise TypeError(f"{name} must be callable, got {type(part).__name__}")
     if not overlap or device.type != "cuda":
         side_result = side()
         return side_result, main()

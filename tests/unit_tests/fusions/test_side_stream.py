@@ -35,6 +35,28 @@ def test_an_error_in_the_side_part_propagates_and_the_main_part_does_not_run():
     assert not ran
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(device="cuda"), "device must be a torch.device"),
+        (dict(overlap="off"), "overlap must be a bool"),
+        (dict(side=None), "side must be callable"),
+        (dict(main=3), "main must be callable"),
+    ],
+)
+def test_bad_arguments_are_refused_before_either_part_runs(kwargs, match):
+    ran = []
+    args = dict(
+        side=lambda: ran.append("side"),
+        main=lambda: ran.append("main"),
+        device=torch.device("cpu"),
+        overlap=True,
+    )
+    with pytest.raises(TypeError, match=match):
+        side_by_side(**{**args, **kwargs})
+    assert not ran
+
+
 # ------------------------------------------------------------------------------- GPU
 
 SLEEP_CYCLES = 50_000_000  # tens of milliseconds: the side's write lands long after the launch
