@@ -17,6 +17,9 @@ times host and eager us per call, the calls interleaved, of:
   reused early);
 * ``fork/join``: :func:`~megatron_ext.fusions.side_stream.side_by_side` of two empty parts, the
   streams' own cost;
+* ``fresh events``: the same fork and join as torch's ``wait_stream`` and stream context do it
+  (a new event per edge), which ``side_by_side`` did before it kept its events (measurement
+  only: what the kept events save);
 
 then profiles ``side by side`` and ``in order`` under ``cProfile`` (functions by own time). The
 profiles' times are inflated by the profiler: compare their rows with each other. Prints a table
@@ -64,6 +67,20 @@ def no_hand_over() -> Iterator[None]:
         side_stream._hand_over = kept
 
 
+def fresh_events_fork_join(device: torch.device) -> Callable[[], None]:
+    """A fork and join of two empty parts on a side stream, a new event per edge."""
+    side = torch.cuda.Stream(device)
+
+    def call() -> None:
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            pass
+        current.wait_stream(side)
+
+    return call
+
+
 def variants(step: cases.PagedStep, mha: forms.MhaStep, backend: str) -> Dict[str, Callable]:
     """The timed calls of one step."""
     device = step.query.device
@@ -91,6 +108,7 @@ def variants(step: cases.PagedStep, mha: forms.MhaStep, backend: str) -> Dict[st
         "side by side": lambda: attention(True),
         "no hand-over": without_hand_over,
         "fork/join": lambda: side_stream.side_by_side(lambda: None, lambda: None, device),
+        "fresh events": fresh_events_fork_join(device),
     }
 
 
@@ -125,7 +143,7 @@ def main(argv=None) -> int:
             for name in ("side by side", "in order"):
                 print(f"\n== {label}, {heads} heads, {name} ({backend}):")
                 print(profile(calls[name], args.calls, args.top))
-    names = ("in order", "side by side", "no hand-over", "fork/join")
+    names = ("in order", "side by side", "no hand-over", "fork/join", "fresh events")
     print(f"=== host | eager us per call (MHA-form backend {backend}, bf16)")
     print(f"{'step':>14} {'heads':>5} | " + " | ".join(f"{n:>21}" for n in names))
     for label, heads, times in rows:

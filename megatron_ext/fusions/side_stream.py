@@ -17,6 +17,9 @@ What the side part allocates comes from the side stream's pool. Tensors it retur
 over to the current stream (``record_stream``), so that the caching allocator does not give
 their memory to later side-stream work while the current stream may still read it; under graph
 capture the allocator defers that reuse to the capture's end.
+
+The fork and the join are event edges: two events per side stream, made once and re-recorded
+(a fork per chunk and layer is on an eager step's host path).
 """
 
 import threading
@@ -32,17 +35,29 @@ T = TypeVar("T")
 _local = threading.local()
 
 
-def _side_stream(device: torch.device, depth: int = 0) -> torch.cuda.Stream:
-    """This thread's side stream of nesting level ``depth`` on ``device`` (per thread, so that
-    two threads stepping engines never order each other's work)."""
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
+def _side(
+    device: torch.device, depth: int
+) -> Tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+    """This thread's side stream of nesting level ``depth`` on ``device`` with its fork and join
+    events (per thread, so that two threads stepping engines never order each other's work).
+    The events are made once and re-recorded: a wait already queued keeps the record it saw."""
+    slots = getattr(_local, "slots", None)
+    if slots is None:
+        slots = _local.slots = {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = streams.get((index, depth))
-    if stream is None:
-        stream = streams[(index, depth)] = torch.cuda.Stream(index)
-    return stream
+    slot = slots.get((index, depth))
+    if slot is None:
+        slot = slots[(index, depth)] = (
+            torch.cuda.Stream(index),
+            torch.cuda.Event(),
+            torch.cuda.Event(),
+        )
+    return slot
+
+
+def _side_stream(device: torch.device, depth: int = 0) -> torch.cuda.Stream:
+    """This thread's side stream of nesting level ``depth`` on ``device``."""
+    return _side(device, depth)[0]
 
 
 def _hand_over(value: Any, stream: torch.cuda.Stream) -> None:
@@ -92,15 +107,21 @@ def side_by_side(
         return side_result, main()
     current = torch.cuda.current_stream(device)
     depth = getattr(_local, "depth", 0)
-    stream = _side_stream(device, depth)
-    stream.wait_stream(current)
+    stream, forked, joined = _side(device, depth)
+    forked.record(current)
+    stream.wait_event(forked)
     _local.depth = depth + 1
     try:
-        with torch.cuda.stream(stream):
+        # set_stream rather than the stream context: a fork per chunk and layer, on the host path.
+        torch.cuda.set_stream(stream)
+        try:
             side_result = side()
+        finally:
+            torch.cuda.set_stream(current)
         _hand_over(side_result, current)
         return side_result, main()
     finally:
         _local.depth = depth
         # Also on an error: the current stream's later work (and frees) come after the side's.
-        current.wait_stream(stream)
+        joined.record(stream)
+        current.wait_event(joined)

@@ -2,8 +2,10 @@
 
 """Two parts of a step side by side: in order off CUDA, an error still joined, and on the GPU the
 current stream waiting for the side stream's writes (eagerly, under graph replay, per thread, per
-nesting level) and the side part's tensors handed over to it."""
+nesting level, call after call with the events re-recorded) and the side part's tensors handed
+over to it."""
 
+import functools
 import threading
 
 import pytest
@@ -188,3 +190,26 @@ def test_gpu_a_nested_call_takes_a_side_stream_of_its_own():
     # The level is restored: the next call at the top takes the first side stream again.
     side_by_side(outer_side, lambda: None, device)
     assert seen["outer"] == side_stream._side_stream(device, 0).cuda_stream
+
+
+@pytest.mark.gpu
+def test_gpu_calls_in_a_row_keep_both_edges_with_the_events_re_recorded():
+    """Each fork and join re-records the same two events. Call after call, the side part must
+    still read what the current stream wrote just before (it lags behind a sleep), and the
+    current stream's next write must wait for that read (the side part sleeps before it)."""
+    device = torch.device("cuda")
+    buffer = torch.zeros(1 << 16, device=device)
+    seen = torch.zeros(4, 1 << 16, device=device)
+
+    def side(row: int):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        seen[row].copy_(buffer)
+
+    for row in range(4):
+        _slow_fill(buffer, float(row + 1))  # current stream: the fork must wait for it
+        side_by_side(
+            functools.partial(side, row), lambda: None, device
+        )  # the next fill waits for the join
+    expected = torch.arange(1, 5, dtype=torch.float32, device=device)[:, None].expand_as(seen)
+    moved = (seen != expected).any(dim=1).nonzero().flatten().tolist()
+    assert not moved, f"the side part read another call's value in rows {moved}"

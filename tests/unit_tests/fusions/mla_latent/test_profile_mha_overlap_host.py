@@ -52,5 +52,5 @@ def test_gpu_prints_each_variants_host_time_and_the_profiles(capsys):
     assert "== 64 on 128, 16 heads, side by side" in printed
     assert "Ordered by: internal time" in printed
     table = printed.split("=== host | eager us per call")[1].splitlines()
-    assert "no hand-over" in table[1] and "fork/join" in table[1]
+    assert "no hand-over" in table[1] and "fork/join" in table[1] and "fresh events" in table[1]
     assert table[2].split()[:4] == ["64", "on", "128", "16"]
