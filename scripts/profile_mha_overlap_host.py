@@ -5,8 +5,9 @@
     python scripts/profile_mha_overlap_host.py [--heads 16 128] [--cases "512 on 1024" ...]
         [--calls 200] [--top 15]
 
-With its calls side by side (``overlap=True``) an eager MHA-form call took 100-240 us more host
-time than in order on an H100, which is why ``MEGATRON_EXT_MLA_MHA_OVERLAP`` is off by default.
+With its calls side by side (``overlap=True``) an eager MHA-form call took 55-80 us more host
+time than in order on an H100 (the fork and join 10 of them), which is why
+``MEGATRON_EXT_MLA_MHA_OVERLAP`` is off by default.
 Per chunk step (one request of ``cached`` rows and ``new`` tokens, bf16, the bench's backend), this
 times host and eager us per call, the calls interleaved, of:
 

@@ -36,7 +36,8 @@ When the MHA form runs (each rule decided in one function):
 Where a chunk's calls are merged (cuDNN: over the cached rows, over the chunk's own rows), they run
 side by side on two streams only with :data:`OVERLAP_CALLS` (environment
 ``MEGATRON_EXT_MLA_MHA_OVERLAP=on``; ``off`` by default): on an H100 that cut the GPU time of a
-16-head mixed step by 15% but added 100-240 us of host time per call, and these steps run eagerly.
+16-head mixed step by 15-18% but added about 105 us of host time per call, and these steps run
+eagerly, bound by their host time at 16 heads.
 
 The host lengths (:func:`step_lengths`): on 0.19 the request bookkeeping is host memory, read
 without synchronisation; on 0.16 it lives on the GPU and is read once per step (eager steps
