@@ -6,7 +6,9 @@ and after as the timed rounds' steps are; per kernel (by name) its time per step
 and share of the GPU time, the step's GPU time against its wall time (the host share,
 ``1 - GPU / wall``), and the copies apart: every kernel whose full name says it copies (torch's
 ``direct_copy_kernel`` inside a generic ``elementwise_kernel``, ``CatArrayBatchedCopy``, memcpy),
-their share of the GPU time and the largest of them, which a step should keep small.
+their share of the GPU time and the largest of them, which a step should keep small. Every
+kernel is also put in one of :data:`KERNEL_KINDS` by its name (:func:`kernel_kind`), so that a
+prefill's time reads as its linear layers' GEMMs against its attention.
 
 :func:`kernel_breakdown` and :func:`breakdown_lines` are pure functions of the profiler's events
 (anything with ``name`` and ``time_range.elapsed_us()``), so the tests check them on made-up
@@ -17,15 +19,32 @@ import time
 from typing import Any, Dict, Iterable, List, Sequence
 
 __all__ = [
+    "KERNEL_KINDS",
     "TOP_KERNELS",
     "breakdown_lines",
     "is_copy_kernel",
     "kernel_breakdown",
+    "kernel_kind",
     "profile_decode_steps",
     "profile_prefill",
 ]
 
 TOP_KERNELS = 12
+KERNEL_KINDS = ("matmul", "attention", "copy", "other")
+# Lowercase parts of kernel names. Attention is looked for before matmul: FlashAttention's names
+# carry cutlass's namespace and cuDNN's attention names say wgmma.
+_ATTENTION_MARKS = (
+    "attention",
+    "attn",
+    "sdpa",
+    "fmha",
+    "flash",
+    "batchmla",
+    "gluon_decode",
+    "combine_splits",
+    "merge_partials",
+)
+_MATMUL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")
 
 
 def is_copy_kernel(name: str) -> bool:
@@ -41,6 +60,28 @@ def is_copy_kernel(name: str) -> bool:
     """
     lowered = name.lower()
     return "copy" in lowered or "memcpy" in lowered
+
+
+def kernel_kind(name: str) -> str:
+    """Which of :data:`KERNEL_KINDS` a GPU event is, by its full name: a copy
+    (:func:`is_copy_kernel`), attention (torch's cuDNN and flash entries, FlashInfer's MLA,
+    megatron_ext's latent attention and its split combine and merges), a matmul (cuBLAS, cuBLASLt
+    and CUTLASS GEMMs), else other.
+
+    Args:
+        name: the profiler's kernel name, untruncated.
+
+    Returns:
+        str: the kind.
+    """
+    if is_copy_kernel(name):
+        return "copy"
+    lowered = name.lower()
+    if any(mark in lowered for mark in _ATTENTION_MARKS):
+        return "attention"
+    if any(mark in lowered for mark in _MATMUL_MARKS):
+        return "matmul"
+    return "other"
 
 
 def kernel_breakdown(
@@ -61,7 +102,8 @@ def kernel_breakdown(
         ``ms_per_step``, ``calls_per_step``, ``share`` of the GPU time) and
         ``other_ms_per_step``; ``copy_share`` (the copies' share of the GPU time, by
         :func:`is_copy_kernel`) and ``largest_copy`` (the copy kernel with the largest share, as
-        a ``kernels`` entry, or None).
+        a ``kernels`` entry, or None); ``kinds``: per :data:`KERNEL_KINDS` entry
+        (:func:`kernel_kind`) its ``ms_per_step`` and ``share``.
 
     Raises:
         ValueError: if ``steps`` or ``wall_seconds`` is not positive.
@@ -105,13 +147,25 @@ def kernel_breakdown(
         "other_ms_per_step": sum(us for _, (us, _) in ranked[top:]) / steps / 1e3,
         "copy_share": sum(us for _, (us, _) in copies) / busy_us if busy_us else 0.0,
         "largest_copy": largest_copy,
+        "kinds": _by_kind(by_name, steps, busy_us),
+    }
+
+
+def _by_kind(by_name: Dict[str, List[float]], steps: int, busy_us: float) -> Dict[str, Any]:
+    """Time per step and share of the GPU time per kernel kind."""
+    kinds = {kind: 0.0 for kind in KERNEL_KINDS}
+    for name, (us, _) in by_name.items():
+        kinds[kernel_kind(name)] += us
+    return {
+        kind: {"ms_per_step": us / steps / 1e3, "share": us / busy_us if busy_us else 0.0}
+        for kind, us in kinds.items()
     }
 
 
 def breakdown_lines(
     title: str, breakdown: Dict[str, Any], width: int = 72, step: str = "decode step"
 ) -> List[str]:
-    """The printed breakdown: a head line, then one line per kernel.
+    """The printed breakdown: a head line, one line per kernel, the copies, the kinds.
 
     Args:
         title: what was profiled (model, requests, engine).
@@ -147,6 +201,13 @@ def breakdown_lines(
             f"  copies: {breakdown['copy_share']:.1%} of the GPU time; the largest "
             f"{largest['share']:.1%} x{largest['calls_per_step']:.0f}: {name}"
         )
+    kinds = breakdown.get("kinds")
+    if kinds:
+        parts = [
+            f"{kind} {kinds[kind]['ms_per_step']:.3f} ms ({kinds[kind]['share']:.1%})"
+            for kind in KERNEL_KINDS
+        ]
+        lines.append("  by kind: " + ", ".join(parts))
     return lines
 
 

@@ -72,7 +72,48 @@ def test_copies_are_told_by_their_full_name():
     assert breakdown["largest_copy"]["share"] == pytest.approx(0.04)
     none = profile_lib.kernel_breakdown([_event("gemm", 1.0)], steps=1, wall_seconds=0.001)
     assert none["largest_copy"] is None and none["copy_share"] == 0.0
-    assert profile_lib.breakdown_lines("t", none)[-1] == "  copies: none"
+    assert profile_lib.breakdown_lines("t", none)[-2] == "  copies: none"
+
+
+def test_kernels_are_sorted_into_kinds_by_their_names():
+    names = {
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2>": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128": "attention",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<192, cutlass::bfloat16_t>>": (
+            "attention"
+        ),
+        "void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<...>": "attention",
+        "_latent_attention_kernel": "attention",
+        "_gluon_decode_kernel": "attention",
+        "_combine_splits_kernel": "attention",
+        "_merge_partials_kernel": "attention",
+        "CatArrayBatchedCopy<c10::BFloat16, unsigned int, 3, 64, 64>": "copy",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "_rope_cache_append_kernel": "other",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": (
+            "other"
+        ),
+    }
+    assert {name: profile_lib.kernel_kind(name) for name in names} == names
+
+
+def test_the_kinds_sum_to_the_gpu_time_and_are_printed_last():
+    events = [_event("nvjet_tst_gemm", 600.0), _event("cudnn_generated_sdpa", 300.0)]
+    events += [_event("CatArrayBatchedCopy", 60.0), _event("_rope_cache_append_kernel", 40.0)]
+    breakdown = profile_lib.kernel_breakdown(events * 2, steps=2, wall_seconds=0.004)
+    kinds = breakdown["kinds"]
+    assert list(kinds) == list(profile_lib.KERNEL_KINDS)
+    assert [kinds[k]["ms_per_step"] for k in kinds] == pytest.approx([0.6, 0.3, 0.06, 0.04])
+    assert sum(kinds[k]["ms_per_step"] for k in kinds) == pytest.approx(
+        breakdown["gpu_ms_per_step"]
+    )
+    assert [kinds[k]["share"] for k in kinds] == pytest.approx([0.6, 0.3, 0.06, 0.04])
+    assert profile_lib.breakdown_lines("t", breakdown)[-1] == (
+        "  by kind: matmul 0.600 ms (60.0%), attention 0.300 ms (30.0%), copy 0.060 ms (6.0%), "
+        "other 0.040 ms (4.0%)"
+    )
 
 
 def test_a_prefill_breakdown_is_titled_as_one():
