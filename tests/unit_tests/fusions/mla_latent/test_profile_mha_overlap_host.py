@@ -37,6 +37,36 @@ def test_the_hand_over_is_left_out_only_inside_the_block():
     assert side_stream._hand_over is kept
 
 
+def test_the_parts_alone_make_the_in_order_calls_result():
+    from megatron_ext.bench import mla_serving_cases as cases
+    from megatron_ext.bench import mla_serving_forms as forms
+    from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
+
+    script = _load()
+    step = cases.build_step([(128, 64)], 4, device="cpu", dtype=torch.float32)
+    mha = forms.mha_step(step, 4, seed=4, backend="torch")
+    timed = script.parts(step, mha, "torch")
+    assert list(timed) == ["checks+plan", "decompress", "attend", "merge"]
+    for name in ("checks+plan", "decompress", "attend"):
+        timed[name]()
+    merged = timed["merge"]()
+    whole = mla_paged_mha_attention(
+        mha.query,
+        step.kv_cache,
+        step.block_table,
+        mha.weight,
+        cases.SOFTMAX_SCALE,
+        query_lengths=mha.query_lengths,
+        kv_lengths=mha.kv_lengths,
+        rope_dim=step.rope,
+        backend="torch",
+    )
+    torch.testing.assert_close(merged, whole, rtol=0, atol=0)
+    fresh = cases.build_step([(0, 64)], 4, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="one chunk whose calls are merged"):
+        script.parts(fresh, forms.mha_step(fresh, 4, backend="torch"), "torch")
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="the no-GPU refusal, on a machine without one"
 )
@@ -53,4 +83,14 @@ def test_gpu_prints_each_variants_host_time_and_the_profiles(capsys):
     assert "Ordered by: internal time" in printed
     table = printed.split("=== host | eager us per call")[1].splitlines()
     assert "no hand-over" in table[1] and "fork/join" in table[1] and "fresh events" in table[1]
+    assert table[2].split()[:4] == ["64", "on", "128", "16"]
+
+
+@pytest.mark.gpu
+def test_gpu_prints_the_parts_of_the_in_order_call(capsys):
+    argv = ["--heads", "16", "--cases", "64 on 128", "--calls", "2", "--top", "2", "--parts"]
+    assert _load().main(argv) == 0
+    table = capsys.readouterr().out.split("=== the in-order call's parts alone")[1].splitlines()
+    for name in ("in order", "checks+plan", "decompress", "attend", "merge"):
+        assert name in table[1]
     assert table[2].split()[:4] == ["64", "on", "128", "16"]
