@@ -94,20 +94,35 @@ ROW_BUDGET = 6144
 MAX_TABLE_ENTRIES = 2**31 - 1
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _lengths(name: str, values: Sequence[int]) -> np.ndarray:
     array = _host_ints(values)
     if array is None:
         raise TypeError(f"{name} must be a sequence of ints on the host; got {values!r}")
     if (array < 0).any():
         raise ValueError(f"{name} must be >= 0; got {array.tolist()}")
+    if array.dtype == np.uint64 and (array > _INT64_MAX).any():
+        # int64 would wrap them negative.
+        raise ValueError(f"{name} must be below 2**63; got {array.tolist()}")
     return array.astype(np.int64)
 
 
 def _host_ints(values: Sequence[int]) -> Optional[np.ndarray]:
-    """``values`` as a 1-d integer array (not copied where it is one), or None."""
+    """``values`` as a 1-d integer array (not copied where it is one), or None (also for a
+    sequence holding a bool, which numpy would take as 0 or 1)."""
+    if isinstance(values, torch.Tensor):
+        # A tensor that requires grad has no numpy view; its values are what is asked about.
+        values = values.detach()
+    elif isinstance(values, (list, tuple)):
+        if any(isinstance(value, (bool, np.bool_)) for value in values):
+            return None
+        if not values:
+            return np.zeros(0, dtype=np.int64)
     try:
         array = np.asarray(values)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         return None
     return array if array.ndim == 1 and array.dtype.kind in "iu" else None
 
@@ -219,7 +234,11 @@ def _checked_call(
             "query must be [tokens, heads, qk_head_dim + rope_dim] (squeeze megatron-core's batch "
             f"dimension of 1); got shape {tuple(query.shape)}"
         )
+    if device.type == "meta":
+        raise ValueError("query is a meta tensor: it holds no values to attend with")
     tokens, heads, width = query.shape
+    if heads < 1:
+        raise ValueError(f"query has no heads: shape {tuple(query.shape)}")
     check_int("rope_dim", rope_dim, 1)
     check_pow2("rope_dim", rope_dim)
     if width <= rope_dim:
@@ -266,6 +285,10 @@ def _checked_call(
         raise ValueError(
             f"kv_lengths {lengths.kv_lens.tolist()} exceed the block table's capacity of "
             f"{capacity} rows"
+        )
+    if lengths.rows and kv_cache.shape[0] == 0:
+        raise ValueError(
+            f"kv_cache has no blocks, but kv_lengths {lengths.kv_lens.tolist()} attend rows"
         )
     return lengths, latent_dim, v_dim
 
@@ -339,7 +362,12 @@ def mla_paged_mha_attention(
     position ``kv_lengths[r] - query_lengths[r] + i`` and attends to rows ``0..position``
     (causal, aligned bottom-right), with key ``[row[:latent] @ W_UK^T | row[latent:]]`` and value
     ``row[:latent] @ W_UV^T`` per head. Tokens past the last request get zeros. The lengths are
-    host integers (they size the packed tensors); a block id outside the cache reads block 0.
+    host integers (they size the packed tensors) and are checked; the block ids are device values
+    and are not (a check would synchronise): an attended row whose id lies outside the cache is
+    read clamped into it (block 0 below, the last block above), where the absorbed kernel skips
+    the row. A non-finite value in a row can reach the request's tokens that do not attend it
+    (the dense kernels multiply masked values by zero weights); the absorbed kernel keeps such a
+    row from them. megatron-core's context hands neither to a step.
 
     The attended rows (request after request) are decompressed ``row_budget`` at a time, a
     request's rows split across chunks where they do not fit; each chunk's partial attentions

@@ -78,7 +78,10 @@ def cached_up_projections(
 ) -> Tuple[Tensor, Tensor]:
     """:func:`up_projections`, built once per weight and reused while the weight is unchanged
     (same storage, no in-place write since: its version counter; a torch without one never
-    reuses).
+    reuses). A write the counter does not see (through ``.data``, numpy or a collective into the
+    parameter's buffer, as megatron-core's distributed optimizer updates parameters) needs
+    :func:`clear_up_projections`; megatron_ext's inference context calls it at each ``reset``,
+    which an engine runs when it starts and when it resumes after training.
 
     Laying the weight out costs a zero fill and copies of about 1.7x the weight per call (at 128
     heads, about 50 MB written and five launches); a model calls with the same weights every

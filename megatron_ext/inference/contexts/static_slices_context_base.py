@@ -15,6 +15,7 @@ import torch
 from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 from torch import Tensor
 
+from megatron_ext.fusions.mla_latent.mha_weights import clear_up_projections
 from megatron_ext.inference.contexts.request_checks import (
     as_int,
     check_generation_length,
@@ -153,6 +154,19 @@ class StaticSlicesContextBase(DynamicInferenceContext):
     @cache_mla_latent.setter
     def cache_mla_latent(self, value: bool) -> None:
         self._cache_mla_latent_value = value
+
+    def reset(self, *args: Any, **kwargs: Any) -> None:
+        """megatron-core's ``reset``; then the MHA form's kept decompression weights are
+        forgotten and rebuilt from the weights at the next prefill step.
+
+        A kept layout is reused while its weight's version counter is unchanged, but an update
+        through ``.data`` (megatron-core's distributed optimizer copies its main parameters that
+        way) or a collective into the parameter buffer does not count as a write. Each serving
+        run starts with a reset: the engine's constructor, ``engine.reset()``, and ``resume()``
+        after training (reinforcement learning's suspend, train, resume).
+        """
+        super().reset(*args, **kwargs)
+        clear_up_projections()
 
     def _init_static_slices_state(self) -> None:
         """Host-side state; set before megatron-core's constructor allocates tensors."""

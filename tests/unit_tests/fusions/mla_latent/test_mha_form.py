@@ -144,6 +144,21 @@ def _bad_inputs():
         good, query_lengths=[2, 30], kv_lengths=[7, 30]
     ), ValueError, "over the"
     yield "over the table", dict(good, kv_lengths=[7, 300]), ValueError, "capacity"
+    yield "no heads", dict(good, query=query[:, :0]), ValueError, "query has no heads"
+    yield "query on the meta device", dict(
+        good, query=query.to("meta"), kv_cache=cache.to("meta"), block_table=table.to("meta")
+    ), ValueError, "meta tensor"
+    yield "a cache without blocks", dict(good, kv_cache=cache[:0]), ValueError, "no blocks"
+    # numpy would take these as 0/1, or wrap them negative in int64.
+    yield "a bool among the lengths", dict(good, query_lengths=[True, 3]), TypeError, "query_len"
+    yield "uint64 lengths past int64", dict(
+        good,
+        query_lengths=np.array([2**64 - 1, 3], dtype=np.uint64),
+        kv_lengths=np.array([2**64 - 1, 3], dtype=np.uint64),
+    ), ValueError, "below 2\\*\\*63"
+    yield "lengths that require grad", dict(
+        good, query_lengths=torch.tensor([2.0, 3.0], requires_grad=True)
+    ), TypeError, "query_lengths must be a sequence of ints"
 
 
 @pytest.mark.parametrize("case", list(_bad_inputs()), ids=lambda case: case[0])
@@ -154,6 +169,26 @@ def test_bad_input_is_refused_before_any_work(case, monkeypatch):
     with pytest.raises(error, match=match):
         mla_paged_mha_attention(**kwargs)
     assert calls == []
+
+
+def test_no_requests_as_empty_lists_give_zeros():
+    step, query, cache, weight, _ = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    out = mla_paged_mha_attention(
+        query, cache, step.block_table, weight, SCALE, rope_dim=16, query_lengths=[], kv_lengths=[]
+    )
+    assert out.shape == (*query.shape[:2], out.shape[2]) and not out.any()
+
+
+def test_int_tensors_of_lengths_give_the_lists_answer():
+    step, query, cache, weight, lengths = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    args = (query, cache, step.block_table, weight, SCALE)
+    given = {name: torch.tensor(list(value)) for name, value in lengths.items()}
+    torch.testing.assert_close(
+        mla_paged_mha_attention(*args, rope_dim=16, **given),
+        mla_paged_mha_attention(*args, rope_dim=16, **lengths),
+        rtol=0,
+        atol=0,
+    )
 
 
 def _error(call) -> tuple:

@@ -481,6 +481,25 @@ def test_sampling_requirements_track_requests():
     assert ctx.sampling_requirements() == SamplingRequirements()
 
 
+def test_reset_forgets_the_kept_decompression_weights():
+    from megatron_ext.fusions.mla_latent import mha_weights
+
+    ctx = make_context()
+    weight = torch.randn(2 * (8 + 8), 16)
+    with torch.no_grad():
+        kept = mha_weights.cached_up_projections(weight, 2, 8, 4, 12, 8)
+        # A write through .data is not counted by the weight's version: the layout stays.
+        weight.data.add_(1.0)
+        assert mha_weights.cached_up_projections(weight, 2, 8, 4, 12, 8) is kept
+        ctx.reset()
+        assert mha_weights.kept_up_projections() == 0
+        fresh = mha_weights.cached_up_projections(weight, 2, 8, 4, 12, 8)
+    expected = mha_weights.up_projections(weight, 2, 8, 4, 12, 8)
+    for built, want in zip(fresh, expected):
+        torch.testing.assert_close(built, want, rtol=0, atol=0)
+    assert not torch.equal(fresh[0], kept[0])
+
+
 def test_reset_restores_neutral_slices():
     ctx = make_context()
     run_random(ctx, steps=30, seed=4)
