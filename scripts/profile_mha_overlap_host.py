@@ -55,6 +55,7 @@ from megatron_ext.fusions.mla_latent.mha_form import (
     ROW_BUDGET,
     check_mha_call,
     decompressed_keys_values,
+    flash_head_dim,
     mla_paged_mha_attention,
     varlen_attention,
 )
@@ -102,23 +103,30 @@ def fresh_events_fork_join(device: torch.device) -> Callable[[], None]:
     return call
 
 
+def mha_attention(
+    step: cases.PagedStep, mha: forms.MhaStep, backend: str, overlap: bool = False
+) -> torch.Tensor:
+    """The step's MHA-form call, as a user makes it."""
+    return mla_paged_mha_attention(
+        mha.query,
+        step.kv_cache,
+        step.block_table,
+        mha.weight,
+        cases.SOFTMAX_SCALE,
+        query_lengths=mha.query_lengths,
+        kv_lengths=mha.kv_lengths,
+        rope_dim=step.rope,
+        backend=backend,
+        overlap=overlap,
+    )
+
+
 def variants(step: cases.PagedStep, mha: forms.MhaStep, backend: str) -> Dict[str, Callable]:
     """The timed calls of one step."""
     device = step.query.device
 
     def attention(overlap: bool) -> torch.Tensor:
-        return mla_paged_mha_attention(
-            mha.query,
-            step.kv_cache,
-            step.block_table,
-            mha.weight,
-            cases.SOFTMAX_SCALE,
-            query_lengths=mha.query_lengths,
-            kv_lengths=mha.kv_lengths,
-            rope_dim=step.rope,
-            backend=backend,
-            overlap=overlap,
-        )
+        return mha_attention(step, mha, backend, overlap)
 
     def without_hand_over() -> torch.Tensor:
         with no_hand_over():
@@ -159,7 +167,9 @@ def parts(step: cases.PagedStep, mha: forms.MhaStep, backend: str) -> Dict[str, 
         plan = mha_plan(
             q_lens, kv_lens, backend, ROW_BUDGET, cache.shape[1], table.shape[1], query.device
         )
-        up = cached_up_projections(weight, heads, width - rope, rope, width, v_dim)
+        # The widths the call lays the weights out at (one head size for FlashAttention).
+        widths = (flash_head_dim(width, v_dim),) * 2 if backend == "flash" else (width, v_dim)
+        up = cached_up_projections(weight, heads, width - rope, rope, *widths)
         return plan, up, v_dim
 
     plan, up, v_dim = checks_and_plan()
@@ -172,6 +182,8 @@ def parts(step: cases.PagedStep, mha: forms.MhaStep, backend: str) -> Dict[str, 
         results = []
         for call in chunk.calls:
             q = query[call.tokens]
+            if call.padded != call.count:  # the rows the backend plans for, as the call pads
+                q = torch.cat([q, q.new_zeros(call.padded - call.count, heads, width)])
             k, v = keys[call.rows], values[call.rows]
             results.append(
                 varlen_attention(

@@ -40,7 +40,6 @@ def test_the_hand_over_is_left_out_only_inside_the_block():
 def test_the_parts_alone_make_the_in_order_calls_result():
     from megatron_ext.bench import mla_serving_cases as cases
     from megatron_ext.bench import mla_serving_forms as forms
-    from megatron_ext.fusions.mla_latent.mha_form import mla_paged_mha_attention
 
     script = _load()
     step = cases.build_step([(128, 64)], 4, device="cpu", dtype=torch.float32)
@@ -50,17 +49,7 @@ def test_the_parts_alone_make_the_in_order_calls_result():
     for name in ("checks+plan", "decompress", "attend"):
         timed[name]()
     merged = timed["merge"]()
-    whole = mla_paged_mha_attention(
-        mha.query,
-        step.kv_cache,
-        step.block_table,
-        mha.weight,
-        cases.SOFTMAX_SCALE,
-        query_lengths=mha.query_lengths,
-        kv_lengths=mha.kv_lengths,
-        rope_dim=step.rope,
-        backend="torch",
-    )
+    whole = script.mha_attention(step, mha, "torch")
     torch.testing.assert_close(merged, whole, rtol=0, atol=0)
     fresh = cases.build_step([(0, 64)], 4, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="one chunk whose calls are merged"):
