@@ -48,10 +48,11 @@ the verdicts against the project's targets (decode >= 80% of the ceiling at cont
 >= 16, and at least FlashInfer's speed there; RoPE+append >= 85% of the ceiling from 1024 tokens
 and >= 3x megatron-core at 1-256 tokens; prefill and chunked prefill of >= 2k tokens in the cost
 model's form >= 1.3x FlashInfer's speed, mixed steps at least its speed, the pick never slower
-than the absorbed form; no eager row behind FlashInfer by more than its launch cost) with the
-worst rows named. The MHA form sizes its tensors from host lengths, so it runs only in the steps
-megatron-core does not capture: its GPU time is taken with its calls queued behind a GPU sleep (the
-host ahead, as in an engine step), its eager time per call beside it. Writes ``mla_serving.json``
+than the absorbed form; no eager row behind FlashInfer by more than its launch cost, a prefill
+row in the cost model's form) with the worst rows named. The MHA form sizes its tensors from host
+lengths, so it runs only in the steps megatron-core does not capture: its GPU time is taken with
+its calls queued behind a GPU sleep (the host ahead, as in an engine step), its eager time per
+call beside it. Writes ``mla_serving.json``
 and ``mla_serving.png`` (where matplotlib is installed) to ``--out``. A row that fails is reported
 (traceback, ``failed_rows``) and the others still run; the exit status is then 1.
 

@@ -5,7 +5,7 @@ kernels' targets, the worst rows, and the plot. Pure functions of the measured r
 in the tests)."""
 
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_ext.bench.mla_serving_forms_report import forms_table, forms_verdicts
 from megatron_ext.bench.mla_serving_gluon_report import gluon_table, gluon_verdicts
@@ -102,29 +102,38 @@ def _decode_verdicts(decode: List[Dict[str, Any]], flashinfer: str) -> List[Dict
     return out
 
 
+def _served(row: Dict[str, Any]) -> Tuple[float, str]:
+    """Eager us per call of what the engine runs for the row, and its label: on a prefill row
+    whose forms were timed, the cost model's pick (its absorbed kernel alone is not served)."""
+    forms = row.get("forms") or {}
+    chosen = forms.get(forms.get("chosen", "ours"))
+    if isinstance(chosen, dict) and "eager_us" in chosen:
+        return chosen["eager_us"], f"{_row_label(row)} ({forms['chosen']})"
+    return row["ours"]["eager_us"], _row_label(row)
+
+
 def _eager_verdict(rows: List[Dict[str, Any]], flashinfer: str) -> Dict[str, str]:
     target = (
         "no eager row behind FlashInfer by more than its launch cost (FlashInfer's host time per "
-        "run() call in the same row)"
+        "run() call in the same row; a prefill row: the cost model's form)"
     )
     measured = [r for r in rows if r["section"] in ("decode", "prefill") and _fi_measured(r)]
     if not measured:
         return {"target": target, "status": _peer_missing(flashinfer), "worst": ""}
 
-    def excess(r):
-        return r["ours"]["eager_us"] - r["flashinfer"]["eager_us"] - r["flashinfer"]["host_us"]
+    def gap(r):
+        return _served(r)[0] - r["flashinfer"]["eager_us"]
 
-    gap_row = max(measured, key=lambda r: r["ours"]["eager_us"] - r["flashinfer"]["eager_us"])
-    gap = gap_row["ours"]["eager_us"] - gap_row["flashinfer"]["eager_us"]
-    worst = max(measured, key=excess)
-    over = excess(worst)
-    status = "met" if over <= 0 else f"missed by {over:.1f} us ({_row_label(worst)})"
+    gap_row = max(measured, key=gap)
+    worst = max(measured, key=lambda r: gap(r) - r["flashinfer"]["host_us"])
+    over = gap(worst) - worst["flashinfer"]["host_us"]
+    status = "met" if over <= 0 else f"missed by {over:.1f} us ({_served(worst)[1]})"
     return {
         "target": target,
         "status": status,
         "worst": (
-            f"largest eager gap: {_row_label(gap_row)}: ours {gap:+.1f} us per call against "
-            f"FlashInfer (its launch cost {gap_row['flashinfer']['host_us']:.1f} us)"
+            f"largest eager gap: {_served(gap_row)[1]}: ours {gap(gap_row):+.1f} us per call "
+            f"against FlashInfer (its launch cost {gap_row['flashinfer']['host_us']:.1f} us)"
         ),
     }
 
