@@ -311,6 +311,7 @@ def varlen_attention(
     want_lse: bool,
     cu: Optional[Tensor] = None,
     ragged: Optional[Ragged] = None,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Ragged attention of packed sequences: request ``r``'s queries and keys follow the earlier
     requests' in ``q`` and in ``k``/``v`` (rows past the lengths are ignored).
@@ -329,6 +330,9 @@ def varlen_attention(
             copied here.
         ragged: the call's :func:`ragged_metadata` already built (a step's plan keeps it for
             every layer); None: built here from ``cu``.
+        out: [tokens, heads, v] to write the result into, apart from q, k and v: the
+            ``cudnn-dense`` backend's square causal calls do (and return it: one copy fewer
+            than the caller copying the result); the others leave it and return their own.
 
     Returns:
         Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 (-inf for a
@@ -343,7 +347,7 @@ def varlen_attention(
             return unmasked_attention(q, k, v, q_lens, k_lens, scale, want_lse)
         if causal == "top_left" and np.array_equal(q_lens, k_lens):
             # Square: the causal flag (no mask to read; cuDNN skips the masked tiles).
-            return square_causal_attention(q, k, v, q_lens, scale, want_lse)
+            return square_causal_attention(q, k, v, q_lens, scale, want_lse, out)
         raise ValueError(
             "the cudnn-dense backend masks top-left square sequences only; got a "
             f"{causal} call of query lengths {q_lens.tolist()} and key lengths "

@@ -40,6 +40,7 @@ from megatron_ext.fusions.mla_latent.mha_rows import (
 __all__ = [
     "DenseGroup",
     "UnmaskedGroup",
+    "bucket_pieces",
     "clear_groups",
     "dense_groups",
     "square_causal_attention",
@@ -72,6 +73,25 @@ class DenseGroup(NamedTuple):
 _DENSE_GROUPS = PlanCache(max_entries=16)
 
 
+def bucket_pieces(count: int) -> Tuple[int, ...]:
+    """``count`` as a sum of buckets (:func:`bucket`, minimum 1), largest first: each the largest
+    bucket that fits what is left, so a few (``count`` itself where it is a bucket).
+
+    Args:
+        count: a size >= 0.
+
+    Returns:
+        Tuple[int, ...]: the buckets (empty for 0).
+    """
+    pieces = []
+    while count:
+        shift = max(count.bit_length() - 3, 0)
+        piece = count >> shift << shift  # the largest m * 2**shift <= count, m in 4..7
+        pieces.append(piece)
+        count -= piece
+    return tuple(pieces)
+
+
 def _build_dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup, ...]:
     starts = np.cumsum(lengths) - lengths
     buckets = np.array([bucket(int(n)) for n in lengths], dtype=np.int64)
@@ -79,18 +99,22 @@ def _build_dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[Dens
     for length in np.unique(buckets[lengths > 0]).tolist():
         members = np.flatnonzero((buckets == length) & (lengths > 0))
         count, sizes = len(members), lengths[members]
-        batch = bucket(count, minimum=1)
         within = offsets_within(sizes)
         src = np.repeat(starts[members], sizes) + within
         first = int(src[0])
-        if batch == count and (sizes == length).all() and src[-1] == first + count * length - 1:
-            groups.append(
-                DenseGroup(length, count, batch, slice(first, first + count * length), None)
-            )
-        else:
-            dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
-            index = to_device(np.stack([src, dst]), device).long()
-            groups.append(DenseGroup(length, count, batch, None, index))
+        if (sizes == length).all() and src[-1] == first + count * length - 1:
+            # Full sequences back to back: views, one batch per bucket of sequences (a padded
+            # batch would copy every query, key and value row into zeroed buffers: in a large
+            # prefill that costs more GPU time than the attention).
+            for piece in bucket_pieces(count):
+                rows = slice(first, first + piece * length)
+                groups.append(DenseGroup(length, piece, piece, rows, None))
+                first = rows.stop
+            continue
+        batch = bucket(count, minimum=1)
+        dst = np.repeat(np.arange(count, dtype=np.int64) * length, sizes) + within
+        index = to_device(np.stack([src, dst]), device).long()
+        groups.append(DenseGroup(length, count, batch, None, index))
     return tuple(groups)
 
 
@@ -145,18 +169,44 @@ def _dense_call(
     return out, result[1].reshape(-1, heads, rows).transpose(1, 2).reshape(-1, heads)
 
 
-def _empty_result(q: Tensor, v_dim: int, want_lse: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """A call's result before its groups write theirs: zeros and -inf (rows past the lengths
-    and queries without keys keep them)."""
+def _empty_result(
+    q: Tensor, v_dim: int, want_lse: bool, written: int, out: Optional[Tensor] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """A call's result before its groups write their rows ``0..written``: zeros and -inf after
+    them (padding rows). Sequences without keys have no rows, so the groups write every row
+    before ``written``.
+
+    Args:
+        q: the call's queries [tokens, heads, qk].
+        v_dim: the values' width.
+        want_lse: also make the log-sum-exps.
+        written: the rows the groups write (the sum of the lengths).
+        out: the output to use (the caller's), or None: a new one.
+
+    Returns:
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v_dim] and [tokens, heads] fp32 or None.
+    """
     tokens, heads = q.shape[:2]
-    out = q.new_zeros(tokens, heads, v_dim)
+    if out is None:
+        out = q.new_empty(tokens, heads, v_dim)
+    if written < tokens:
+        out[written:] = 0
     if not want_lse:
         return out, None
-    return out, torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+    if written < tokens:
+        lse[written:] = -math.inf
+    return out, lse
 
 
 def square_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, lengths: np.ndarray, scale: float, want_lse: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: np.ndarray,
+    scale: float,
+    want_lse: bool,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """torch's dense cuDNN attention of packed square causal sequences (query and key lengths
     equal, so top-left is bottom-right), one call per bucket of lengths (:func:`dense_groups`).
@@ -167,22 +217,34 @@ def square_causal_attention(
         lengths: the sequences' lengths (host).
         scale: the softmax scale.
         want_lse: also return the log-sum-exps.
+        out: [tokens, heads, v] in q's dtype to write the result into (a caller's rows: one copy
+            of each call's output fewer), apart from q, k and v; None: a new tensor, or cuDNN's
+            own output where one call covers every row.
 
     Returns:
-        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] and [tokens, heads] fp32 or None
-        (zeros and -inf past the lengths).
+        Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] (``out`` where given) and
+        [tokens, heads] fp32 or None (zeros and -inf past the lengths).
     """
     tokens, heads = q.shape[:2]
+    if out is not None and (out.shape != (tokens, heads, v.shape[-1]) or out.dtype != q.dtype):
+        raise ValueError(
+            f"out must be {(tokens, heads, v.shape[-1])} {q.dtype}; got {tuple(out.shape)} "
+            f"{out.dtype}"
+        )
     groups = dense_groups(lengths, q.device)
     # Every row in one group of back-to-back full sequences (a fresh prefill of equal prompts):
-    # cuDNN's own output is the result, no zeroed output to copy it into. (Such a group holds
-    # every nonzero length, all equal to its own: ``count * length`` rows in all.)
+    # cuDNN's own output is the result, no output to copy it into. (Such a group holds every
+    # nonzero length, all equal to its own: ``count * length`` rows in all.)
     alone = (
-        len(groups) == 1
+        out is None
+        and len(groups) == 1
         and groups[0].rows is not None
         and groups[0].count * groups[0].length == tokens
     )
-    out, lse = (None, None) if alone else _empty_result(q, v.shape[-1], want_lse)
+    written = int(np.asarray(lengths).sum())
+    lse = None
+    if not alone:
+        out, lse = _empty_result(q, v.shape[-1], want_lse, written, out)
     for group in groups:
         length, rows = group.length, group.rows
         if rows is not None:
@@ -368,7 +430,7 @@ def unmasked_attention(
     # One group whose batch is a view of every query row (a chunk over the rows before it):
     # cuDNN's own output is the result, no zeroed output to copy it into.
     alone = len(groups) == 1 and groups[0].query_rows == slice(0, tokens)
-    out, lse = (None, None) if alone else _empty_result(q, v.shape[-1], want_lse)
+    out, lse = (None, None) if alone else _empty_result(q, v.shape[-1], want_lse, 0)
     for group in groups:
         lq, lk, batch = group.query_length, group.key_length, group.batch
         dense = []

@@ -464,7 +464,9 @@ def mla_paged_mha_attention(
     scale = float(softmax_scale)
     table = block_table if block_table.is_contiguous() else block_table.contiguous()
 
-    def attend(call: PlannedCall, keys: Tensor, values: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    def attend(
+        call: PlannedCall, keys: Tensor, values: Tensor, dest: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         ids, n = call.tokens, call.count
         q = query[ids]
         if call.padded != n or not q.is_contiguous():
@@ -480,6 +482,7 @@ def mla_paged_mha_attention(
             not direct,
             call.offsets,
             call.ragged,
+            out=dest if dest is not None and call.padded == n else None,
         )
         # The flash backend's values carry zero columns past v_dim (and the fused backends
         # that plan per shape return bucket padding past n).
@@ -493,11 +496,14 @@ def mla_paged_mha_attention(
         )
         if direct:
             for call in chunk.calls:
-                part, _ = attend(call, keys, values)
+                # A backend that writes into the result's rows saves copying its output there.
+                dest = out[call.tokens] if isinstance(call.tokens, slice) and not whole else None
+                part, _ = attend(call, keys, values, dest)
                 if whole:
                     # The one call's output is the result (copied where it is a strided view).
                     return part if part.is_contiguous() else part.contiguous()
-                out[call.tokens] = part
+                if part is not dest:
+                    out[call.tokens] = part
             continue
         first, rest = chunk.calls[0], chunk.calls[1:]
         if overlap and rest:

@@ -170,6 +170,34 @@ def test_cudnn_dense_glue_with_stand_in_operators(monkeypatch, requests, budget)
     assert unmasked == has_prefix if budget is None else unmasked >= has_prefix
 
 
+@pytest.mark.parametrize("budget", [None, 9 * 16])
+def test_cudnn_dense_fresh_prefills_run_on_views_and_write_the_result_once(monkeypatch, budget):
+    """Thirteen fresh 16-token prompts (13 and 9 sit between buckets), in one chunk or in chunks
+    of nine and four: every dense call a view of the packed rows (no padded batch), and, where
+    the step is more than one call, each call's groups write straight into the result's rows
+    (no output of the call to copy there); float64's result."""
+    seen, outs = [], []
+    dense_backend(monkeypatch, seen)
+    square = mha_backends.square_causal_attention
+
+    def spy(*args):
+        outs.append(args[6] if len(args) > 6 else None)
+        return square(*args)
+
+    monkeypatch.setattr(mha_backends, "square_causal_attention", spy)
+    requests = [(0, 16)] * 13
+    matches_float64(requests, "cudnn-dense", budget, seed=5)
+    # Batches of 12 and 1, or 8 and 1 then 4 (no batch padded past its sequences).
+    want = [(12, 16), (1, 16)] if budget is None else [(8, 16), (1, 16), (4, 16)]
+    assert [(b, n) for b, n, *_ in seen] == want
+    # One call: its result is the step's (nothing to write into); chunks: each into its rows.
+    if budget is None:
+        assert outs == [None]
+    else:
+        assert [None if o is None else o.shape[0] for o in outs] == [144, 64]
+        assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize(
     "qk_dim, v_dim", [(32, 32), (12, 60), (13, 21)], ids=["v_narrower", "v_wider", "odd_widths"]
 )

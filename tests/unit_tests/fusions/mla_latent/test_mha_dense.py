@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_ext.fusions.mla_latent import mha_backends, mha_dense, mha_form
+from megatron_ext.fusions.mla_latent.mha_rows import bucket
 from tests.unit_tests.fusions.mla_latent.mha_testlib import dense_backend
 
 
@@ -34,6 +35,51 @@ def test_cudnn_dense_takes_equal_back_to_back_prefills_as_views(monkeypatch):
     want, want_lse = mha_backends.torch_varlen(q, k, v, lengths, lengths, "top_left", 0.3)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 170, 1023, 4096, 100_003])
+def test_bucket_pieces_sum_to_the_count_in_a_few_buckets(count):
+    pieces = mha_dense.bucket_pieces(count)
+    assert sum(pieces) == count
+    assert all(p == bucket(p, minimum=1) for p in pieces)
+    assert list(pieces) == sorted(pieces, reverse=True)
+    # Each piece leaves less than a quarter of what it took from (m * 2**k, m >= 4).
+    assert len(pieces) <= max(1, count.bit_length())
+    if count == bucket(count, minimum=1):
+        assert pieces == ((count,) if count else ())
+
+
+def test_cudnn_dense_takes_a_count_between_buckets_as_views(monkeypatch):
+    """Nine fresh prefills of one length back to back (9 is between the buckets 8 and 10): two
+    dense calls, of 8 and 1 sequences, both views of the packed rows (no padded batch gathered
+    into zeroed buffers); the result and log-sum-exps plain torch's, every row written."""
+    seen = []
+    dense_backend(monkeypatch, seen)
+    gen = torch.Generator().manual_seed(3)
+    lengths = np.array([16] * 9)
+    q = torch.randn(144, 2, 24, generator=gen, dtype=torch.float64)
+    k = torch.randn(144, 2, 24, generator=gen, dtype=torch.float64)
+    v = torch.randn(144, 2, 8, generator=gen, dtype=torch.float64)
+    groups = mha_dense.dense_groups(lengths, q.device)
+    assert [(g.count, g.batch, g.rows, g.index) for g in groups] == [
+        (8, 8, slice(0, 128), None),
+        (1, 1, slice(128, 144), None),
+    ]
+    out, lse = mha_form.varlen_attention(
+        "cudnn-dense", q, k, v, (lengths, lengths), "top_left", 0.3, True
+    )
+    assert [(b, n) for b, n, _, _, _ in seen] == [(8, 16), (1, 16)]
+    assert {ptr for _, _, ptr, _, _ in seen} == {q.untyped_storage().data_ptr()}
+    want, want_lse = mha_backends.torch_varlen(q, k, v, lengths, lengths, "top_left", 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=1e-6, atol=1e-6)
+    # Padding rows past the lengths still come back as zeros and -inf.
+    padded_q = torch.cat([q, q.new_ones(5, 2, 24)])
+    out, lse = mha_form.varlen_attention(
+        "cudnn-dense", padded_q, k, v, (lengths, lengths), "top_left", 0.3, True
+    )
+    torch.testing.assert_close(out[:144], want, rtol=1e-12, atol=1e-12)
+    assert not out[144:].any() and (lse[144:] == -math.inf).all()
 
 
 @pytest.mark.parametrize(
