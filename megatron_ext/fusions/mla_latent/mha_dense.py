@@ -5,8 +5,9 @@
 by shape) on packed sequences batched by bucketed length.
 
 * :func:`square_causal_attention`: square causal sequences (fresh prefills) with the entry's
-  causal flag, batched by length bucket (:func:`dense_groups`); sequences of one length back to
-  back are views.
+  causal flag, batched by length bucket (:func:`dense_groups`); full sequences back to back are
+  views, in batches of bucket sizes (:func:`bucket_pieces`), the others gathered into a padded
+  batch.
 * :func:`unmasked_attention`: any query and key lengths, unmasked (a chunk's queries over the
   cached rows before its own), batched by bucketed query and key lengths
   (:func:`unmasked_groups`); the keys' padding, where a group has any, masked by an additive
@@ -55,9 +56,10 @@ class DenseGroup(NamedTuple):
     Attributes:
         length: the bucketed length (the batch's rows per sequence).
         count: the sequences.
-        batch: the batch (``count`` rounded up to a bucket; the rest zero rows).
-        rows: the packed rows where the sequences lie back to back and full (views, no copies),
-            else None.
+        batch: the batch (a bucket: ``count`` itself for views, else ``count`` rounded up, the
+            rest zero rows).
+        rows: the packed rows where the sequences lie back to back and full (views, no copies;
+            a bucket of them per group), else None.
         index: else [2, rows] int64 on the device: each packed row and its place in the batch.
     """
 
