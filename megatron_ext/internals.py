@@ -40,6 +40,9 @@ caller takes the safe path:
   (:data:`flash_attention_forward`). Fallback: None (as for the cuDNN entry). torch can swap the
   kernel behind it (``torch.nn.attention.activate_flash_attention_impl``); the MHA form checks
   the one active at its first prefill step on each device.
+- ``torch._ops.OpOverloadPacket`` and ``OpOverload``: whether an entry above is torch's own
+  operator, which runs on CUDA tensors only (:func:`is_torch_operator`). Fallback: no entry counts
+  as torch's, and a backend named on CPU tensors fails inside torch, as before the check.
 - ``torch.Tensor._version``: a tensor's in-place write counter, which tells whether host copies
   of a step's lengths are still current (:data:`tensor_version`). Fallback: a value equal to no
   other, so nothing is reused.
@@ -540,6 +543,32 @@ flash_attention_forward = _aten_op("_flash_attention_forward")
 # differ. torch keeps its cuDNN execution plans by shape (unlike the ragged entry's), so a shape
 # seen before costs no planning.
 cudnn_dense_attention_forward = _aten_op("_scaled_dot_product_cudnn_attention")
+
+
+# torch's operator objects (``torch.ops.aten.<name>`` and its overloads); empty where this torch
+# names them otherwise (then no entry counts as torch's own: see is_torch_operator).
+_OPERATOR_TYPES = tuple(
+    kind
+    for kind in (
+        getattr(getattr(torch, "_ops", None), "OpOverloadPacket", None),
+        getattr(getattr(torch, "_ops", None), "OpOverload", None),
+    )
+    if isinstance(kind, type)
+)
+
+
+def is_torch_operator(entry: object) -> bool:
+    """Whether ``entry`` is one of torch's own operators (one of the entries above as torch has
+    it), not a Python function put in its place. False where this torch's operator types are
+    unknown.
+
+    Args:
+        entry: an entry such as :data:`cudnn_attention_forward`.
+
+    Returns:
+        bool: whether it is torch's operator.
+    """
+    return bool(_OPERATOR_TYPES) and isinstance(entry, _OPERATOR_TYPES)
 
 
 class _NeverEqual:

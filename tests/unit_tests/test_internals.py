@@ -304,6 +304,17 @@ def test_foreach_copy_on_this_torch_and_its_fallback():
 # --------------------------------------------------------------------------------------------------
 
 
+def test_torch_operators_on_this_torch_and_their_fallback(monkeypatch):
+    """torch's operators (a packet and an overload) are told from a Python function; where the
+    operator types are unknown, nothing counts as torch's."""
+    assert internals._OPERATOR_TYPES, "this torch's operator types are expected to be found"
+    assert internals.is_torch_operator(torch.ops.aten.add)
+    assert internals.is_torch_operator(torch.ops.aten.add.Tensor)
+    assert not internals.is_torch_operator(torch.add) and not internals.is_torch_operator(None)
+    monkeypatch.setattr(internals, "_OPERATOR_TYPES", ())
+    assert not internals.is_torch_operator(torch.ops.aten.add)
+
+
 def test_constexpr_names_on_this_triton_and_their_fallback(monkeypatch):
     from megatron_ext.fusions.mla_rope import checks
 

@@ -61,6 +61,7 @@ __all__ = [
     "SPLIT_BACKENDS",
     "WHOLE_BACKENDS",
     "Ragged",
+    "device_problem",
     "empty_sequences_supported",
     "flash_head_dim",
     "needs_offsets",
@@ -372,6 +373,41 @@ def varlen_attention(
             lse = lse.masked_fill(mask[:, None], -math.inf)
             out = out.masked_fill(mask[:, None, None], 0.0)
     return out, lse
+
+
+# The entries of megatron_ext.internals each of torch's fused backends calls.
+_TORCH_ENTRIES = {
+    "cudnn": "cudnn_attention_forward",
+    "cudnn-dense": "cudnn_dense_attention_forward",
+    "flash": "flash_attention_forward",
+}
+
+
+def device_problem(backend: str, device: torch.device) -> Optional[str]:
+    """Why ``backend``'s operator cannot take tensors on ``device``, told without running it, or
+    None: torch's cuDNN and FlashAttention operators have no kernels but CUDA's, and a torch
+    without the operator has none at all. (A function put in an operator's place, as the CPU
+    tests do, is taken at its word.)
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        device: the query's device.
+
+    Returns:
+        Optional[str]: what is wrong, or None.
+    """
+    name = _TORCH_ENTRIES.get(backend)
+    if name is None:
+        return None
+    entry = getattr(internals, name)
+    if entry is None:
+        return f"this torch has no operator for the {backend} backend (internals.{name})"
+    if device.type != "cuda" and internals.is_torch_operator(entry):
+        return (
+            f"the {backend} backend runs torch's CUDA-only operator; the query is on {device} "
+            "(the torch backend runs anywhere)"
+        )
+    return None
 
 
 def present_backends() -> Tuple[str, ...]:

@@ -51,6 +51,7 @@ from megatron_ext.fusions.mla_latent.mha_backends import (
     CHECKED_BACKENDS,
     FLASH_MAX_HEAD_DIM,
     SPLIT_BACKENDS,
+    device_problem,
     empty_sequences_supported,
     flash_head_dim,
     present_backends,
@@ -267,6 +268,9 @@ def _checked_call(
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    problem = device_problem(backend, device)
+    if problem is not None:
+        raise ValueError(problem)
     if backend in ("flash", "cudnn-dense") and flash_head_dim(width, v_dim) > FLASH_MAX_HEAD_DIM:
         raise ValueError(
             f"the {backend} backend runs head sizes up to {FLASH_MAX_HEAD_DIM}; query/key "

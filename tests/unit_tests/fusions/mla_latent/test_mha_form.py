@@ -171,6 +171,42 @@ def test_bad_input_is_refused_before_any_work(case, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("missing", [False, True], ids=["cpu_tensors", "operator_missing"])
+@pytest.mark.parametrize("backend", ["cudnn", "cudnn-dense", "flash"])
+def test_torchs_fused_operators_are_refused_where_they_cannot_run(backend, missing, monkeypatch):
+    """torch's cuDNN and FlashAttention operators have CUDA kernels only: named for CPU tensors,
+    or missing from this torch, the backend is refused with a ValueError that says so, before a
+    plan is built."""
+    step, query, cache, weight, lengths = mha_step([(5, 2), (0, 3)], 2, seed=12)
+    entry = mha_backends._TORCH_ENTRIES[backend]
+    if missing or getattr(mha_backends.internals, entry) is None:
+        monkeypatch.setattr(mha_backends.internals, entry, None)
+        match = "this torch has no operator"
+    else:
+        assert mha_backends.internals.is_torch_operator(getattr(mha_backends.internals, entry))
+        match = "runs torch's CUDA-only operator; the query is on cpu"
+    plans = []
+    monkeypatch.setattr(mha_form, "mha_plan", lambda *a, **k: plans.append(a))
+    with pytest.raises(ValueError, match=match):
+        mla_paged_mha_attention(
+            query.cpu(),
+            cache.cpu(),
+            step.block_table.cpu(),
+            weight.cpu(),
+            SCALE,
+            rope_dim=16,
+            backend=backend,
+            **lengths,
+        )
+    assert plans == []
+
+
+def test_a_function_in_an_operators_place_is_not_taken_for_torchs():
+    assert not mha_backends.internals.is_torch_operator(lambda *a, **k: None)
+    assert mha_backends.device_problem("torch", torch.device("cpu")) is None
+    assert mha_backends.device_problem("te", torch.device("cpu")) is None
+
+
 def test_no_requests_as_empty_lists_give_zeros():
     step, query, cache, weight, _ = mha_step([(5, 2), (0, 3)], 2, seed=12)
     out = mla_paged_mha_attention(
