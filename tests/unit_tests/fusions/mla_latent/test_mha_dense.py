@@ -82,6 +82,29 @@ def test_cudnn_dense_takes_a_count_between_buckets_as_views(monkeypatch):
     assert not out[144:].any() and (lse[144:] == -math.inf).all()
 
 
+def test_square_calls_write_into_a_given_output_and_refuse_a_wrong_one(monkeypatch):
+    """Given an output, the groups write the result there (padding rows zeroed) and return it;
+    one of another shape or dtype is refused before any call."""
+    seen = []
+    dense_backend(monkeypatch, seen)
+    gen = torch.Generator().manual_seed(4)
+    lengths = np.array([16] * 3)
+    q = torch.randn(50, 2, 24, generator=gen, dtype=torch.float64)
+    k, v = torch.randn_like(q), torch.randn(50, 2, 8, generator=gen, dtype=torch.float64)
+    given = torch.full((50, 2, 8), float("nan"), dtype=torch.float64)
+    out, lse = mha_dense.square_causal_attention(q, k, v, lengths, 0.3, True, out=given)
+    assert out is given
+    want, want_lse = mha_backends.torch_varlen(q, k, v, lengths, lengths, "top_left", 0.3)
+    torch.testing.assert_close(out[:48], want[:48], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse[:48], want_lse[:48].float(), rtol=1e-6, atol=1e-6)
+    assert not out[48:].any() and (lse[48:] == -math.inf).all()
+    calls = len(seen)
+    for wrong in (given[:49], given.float()):
+        with pytest.raises(ValueError, match="out must be"):
+            mha_dense.square_causal_attention(q, k, v, lengths, 0.3, True, out=wrong)
+    assert len(seen) == calls
+
+
 @pytest.mark.parametrize(
     "causal, keys, message",
     [("top_left", 6, "square sequences only"), ("bottom_right", 4, "bottom_right call")],
