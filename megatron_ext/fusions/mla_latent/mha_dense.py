@@ -137,6 +137,28 @@ def dense_groups(lengths: np.ndarray, device: torch.device) -> Tuple[DenseGroup,
     )
 
 
+def _batch(packed: Tensor, start: int, batch: int, length: int) -> Tensor:
+    """Rows ``start .. start + batch * length`` of packed ``[rows, heads, width]`` as the dense
+    entry's ``[batch, heads, length, width]``: one view (where slicing, reshaping and
+    transposing took three, each a dispatch of host time).
+
+    Args:
+        packed: [rows, heads, width], any strides.
+        start: the first row.
+        batch, length: the sequences and the rows of each.
+
+    Returns:
+        Tensor: the view.
+    """
+    _, heads, width = packed.shape
+    row, head, col = packed.stride()
+    return packed.as_strided(
+        (batch, heads, length, width),
+        (length * row, head, row, col),
+        packed.storage_offset() + start * row,
+    )
+
+
 def _dense_call(
     q: Tensor,
     k: Tensor,
@@ -146,23 +168,16 @@ def _dense_call(
     scale: float,
     want_lse: bool,
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """One call of torch's dense cuDNN entry on batches ``[batch, rows, heads, width]``.
+    """One call of torch's dense cuDNN entry on batches ``[batch, heads, rows, width]``
+    (:func:`_batch`).
 
     Returns:
         Tuple[Tensor, Optional[Tensor]]: the output as [batch * rows, heads, v] and the
         log-sum-exp as [batch * rows, heads] (or None).
     """
-    batch, rows, heads = q.shape[:3]
+    batch, heads, rows = q.shape[:3]
     result = internals.cudnn_dense_attention_forward(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        bias,
-        want_lse,
-        0.0,
-        causal,
-        False,
-        scale=scale,
+        q, k, v, bias, want_lse, 0.0, causal, False, scale=scale
     )
     out = result[0].transpose(1, 2).reshape(-1, heads, v.shape[-1])
     if not want_lse:
@@ -250,13 +265,13 @@ def square_causal_attention(
     for group in groups:
         length, rows = group.length, group.rows
         if rows is not None:
-            qd, kd, vd = (x[rows].view(group.count, length, heads, -1) for x in (q, k, v))
+            qd, kd, vd = (_batch(x, rows.start, group.count, length) for x in (q, k, v))
         else:
             rows, padded = group.index[0], group.index[1]
             qd, kd, vd = (x.new_zeros(group.batch * length, heads, x.shape[-1]) for x in (q, k, v))
             for dense, packed in ((qd, q), (kd, k), (vd, v)):
                 dense[padded] = packed[rows]
-            qd, kd, vd = (x.view(group.batch, length, heads, -1) for x in (qd, kd, vd))
+            qd, kd, vd = (_batch(x, 0, group.batch, length) for x in (qd, kd, vd))
         dense_out, dense_lse = _dense_call(qd, kd, vd, None, True, scale, want_lse)
         if alone:
             return dense_out, (dense_lse.float() if want_lse else None)
@@ -443,11 +458,11 @@ def unmasked_attention(
         )
         for packed, index, rows, view in sides:
             if view is not None:  # back to back and full: the packed rows are the batch
-                dense.append(packed[view].view(batch, rows, heads, -1))
+                dense.append(_batch(packed, view.start, batch, rows))
                 continue
             x = packed.new_zeros(batch * rows, heads, packed.shape[-1])
             x[index[1]] = packed[index[0]]
-            dense.append(x.view(batch, rows, heads, -1))
+            dense.append(_batch(x, 0, batch, rows))
         bias = None if group.bias is None else group.bias.expand(batch, heads, lq, lk)
         dense_out, dense_lse = _dense_call(*dense, bias, False, scale, want_lse)
         if alone:

@@ -105,6 +105,18 @@ def test_square_calls_write_into_a_given_output_and_refuse_a_wrong_one(monkeypat
     assert len(seen) == calls
 
 
+def test_a_batch_view_is_the_sliced_reshaped_and_transposed_rows():
+    """One view of packed rows as [batch, heads, length, width] holds the rows that slicing,
+    reshaping and transposing give, with their strides, also for rows that are not packed
+    contiguously (a narrower part of each row)."""
+    wide = torch.arange(40 * 3 * 10, dtype=torch.float32).view(40, 3, 10)
+    for packed in (wide, wide[..., 2:8]):
+        got = mha_dense._batch(packed, 5, 4, 8)
+        want = packed[5:37].unflatten(0, (4, 8)).transpose(1, 2)
+        assert got.shape == want.shape == (4, 3, 8, packed.shape[2])
+        assert got.stride() == want.stride() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "causal, keys, message",
     [("top_left", 6, "square sequences only"), ("bottom_right", 4, "bottom_right call")],
