@@ -52,9 +52,9 @@ than the absorbed form; no eager row behind FlashInfer by more than its launch c
 row in the cost model's form) with the worst rows named. The MHA form sizes its tensors from host
 lengths, so it runs only in the steps megatron-core does not capture: its GPU time is taken with
 its calls queued behind a GPU sleep (the host ahead, as in an engine step), its eager time per
-call beside it. Writes ``mla_serving.json``
-and ``mla_serving.png`` (where matplotlib is installed) to ``--out``. A row that fails is reported
-(traceback, ``failed_rows``) and the others still run; the exit status is then 1.
+call beside it. Writes ``mla_serving.json`` and ``mla_serving.png`` (where matplotlib is
+installed) to ``--out``. A row that fails is reported (traceback, ``failed_rows``) and the others
+still run; the exit status is then 1.
 
 Without a GPU it says so and checks the two kernels in the Triton interpreter instead (fp32):
 the attention against a float64 reference on a small decode and a small mixed step, the fused

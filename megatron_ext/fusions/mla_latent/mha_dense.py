@@ -37,6 +37,7 @@ from megatron_ext.fusions.mla_latent.mha_rows import (
     offsets_within,
     to_device,
 )
+from megatron_ext.fusions.tensor_checks import check_disjoint, check_no_self_overlap
 
 __all__ = [
     "DenseGroup",
@@ -235,8 +236,8 @@ def square_causal_attention(
         scale: the softmax scale.
         want_lse: also return the log-sum-exps.
         out: [tokens, heads, v] in q's dtype to write the result into (a caller's rows: one copy
-            of each call's output fewer), apart from q, k and v; None: a new tensor, or cuDNN's
-            own output where one call covers every row.
+            of each call's output fewer), apart from q, k and v (refused otherwise); None: a new
+            tensor, or cuDNN's own output where one call covers every row.
 
     Returns:
         Tuple[Tensor, Optional[Tensor]]: [tokens, heads, v] (``out`` where given) and
@@ -248,6 +249,9 @@ def square_causal_attention(
             f"out must be {(tokens, heads, v.shape[-1])} {q.dtype}; got {tuple(out.shape)} "
             f"{out.dtype}"
         )
+    if out is not None:
+        check_no_self_overlap("out", out)
+        check_disjoint("out", out, [("q", q), ("k", k), ("v", v)])
     groups = dense_groups(lengths, q.device)
     # Every row in one group of back-to-back full sequences (a fresh prefill of equal prompts):
     # cuDNN's own output is the result, no output to copy it into. (Such a group holds every

@@ -102,6 +102,13 @@ def test_square_calls_write_into_a_given_output_and_refuse_a_wrong_one(monkeypat
     for wrong in (given[:49], given.float()):
         with pytest.raises(ValueError, match="out must be"):
             mha_dense.square_causal_attention(q, k, v, lengths, 0.3, True, out=wrong)
+    # An output over the queries' memory, or with elements that share memory: refused too.
+    on_q = q[..., :8]
+    with pytest.raises(ValueError, match="out overlaps q"):
+        mha_dense.square_causal_attention(q, k, v, lengths, 0.3, True, out=on_q)
+    folded = torch.zeros(16, dtype=torch.float64).as_strided((50, 2, 8), (0, 8, 1))
+    with pytest.raises(ValueError, match="has elements that"):
+        mha_dense.square_causal_attention(q, k, v, lengths, 0.3, True, out=folded)
     assert len(seen) == calls
 
 
