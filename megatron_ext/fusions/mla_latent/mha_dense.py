@@ -37,7 +37,7 @@ from megatron_ext.fusions.mla_latent.mha_rows import (
     offsets_within,
     to_device,
 )
-from megatron_ext.fusions.tensor_checks import check_disjoint, check_no_self_overlap
+from megatron_ext.fusions.tensor_checks import check_disjoint, check_int, check_no_self_overlap
 
 __all__ = [
     "DenseGroup",
@@ -85,7 +85,11 @@ def bucket_pieces(count: int) -> Tuple[int, ...]:
 
     Returns:
         Tuple[int, ...]: the buckets (empty for 0).
+
+    Raises:
+        TypeError, ValueError: for a count that is not an int >= 0.
     """
+    count = check_int("count", count, 0)
     pieces = []
     while count:
         shift = max(count.bit_length() - 3, 0)

@@ -49,6 +49,12 @@ def test_bucket_pieces_sum_to_the_count_in_a_few_buckets(count):
         assert pieces == ((count,) if count else ())
 
 
+@pytest.mark.parametrize("count, error", [(-1, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_bucket_pieces_refuse_a_count_that_is_not_a_size(count, error):
+    with pytest.raises(error, match="count must be"):
+        mha_dense.bucket_pieces(count)
+
+
 def test_cudnn_dense_takes_a_count_between_buckets_as_views(monkeypatch):
     """Nine fresh prefills of one length back to back (9 is between the buckets 8 and 10): two
     dense calls, of 8 and 1 sequences, both views of the packed rows (no padded batch gathered
