@@ -244,6 +244,7 @@ def gluon_launch(
     order: int = decode_gluon.ORDER,
     p_buffers: int = decode_gluon.P_BUFFERS,
     heads_first: bool = decode_gluon.HEADS_FIRST,
+    trace: bool = False,
 ) -> Launch:
     """The warp-specialized decode kernel's launch (one token and 64 heads a program).
 
@@ -261,6 +262,8 @@ def gluon_launch(
         p_buffers: buffers of P and the rescale factors (the launcher's by default).
         heads_first: a token's head groups next to each other in the grid (the launcher's
             order by default).
+        trace: with the kernel's timeline (an int64 pointer); compiled out by default, as in
+            every launch of the plan.
 
     Returns:
         Launch: the launch (4 warps: the default partition; the kernel adds two warpgroups).
@@ -279,7 +282,12 @@ def gluon_launch(
         P_BUFFERS=p_buffers,
         HEADS_FIRST=heads_first,
     )
-    return Launch(name, "gluon", constexprs, attention_pointers(dtype, splits), 4, 1)
+    pointers = attention_pointers(dtype, splits)
+    if trace:
+        pointers["trace_ptr"] = "i64"
+    else:
+        constexprs["trace_ptr"] = None
+    return Launch(name, "gluon", constexprs, pointers, 4, 1)
 
 
 def compile_launch(launch: Launch, ptxas_options: Optional[str]) -> Dict[str, str]:

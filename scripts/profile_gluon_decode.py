@@ -29,6 +29,8 @@ import tempfile
 from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The sweep's variant parser, wherever this file is run or imported from.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DRAM_READ = "dram__bytes_read.sum"
 # Raw metrics printed: those whose names start with one of these (ncu's "full" set; which of
@@ -60,7 +62,7 @@ def launch(shape: Sequence[int], variant: str = None) -> None:
     from megatron_ext.bench import mla_serving_cases as cases
 
     if variant:
-        from sweep_gluon_decode import apply_variant  # this script's folder, first on sys.path
+        from sweep_gluon_decode import apply_variant
 
         apply_variant(variant)
 
@@ -170,19 +172,14 @@ def hot_instructions(path: str, count: int = 25) -> List[str]:
 
 
 def main(argv: Sequence[str] = None) -> int:
+    from sweep_gluon_decode import variant_arg  # torch and the package: not before a run
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, default=[128, 2048, 128])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--variant", default=None)
+    parser.add_argument("--variant", type=variant_arg, default=None)
     parser.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.variant:
-        from sweep_gluon_decode import parse_variant
-
-        try:
-            parse_variant(args.variant)
-        except ValueError as error:
-            parser.error(str(error))
     if args.launch_only:
         launch(args.shape, args.variant)
         return 0

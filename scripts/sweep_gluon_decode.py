@@ -85,6 +85,25 @@ def parse_variant(text: str) -> Dict[str, int]:
     }
 
 
+def variant_arg(text: str) -> str:
+    """``argparse``'s type of a variant option: the text, checked by :func:`parse_variant`.
+
+    Args:
+        text: the variant.
+
+    Returns:
+        str: ``text``.
+
+    Raises:
+        argparse.ArgumentTypeError: for a malformed variant (argparse reports it and exits).
+    """
+    try:
+        parse_variant(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return text
+
+
 def apply_variant(text: str) -> None:
     """Set the launch layer's constants to a variant's, before anything is planned: the
     launcher's own plan then launches it (its grid, splits and checks as the launcher's).

@@ -459,7 +459,8 @@ class LatentAttentionPlan(LaunchPlan):
             names = GLUON_DECODE_LAUNCHES.kernel.arg_names
             # An axis past the first holds 65,535 programs at most.
             heads_first = HEADS_FIRST and tokens <= 65535
-            ring = dict(gluon_ring(heads), HEADS_FIRST=heads_first)
+            # The kernel's timeline stays off (None compiles it out).
+            ring = dict(gluon_ring(heads), HEADS_FIRST=heads_first, trace_ptr=None)
             groups = cdiv(heads, HEADS_PER_PROGRAM)
             self.stage1 = PreparedLaunch(
                 GLUON_DECODE_LAUNCHES,

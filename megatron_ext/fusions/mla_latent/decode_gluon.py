@@ -80,6 +80,8 @@ __all__ = [
     "SHARED_BUFFERS",
     "SHARED_KEY_TILE",
     "SHARED_ORDER",
+    "TRACE_EVENTS",
+    "TRACE_TILES",
     "gluon_shared_memory",
 ]
 
@@ -129,6 +131,11 @@ SHARED_ORDER = ORDER_VALUES_FIRST
 P_BUFFERS = 1
 # Three partitions of one warpgroup each (the default partition is the launch's num_warps=4).
 PARTITION_WARPS = 4
+# The timeline (off in every launch the plan makes; scripts/trace_gluon_decode.py turns it on):
+# per program and partition, the SM clock at up to TRACE_EVENTS points of each of the first
+# TRACE_TILES key tiles, and a last row with the partition's start and end.
+TRACE_TILES = 64
+TRACE_EVENTS = 8
 GLUON_WARPS = 3 * PARTITION_WARPS
 
 
@@ -182,6 +189,31 @@ if GLUON_IMPORT_ERROR is None:
     _copy_rows = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     CONSUMER_REGS = gl.constexpr(208)
     PRODUCER_REGS = gl.constexpr(40)
+    _TRACE_TILES = gl.constexpr(TRACE_TILES)
+    _TRACE_EVENTS = gl.constexpr(TRACE_EVENTS)
+    _TRACE_ROW = gl.constexpr((TRACE_TILES + 1) * TRACE_EVENTS)
+
+    @gluon.jit
+    def _stamp(trace, j, EVENT: gl.constexpr, dep, TRACE: gl.constexpr):
+        """Write the SM clock into slot ``EVENT`` of tile ``j``'s row of a partition's timeline
+        (``j = _TRACE_TILES``: the partition's own row), once ``dep`` is computed. Compiled out
+        without ``TRACE`` (every launch of the plan).
+
+        Args:
+            trace: the partition's timeline (int64; any pointer without ``TRACE``).
+            j: the key tile (rows past the timeline's are not written).
+            EVENT: the slot.
+            dep: a 1-D fp32 tensor the clock read waits for (the asm's operand), so the read
+                lands after the work that computes it.
+            TRACE: whether the timeline is on.
+        """
+        if TRACE:
+            now = gl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
+            )
+            one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
+            slot = trace + gl.minimum(j, _TRACE_TILES) * _TRACE_EVENTS + EVENT
+            gl.store(slot + one.to(gl.int32) * 0, now, mask=one & (j <= _TRACE_TILES))
 
     @gluon.jit
     def _load_cu(cu_q_ptr, idx, mask, num_tokens):
@@ -327,6 +359,8 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_N: gl.constexpr,
         BUFFERS: gl.constexpr,
         Q_ROPE_COL: gl.constexpr,
+        trace,
+        TRACE: gl.constexpr,
     ):
         """Copy the query, then gather key tile after key tile into the ring (latent and RoPE
         columns in buffers of their own: shared memory shapes are powers of two), 64 columns per
@@ -353,11 +387,15 @@ if GLUON_IMPORT_ERROR is None:
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        clock_dep = tile_keys.to(gl.float32)
+        _stamp(trace, _TRACE_TILES, 0, clock_dep, TRACE)
         for j in range(num_tiles):
             buf = j % BUFFERS
+            _stamp(trace, j, 0, clock_dep, TRACE)
             # The first round finds every buffer free (the phase before a barrier's first one
             # counts as complete).
             mbarrier.wait(kv_free.index(buf), ((j // BUFFERS) & 1) ^ 1)
+            _stamp(trace, j, 1, clock_dep, TRACE)
             # A block id outside the cache is skipped, never read (stage 1's rule); the copies
             # of masked rows write zeros.
             block, in_page, ok = _tile_blocks(
@@ -384,6 +422,8 @@ if GLUON_IMPORT_ERROR is None:
                 )
             # Each thread's arrival fires when its own copies have landed.
             async_copy.mbarrier_arrive(kv_ready.index(buf), increment_count=False)
+            _stamp(trace, j, 2, clock_dep, TRACE)
+        _stamp(trace, _TRACE_TILES, 1, clock_dep, TRACE)
 
     @gluon.jit
     def _consumer_values(
@@ -406,6 +446,8 @@ if GLUON_IMPORT_ERROR is None:
         LATENT_DIM: gl.constexpr,
         BUFFERS: gl.constexpr,
         P_BUFFERS: gl.constexpr,
+        trace,
+        TRACE: gl.constexpr,
     ):
         """Consumer 1: the second half of the value columns, with consumer 0's P."""
         HALF: gl.constexpr = LATENT_DIM // 2
@@ -414,11 +456,16 @@ if GLUON_IMPORT_ERROR is None:
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
+        clock_dep = gl.zeros([_HEADS], gl.float32, row_layout)
+        _stamp(trace, _TRACE_TILES, 0, clock_dep, TRACE)
         for j in range(num_tiles):
             buf = j % BUFFERS
+            _stamp(trace, j, 0, clock_dep, TRACE)
             mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
+            _stamp(trace, j, 1, clock_dep, TRACE)
             pb = j % P_BUFFERS
             mbarrier.wait(p_ready.index(pb), (j // P_BUFFERS) & 1)
+            _stamp(trace, j, 2, clock_dep, TRACE)
             # cp.async and st.shared wrote through the generic proxy; wgmma reads through the
             # async one.
             fence_async_shared()
@@ -427,7 +474,9 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma(
                 p_smem.index(pb), kv_smem.index(buf).slice(HALF, HALF, dim=1), acc, is_async=True
             )
+            _stamp(trace, j, 3, alpha, TRACE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _stamp(trace, j, 4, alpha, TRACE)
             mbarrier.arrive(p_free.index(pb), count=1)
             mbarrier.arrive(kv_free.index(buf), count=1)
         # The row sums come through the rescale factors' buffer, as one more tile's would.
@@ -448,6 +497,7 @@ if GLUON_IMPORT_ERROR is None:
             HALF,
             HALF,
         )
+        _stamp(trace, _TRACE_TILES, 1, l_i, TRACE)
 
     @gluon.jit
     def _store_half(
@@ -567,6 +617,8 @@ if GLUON_IMPORT_ERROR is None:
         BUFFERS: gl.constexpr,
         ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
+        trace,
+        TRACE: gl.constexpr,
     ):
         """Consumer 0 (the default partition): scores, online softmax, P, first value half.
 
@@ -589,6 +641,7 @@ if GLUON_IMPORT_ERROR is None:
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
         s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
+        _stamp(trace, _TRACE_TILES, 0, m_i, TRACE)
         if ORDER == 2:
             # At the top of iteration j: tile j's scores done, its value product not issued,
             # tile j - 1's in flight (an accumulator handle from the start).
@@ -705,9 +758,11 @@ if GLUON_IMPORT_ERROR is None:
             # in flight and waits for it while the next tile's scores run.
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             for j in range(num_tiles):
+                _stamp(trace, j, 0, m_i, TRACE)
                 scores = _issue_scores(
                     q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
                 )
+                _stamp(trace, j, 1, m_i, TRACE)
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
                     table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
@@ -721,11 +776,15 @@ if GLUON_IMPORT_ERROR is None:
                     # handle cannot become a tensor in one branch.)
                     warpgroup_mma_wait(num_outstanding=_SCORE_GROUPS, deps=(acc,))
                     mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
+                _stamp(trace, j, 2, m_i, TRACE)
                 scores, acc = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+                _stamp(trace, j, 3, m_i, TRACE)
                 p, alpha, m_i, l_i = _tile_softmax(
                     scores, m_i, l_i, attend, scale_log2, LARGE_SCALE
                 )
+                _stamp(trace, j, 4, l_i, TRACE)
                 _hand_over_p(p, alpha, p_smem, alpha_smem, p_ready, p_free, j, P_BUFFERS)
+                _stamp(trace, j, 5, l_i, TRACE)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 kv = kv_smem.index(j % BUFFERS)
                 p_j = p_smem.index(j % P_BUFFERS)
@@ -767,6 +826,7 @@ if GLUON_IMPORT_ERROR is None:
                 lse,
                 mask=heads < num_heads,
             )
+        _stamp(trace, _TRACE_TILES, 1, l_i, TRACE)
 
     @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
     def _gluon_decode_kernel(
@@ -808,6 +868,7 @@ if GLUON_IMPORT_ERROR is None:
         ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
         HEADS_FIRST: gl.constexpr,
+        trace_ptr,
     ):
         gl.static_assert(LATENT_DIM % 128 == 0, "the value columns split in two 64-column halves")
         gl.static_assert(ROPE_DIM % 64 == 0, "the producer copies 64 columns at a time")
@@ -911,6 +972,20 @@ if GLUON_IMPORT_ERROR is None:
         # The barriers' initialisation before any partition's copies arrive on them.
         fence_async_shared()
 
+        # Each partition's timeline: consumer 0's, consumer 1's, the producer's rows in turn.
+        TRACE: gl.constexpr = trace_ptr is not None
+        if TRACE:
+            program = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            program = program.to(gl.int64) * gl.num_programs(2) + gl.program_id(2)
+            trace0 = trace_ptr + program * (3 * _TRACE_ROW)
+            trace1 = trace0 + _TRACE_ROW
+            trace2 = trace0 + 2 * _TRACE_ROW
+        else:
+            # A partition's arguments are values (not None): a pointer the stamps compile out.
+            trace0 = out_ptr
+            trace1 = out_ptr
+            trace2 = out_ptr
+
         gl.warp_specialize(
             [
                 (
@@ -952,6 +1027,8 @@ if GLUON_IMPORT_ERROR is None:
                         BUFFERS,
                         ORDER,
                         P_BUFFERS,
+                        trace0,
+                        TRACE,
                     ),
                 ),
                 (
@@ -976,6 +1053,8 @@ if GLUON_IMPORT_ERROR is None:
                         LATENT_DIM,
                         BUFFERS,
                         P_BUFFERS,
+                        trace1,
+                        TRACE,
                     ),
                 ),
                 (
@@ -1011,6 +1090,8 @@ if GLUON_IMPORT_ERROR is None:
                         BLOCK_N,
                         BUFFERS,
                         Q_ROPE_COL,
+                        trace2,
+                        TRACE,
                     ),
                 ),
             ],

@@ -85,6 +85,13 @@ VARIANTS = [
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
+    # The timeline (scripts/trace_gluon_decode.py) on the ring above 64 heads.
+    dict(
+        key_tile=decode_gluon.SHARED_KEY_TILE,
+        buffers=decode_gluon.SHARED_BUFFERS,
+        order=decode_gluon.SHARED_ORDER,
+        trace=True,
+    ),
 ]
 # The ring the launcher takes above 64 heads (attention_plan.gluon_ring), as VARIANTS name it.
 SHARED_RING = dict(
@@ -163,6 +170,22 @@ def test_values_first_releases_a_key_tile_while_the_next_scores_run(compiled, in
     after = ptx[waits[0] :]
     # The buffer's release comes before any other wait for the MMAs.
     assert after.index("mbarrier.arrive") < after.index("wgmma.wait_group", 1)
+
+
+@NEEDS_GLUON
+def test_the_timeline_is_compiled_out_unless_asked_for(compiled):
+    """Only a launch given a timeline reads the SM clock: every ring the plan launches compiles
+    the stamps out (the plan passes ``trace_ptr=None``), so tracing costs them nothing. The
+    traced kernel stamps each partition's tiles (consumer 0 at six points of the values-first
+    loop, consumer 1 at five, the producer at three, each partition's start and end)."""
+    for variant, code in zip(VARIANTS, compiled):
+        reads = code["ptx"].count("%clock64")
+        if variant.get("trace"):
+            # Each stamp reads the clock once per element of its operand a thread holds (two
+            # rows of the MMA layout in the consumers).
+            assert reads >= 6 + 5 + 3 + 3 * 2, reads
+        else:
+            assert reads == 0, (variant, reads)
 
 
 @NEEDS_GLUON

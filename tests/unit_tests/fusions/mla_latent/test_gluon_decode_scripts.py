@@ -3,7 +3,8 @@
 """The Gluon decode kernel's GPU tools without a GPU: ``scripts/sweep_gluon_decode.py`` and
 ``scripts/racecheck_mbarrier_handoff.py`` refuse to run, ``scripts/check_gluon_decode.sh`` refuses
 a malformed variant before any step, ``scripts/profile_gluon_decode.py`` reads an Nsight Compute
-export into its summary."""
+export into its summary, ``scripts/trace_gluon_decode.py`` reads the kernel's timeline into phases
+(and, on a GPU, the traced launch keeps the kernel's bits)."""
 
 import csv
 import importlib.util
@@ -203,3 +204,93 @@ def test_each_form_of_the_racecheck_probe_compiles_with_its_handoff(probe_forms,
     assert counts["arrive"] == 2 * rounds, counts
     assert counts["fence"] == (2 * rounds if fence else 0), counts
     assert counts["setmaxnreg"] > 0, counts  # warp-specialized
+
+
+def _synthetic_trace(programs, tiles, step, lag):
+    """A timeline where each partition's event e of tile j is at ``1000 j + step e`` (plus
+    ``lag`` per partition index), each partition's own row from 0 to 10,000."""
+    from megatron_ext.fusions.mla_latent import decode_gluon
+
+    trace = torch.full(
+        (programs, 3, decode_gluon.TRACE_TILES + 1, decode_gluon.TRACE_EVENTS),
+        -1,
+        dtype=torch.int64,
+    )
+    for partition in range(3):
+        for j in range(tiles):
+            for event in range(6):
+                trace[:, partition, j, event] = 1000 * j + step * event + lag * partition
+        trace[:, partition, decode_gluon.TRACE_TILES, :2] = torch.tensor([0, 10_000])
+    return trace
+
+
+def test_the_trace_reads_phases_and_handoffs_from_the_steady_tiles():
+    """Phases are differences between a partition's stamps of one tile (the last against the
+    next tile's first), handoffs between partitions at the same tile or a ring's depth later; the
+    first two tiles and each program's last period are left out."""
+    module = _script("trace_gluon_decode")
+    trace = _synthetic_trace(programs=2, tiles=10, step=100, lag=7)
+    # A slow first tile must not move the steady figures.
+    trace[:, :, 0, 1:6] += 5000
+    result = module.analyse(trace, buffers=2)
+    phases = result["phases"]
+    assert phases[("consumer 0", "softmax")]["median"] == 100
+    assert phases[("consumer 0", "softmax")]["n"] == 2 * 8  # tiles 2..9 of two programs
+    assert phases[("consumer 0", "rescale, values issued, next")]["median"] == 1000 - 500
+    assert phases[("consumer 0", "tile period")]["n"] == 2 * 7  # tile 9 has no next
+    assert phases[("producer", "next")]["median"] == 1000 - 200
+    handoffs = result["handoffs"]
+    # Consumer 1's event 2 (7 cycles later) against consumer 0's event 5 of the same tile.
+    assert handoffs["P handed over -> consumer 1 has it"]["median"] == 200 + 7 - 500
+    # The producer's event 1 of tile j + 2 against consumer 1's event 4 of tile j.
+    ring = handoffs["consumer 1 done -> producer has the buffer"]
+    assert ring["median"] == 2000 + 100 + 14 - 400 - 7 and ring["n"] == 2 * 6
+    assert result["partition_cycles"].eq(10_000).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_the_trace_refuses_without_a_gpu(capsys):
+    assert _script("trace_gluon_decode").main(["--shapes", "2,64,128"]) == 2
+    assert "needs a GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches the kernel on a GPU")
+def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partition():
+    """The traced launch writes the untraced launch's bits, and within each stamped tile a
+    partition's clock reads only grow (a stamp out of order would misname the phases)."""
+    from megatron_ext.bench import mla_serving_cases as cases
+    from megatron_ext.fusions.mla_latent import attention_plan, decode_gluon
+
+    module = _script("trace_gluon_decode")
+    step = cases.build_step(cases.decode_requests(3, 1000), 128, device="cuda")
+    refused = attention_plan.gluon_decode_refusal(step.query, step.kv_cache, step.latent, 1)
+    if refused is not None:
+        pytest.skip(f"the Gluon decode kernel is refused here: {refused}")
+    out = torch.empty_like(step.query[..., : step.latent])
+    traced, plain, trace, ring = module.traced_launch(step, out)
+    reference = torch.empty_like(out)
+    plain(step.kv_cache, step.query, reference)
+    traced(step.kv_cache, step.query, out)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
+    stamps = trace.cpu()
+    tiles = stamps[:, :, : decode_gluon.TRACE_TILES]
+    written = (
+        {0: 6, 1: 5, 2: 3} if ring["ORDER"] == decode_gluon.ORDER_VALUES_FIRST else {1: 5, 2: 3}
+    )
+    for partition, events in written.items():
+        rows = tiles[:, partition, :, :events]
+        used = rows[..., 0] >= 0
+        assert used.any(), f"partition {partition} stamped no tile"
+        assert (rows[used] >= 0).all(), f"partition {partition} left a stamp of a tile unwritten"
+        assert (rows[used].diff(dim=-1) >= 0).all(), f"partition {partition}'s clock went back"
+    own = stamps[:, :, decode_gluon.TRACE_TILES, :2]
+    assert (own[..., 1] >= own[..., 0]).all() and (own[..., 0] >= 0).all()
+
+
+@pytest.mark.parametrize("name", ["trace_gluon_decode", "profile_gluon_decode"])
+def test_the_trace_and_profile_refuse_a_malformed_variant_before_any_gpu_work(capsys, name):
+    with pytest.raises(SystemExit):
+        _script(name).main(["--variant", "64,2"])
+    assert "3 to 5 integers" in capsys.readouterr().err

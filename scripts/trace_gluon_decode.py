@@ -1,0 +1,239 @@
+# Copyright (c) 2026, megatron_ext contributors. All rights reserved.
+
+"""Where a key tile's time goes in the warp-specialized decode kernel, partition by partition: the
+kernel's own timeline (SM clock reads at the points of each tile's work), on one decode step of
+the serving benchmark.
+
+    python scripts/trace_gluon_decode.py [--shapes B,CTX,HEADS ...]
+        [--variant KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]]] [--out FILE.json]
+
+Each shape's step is built as ``bench mla-serving`` builds it (bf16, page 64, shuffled pages) and
+launched through the launcher's plan (its ring for the head count, its splits), once with the
+timeline compiled in (``trace_ptr``; every launch the plan makes compiles it out). Per partition
+and phase of a key tile it prints the median and 90th percentile over the programs' steady tiles
+(the first two and the last of each program left out), in SM cycles, beside the tile's MMA work
+at the dense bf16 rate of an H100 or H200 SM (1,024 multiply-adds a cycle) and the handoffs
+between partitions. Consumer 0's phases are stamped in the values-first order (the ring above 64
+heads); in the others only its tile period is. The traced launch's GPU time beside the
+untraced one's says what the clock reads cost. Prints one table per shape, last.
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+from typing import Dict, Sequence
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
+from megatron_ext.bench.mla_serving import graph_us  # noqa: E402
+from megatron_ext.fusions.direct_launch import PreparedLaunch  # noqa: E402
+from megatron_ext.fusions.mla_latent import decode_gluon  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_gluon_decode import parse_variant, variant_arg  # noqa: E402
+
+DEFAULT_SHAPES = ["32,8192,128", "128,2048,128", "64,4096,64"]
+PARTITIONS = ("consumer 0", "consumer 1", "producer")
+# Each partition's phases: (label, from event, to event); event 8 is the next tile's event 0.
+PHASES = {
+    "consumer 0": (
+        ("key tile ready, scores issued", 0, 1),
+        ("previous value product done", 1, 2),
+        ("scores done", 2, 3),
+        ("softmax", 3, 4),
+        ("P handed over", 4, 5),
+        ("rescale, values issued, next", 5, 8),
+        ("tile period", 0, 8),
+    ),
+    "consumer 1": (
+        ("key tile ready", 0, 1),
+        ("P ready", 1, 2),
+        ("rescale, values issued", 2, 3),
+        ("value product", 3, 4),
+        ("release, next", 4, 8),
+        ("tile period", 0, 8),
+    ),
+    "producer": (
+        ("buffer free", 0, 1),
+        ("copies issued", 1, 2),
+        ("next", 2, 8),
+        ("tile period", 0, 8),
+    ),
+}
+# Handoffs: (label, (partition, event) at tile j, (partition, event) at tile j + offset), the
+# offset in tiles or "ring" (the ring's depth: the tile that takes the buffer back).
+HANDOFFS = (
+    ("P handed over -> consumer 1 has it", ("consumer 0", 5), ("consumer 1", 2), 0),
+    ("copies issued -> consumer 0 has the tile", ("producer", 2), ("consumer 0", 1), 0),
+    ("copies issued -> consumer 1 has the tile", ("producer", 2), ("consumer 1", 1), 0),
+    ("consumer 1 done -> producer has the buffer", ("consumer 1", 4), ("producer", 1), "ring"),
+)
+DENSE_FMA_PER_CYCLE = 1024
+
+
+def traced_launch(step: cases.PagedStep, out: torch.Tensor, variant: str = None):
+    """``(call, trace, ring)``: the Gluon launch of the launcher's plan for ``step`` with the
+    timeline on (``call(kv_cache, query, out)`` fills ``trace``, int64 ``[programs, 3,
+    TRACE_TILES + 1, TRACE_EVENTS]``), the untraced call, and the ring's constexprs."""
+    plan = cases.step_plan(step, out, "gluon")
+    launch = plan.stage1
+    args = dict(launch.args)
+    grid = launch.grid
+    if variant:
+        args.update(parse_variant(variant))
+        if args["HEADS_FIRST"] != launch.args["HEADS_FIRST"]:
+            grid = (grid[1], grid[0], grid[2])
+    programs = grid[0] * grid[1] * grid[2]
+    shape = (programs, 3, decode_gluon.TRACE_TILES + 1, decode_gluon.TRACE_EVENTS)
+    trace = torch.full(shape, -1, dtype=torch.int64, device=out.device)
+    names = len(launch.names)
+    traced = PreparedLaunch(
+        launch.launches, grid, dict(args, trace_ptr=trace), launch.options, names
+    )
+    plain = PreparedLaunch(launch.launches, grid, args, launch.options, names)
+
+    def runner(prepared):
+        own = copy.copy(plan)  # the cached plan keeps the launcher's own launch
+        own.stage1 = prepared
+
+        def call(kv_cache, query, out):
+            own(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)
+            return out
+
+        return call
+
+    ring = {k: args[k] for k in ("KEY_TILE", "BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")}
+    return runner(traced), runner(plain), trace, ring
+
+
+def _steady(trace: torch.Tensor, partition: int) -> torch.Tensor:
+    """``[programs, tiles, 9]`` of one partition's stamps (event 8: the next tile's event 0),
+    the first two tiles and each program's last left out (as -1)."""
+    rows = trace[:, partition, : decode_gluon.TRACE_TILES].clone()
+    nxt = torch.full_like(rows[..., :1], -1)
+    nxt[:, :-1, 0] = rows[:, 1:, 0]
+    rows = torch.cat([rows, nxt], dim=-1)
+    rows[:, :2] = -1
+    return rows
+
+
+def _stats(values: torch.Tensor) -> Dict[str, float]:
+    values = values.double()
+    if values.numel() == 0:
+        return {"median": float("nan"), "p90": float("nan"), "n": 0}
+    return {
+        "median": values.median().item(),
+        "p90": values.quantile(0.9).item(),
+        "n": values.numel(),
+    }
+
+
+def analyse(trace: torch.Tensor, buffers: int) -> Dict:
+    """Phase and handoff statistics (SM cycles) of one launch's timeline with a ring of
+    ``buffers`` key tiles."""
+    steady = {name: _steady(trace, i) for i, name in enumerate(PARTITIONS)}
+    phases = {}
+    for name, rows in steady.items():
+        for label, a, b in PHASES[name]:
+            ok = (rows[..., a] >= 0) & (rows[..., b] >= 0)
+            phases[(name, label)] = _stats((rows[..., b] - rows[..., a])[ok])
+    handoffs = {}
+    tiles = decode_gluon.TRACE_TILES
+    for label, (pa, ea), (pb, eb), offset in HANDOFFS:
+        shift = buffers if offset == "ring" else offset
+        first, second = steady[pa][:, : tiles - shift, ea], steady[pb][:, shift:, eb]
+        ok = (first >= 0) & (second >= 0)
+        handoffs[label] = _stats((second - first)[ok])
+    total = trace[:, :, tiles]
+    spans = (total[..., 1] - total[..., 0]).double()
+    return {"phases": phases, "handoffs": handoffs, "partition_cycles": spans}
+
+
+def _row(shape: Sequence[int], variant: str) -> Dict:
+    batch, context, heads = shape
+    step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
+    out = torch.empty_like(step.query[..., : step.latent])
+    traced, plain, trace, ring = traced_launch(step, out, variant)
+    sets = [(step.kv_cache, step.query, out)]
+    reference = torch.empty_like(out)
+    plain(step.kv_cache, step.query, reference)
+    traced(step.kv_cache, step.query, out)
+    torch.cuda.synchronize()
+    same = torch.equal(out, reference)
+    timing = {
+        "untraced_us": graph_us(plain, sets, quick=True)["gpu_us"],
+        "traced_us": graph_us(traced, sets, quick=True)["gpu_us"],
+    }
+    trace.fill_(-1)
+    traced(step.kv_cache, step.query, out)
+    torch.cuda.synchronize()
+    result = analyse(trace.cpu(), ring["BUFFERS"])
+    ideal = 2 * decode_gluon.HEADS_PER_PROGRAM * ring["KEY_TILE"] * (step.latent * 2 + 64)
+    result.update(
+        shape=list(shape),
+        ring=ring,
+        same_bits_as_untraced=same,
+        mma_cycles_per_tile=ideal / 2 / DENSE_FMA_PER_CYCLE,
+        **timing,
+    )
+    return result
+
+
+def _print(row: Dict) -> None:
+    b, c, h = row["shape"]
+    ring = row["ring"]
+    print(
+        f"\n{b} x {c}, {h} heads; ring {ring['KEY_TILE']},{ring['BUFFERS']},{ring['ORDER']}: "
+        f"untraced {row['untraced_us']:.1f} us, traced {row['traced_us']:.1f} us; "
+        f"outputs {'the same bits' if row['same_bits_as_untraced'] else 'DIFFER'} traced; "
+        f"a tile's MMAs {row['mma_cycles_per_tile']:.0f} cycles at the dense rate"
+    )
+    print(f"  {'partition':<11} {'phase':<44} {'median':>8} {'p90':>8} {'n':>7}")
+    for (name, label), s in row["phases"].items():
+        print(f"  {name:<11} {label:<44} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
+    for label, s in row["handoffs"].items():
+        print(f"  {'handoff':<11} {label:<44} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
+
+
+def main(argv: Sequence[str] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
+    parser.add_argument("--variant", type=variant_arg, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or decode_gluon.GLUON_DECODE_LAUNCHES is None:
+        print("the trace needs a GPU and a Triton with Gluon")
+        return 2
+    rows = []
+    for text in args.shapes:
+        shape = tuple(int(x) for x in text.split(","))
+        try:
+            rows.append(_row(shape, args.variant))
+        except Exception as error:  # the next shape goes on
+            print(f"{text}: {type(error).__name__}: {error}"[:400], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                [
+                    {
+                        **{k: v for k, v in r.items() if k not in ("phases", "partition_cycles")},
+                        "phases": {" / ".join(k): v for k, v in r["phases"].items()},
+                    }
+                    for r in rows
+                ],
+                f,
+                indent=1,
+            )
+    print(f"\n{torch.cuda.get_device_name()}, SM cycles per key tile (clock64), bf16, page 64")
+    for row in rows:
+        _print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
