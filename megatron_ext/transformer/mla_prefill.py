@@ -31,7 +31,11 @@ When the MHA form runs (each rule decided in one function):
   chunked prefill); 0.19 captures decode-only and mixed steps up to ``cuda_graph_max_tokens``
   (512 by default) tokens and runs larger steps eagerly. Those eager steps are where prefills
   and long chunks land;
-* never in decode-only steps (the MHA form never pays there).
+* never in decode-only steps (the MHA form never pays there);
+* never for a softmax scale above
+  :data:`~megatron_ext.fusions.mla_latent.checks.MHA_MAX_SOFTMAX_SCALE` (about 0.35; DeepSeek-V3's
+  is about 0.14): the MHA form's backends scale each logit before subtracting the row maximum,
+  which can overflow past it, where the absorbed kernel keeps such logits in raw units.
 
 Where a chunk's calls are merged (cuDNN: over the cached rows, over the chunk's own rows), they run
 side by side on two streams only with :data:`OVERLAP_CALLS` (environment
@@ -59,6 +63,7 @@ from torch import Tensor
 from megatron_ext import internals
 from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent import mha_form
+from megatron_ext.fusions.mla_latent.checks import MHA_MAX_SOFTMAX_SCALE
 from megatron_ext.fusions.mla_latent.mha_form import BACKENDS, mla_paged_mha_attention
 
 __all__ = [
@@ -494,6 +499,8 @@ def mha_form_split(module: Any, context: Any, q: Tensor) -> Optional[MhaFormSpli
         Optional[MhaFormSplit]: the split, or None.
     """
     if MODE not in ("auto", "force") or context.is_decode_only() or graphed_step(context):
+        return None
+    if module.softmax_scale > MHA_MAX_SOFTMAX_SCALE:
         return None
     config = module.config
     head_dim = mha_form.flash_head_dim(q.shape[-1], config.v_head_dim)

@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_ext.fusions.mla_latent.tile_rules import (
+    LARGE_SCALE_LOG2,
     LOG2E,
     MAX_BLOCK_SIZE,
     MAX_KV_SPLITS,
@@ -49,7 +50,9 @@ __all__ = [
     "check_paged_cache",
     "check_pow2",
     "check_query_rope",
+    "check_mha_softmax_scale",
     "check_softmax_scale",
+    "MHA_MAX_SOFTMAX_SCALE",
     "rows_of",
 ]
 
@@ -151,6 +154,26 @@ def check_softmax_scale(softmax_scale) -> float:
         raise ValueError(
             f"softmax_scale {softmax_scale} times log2(e) is outside float32's normal range "
             f"[{fp32.tiny:.3g}, {fp32.max:.3g}]: the kernel scales its logits in float32"
+        )
+    return scale
+
+
+# The largest scale at which scaling a finite float32 logit before subtracting the row maximum
+# cannot overflow, which the MHA form's backends do (cuDNN, flash, torch); stage 1 keeps larger
+# ones in raw units and scales only differences (LARGE_SCALE_LOG2).
+MHA_MAX_SOFTMAX_SCALE = LARGE_SCALE_LOG2 / LOG2E
+
+
+def check_mha_softmax_scale(softmax_scale) -> float:
+    """Check the MHA form's softmax scale: :func:`check_softmax_scale`, and at most
+    :data:`MHA_MAX_SOFTMAX_SCALE` (above it a logit can overflow to inf and a row become NaN or
+    a one-hot at the wrong key); return it as a float."""
+    scale = check_softmax_scale(softmax_scale)
+    if scale > MHA_MAX_SOFTMAX_SCALE:
+        raise ValueError(
+            f"softmax_scale {softmax_scale} is above the MHA form's {MHA_MAX_SOFTMAX_SCALE:.6g}: "
+            "its backends scale each float32 logit before subtracting the row maximum, which can "
+            "overflow past it (the absorbed form, mla_paged_latent_attention, takes any scale)"
         )
     return scale
 

@@ -43,8 +43,8 @@ from megatron_ext.fusions.launch_plans import PlanCache
 from megatron_ext.fusions.mla_latent.checks import (
     check_block_table,
     check_cache_for_query,
+    check_mha_softmax_scale,
     check_pow2,
-    check_softmax_scale,
 )
 from megatron_ext.fusions.mla_latent.mha_backends import (
     BACKENDS,
@@ -250,7 +250,7 @@ def _checked_call(
         raise ValueError(f"kv_cache rows are {cache_width} wide: no latent part beside rope_dim")
     check_pow2(f"the latent width (kv_cache width {cache_width} - rope_dim {rope_dim})", latent_dim)
     requests = check_block_table(block_table, device)
-    check_softmax_scale(softmax_scale)
+    check_mha_softmax_scale(softmax_scale)
     check_tensor("kv_up_weight", kv_up_weight, (query.dtype,))
     check_device("kv_up_weight", kv_up_weight, device)
     qk_dim = width - rope_dim

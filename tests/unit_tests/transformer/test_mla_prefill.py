@@ -13,6 +13,7 @@ CUDA graphs around it.
 
 import dataclasses
 import functools
+import math
 import os
 import types
 import warnings
@@ -201,6 +202,23 @@ def test_graphed_and_decode_only_steps_and_off_mode_stay_absorbed(stack, monkeyp
         mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
         assert mha_calls == []
         monkeypatch.setattr(mla_prefill, "MODE", "force")
+        mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+    assert mha_calls == [26]
+
+
+def test_a_scale_past_the_mha_forms_bound_stays_absorbed(stack, monkeypatch, mha_calls):
+    """Above MHA_MAX_SOFTMAX_SCALE a scaled logit can overflow in the MHA form's backends, so
+    even ``force`` keeps the step absorbed (whose kernel takes any scale); at the bound it runs."""
+    model = build_model(TINY)
+    context = _context_step(model, [7, 19])
+    module, hidden = _attention(model), _hidden(context, 3)
+    monkeypatch.setattr(mla_prefill, "MODE", "force")
+    bound = mla_prefill.MHA_MAX_SOFTMAX_SCALE
+    with torch.no_grad():
+        monkeypatch.setattr(module, "softmax_scale", math.nextafter(bound, math.inf))
+        out, _ = mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
+        assert mha_calls == [] and bool(out[: context.active_token_count].isfinite().all())
+        monkeypatch.setattr(module, "softmax_scale", bound)
         mla_dynamic_inference.mla_dynamic_attention(module, hidden, context)
     assert mha_calls == [26]
 
@@ -401,7 +419,11 @@ def _split_of(monkeypatch, query_lengths, kv_lengths, heads=128):
     config = types.SimpleNamespace(
         kv_lora_rank=512, qk_pos_emb_head_dim=64, qk_head_dim=128, v_head_dim=128
     )
-    module = types.SimpleNamespace(config=config, num_attention_heads_per_partition=heads)
+    # DeepSeek-V3's scale: 192 ** -0.5 times YaRN's mscale (0.1 ln 40 + 1) squared.
+    scale = 192**-0.5 * (0.1 * math.log(40) + 1) ** 2
+    module = types.SimpleNamespace(
+        config=config, num_attention_heads_per_partition=heads, softmax_scale=scale
+    )
     context = types.SimpleNamespace(is_decode_only=lambda: False)
     lengths = (np.array(query_lengths), np.array(kv_lengths))
     monkeypatch.setattr(mla_prefill, "MODE", "auto")

@@ -124,6 +124,8 @@ def _bad_inputs():
     yield "negative scale", dict(good, softmax_scale=-1.0), ValueError, "softmax_scale must be"
     yield "nan scale", dict(good, softmax_scale=float("nan")), ValueError, "softmax_scale must be"
     yield "scale below float32", dict(good, softmax_scale=1e-300), ValueError, "normal range"
+    # Finite for stage 1 (raw-unit logits), past what the MHA form's backends scale safely.
+    yield "scale past the MHA form's", dict(good, softmax_scale=1e38), ValueError, "MHA form's"
     yield "table on the meta device", dict(
         good, block_table=table.to("meta")
     ), ValueError, "block_table is on meta"
