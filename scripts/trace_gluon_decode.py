@@ -12,10 +12,10 @@ launched through the launcher's plan (its ring for the head count, its splits), 
 timeline compiled in (``trace_ptr``; every launch the plan makes compiles it out). Per partition
 and phase of a key tile it prints the median and 90th percentile over the programs' steady tiles
 (the first two and the last of each program left out), in SM cycles, beside the tile's MMA work
-at the dense bf16 rate of an H100 or H200 SM (1,024 multiply-adds a cycle) and the handoffs
-between partitions. Consumer 0's phases are stamped in the values-first order (the ring above 64
-heads); in the others only its tile period is. The traced launch's GPU time beside the
-untraced one's says what the clock reads cost. Prints one table per shape, last.
+at the dense bf16 rate of an H100 or H200 SM (2,048 multiply-adds a cycle) and the handoffs
+between partitions. Consumer 0's phases are stamped in the values-first and release-first orders
+(the ring above 64 heads); in the others only its start and end are. The traced launch's GPU time
+beside the untraced one's says what the clock reads cost. Prints one table per shape, last.
 """
 
 import argparse
@@ -40,16 +40,28 @@ from sweep_gluon_decode import parse_variant, variant_arg  # noqa: E402
 DEFAULT_SHAPES = ["32,8192,128", "128,2048,128", "64,4096,64"]
 PARTITIONS = ("consumer 0", "consumer 1", "producer")
 # Each partition's phases: (label, from event, to event); event 8 is the next tile's event 0.
-PHASES = {
-    "consumer 0": (
+# Consumer 0's stamps are in the orders of the ring above 64 heads (decode_gluon's values first
+# and release first); in the others only its own row is.
+_CONSUMER0_AFTER_SCORES = (
+    ("scores done", 2, 3),
+    ("softmax", 3, 4),
+    ("P handed over", 4, 5),
+    ("rescale, values issued, next", 5, 8),
+    ("tile period", 0, 8),
+)
+CONSUMER0_PHASES = {
+    decode_gluon.ORDER_VALUES_FIRST: (
         ("key tile ready, scores issued", 0, 1),
-        ("previous value product done", 1, 2),
-        ("scores done", 2, 3),
-        ("softmax", 3, 4),
-        ("P handed over", 4, 5),
-        ("rescale, values issued, next", 5, 8),
-        ("tile period", 0, 8),
+        ("key mask's block ids, previous values done", 1, 2),
+        *_CONSUMER0_AFTER_SCORES,
     ),
+    decode_gluon.ORDER_RELEASE_FIRST: (
+        ("previous values done, key tile ready, scores", 0, 1),
+        ("key mask's block ids", 1, 2),
+        *_CONSUMER0_AFTER_SCORES,
+    ),
+}
+PHASES = {
     "consumer 1": (
         ("key tile ready", 0, 1),
         ("P ready", 1, 2),
@@ -73,7 +85,8 @@ HANDOFFS = (
     ("copies issued -> consumer 1 has the tile", ("producer", 2), ("consumer 1", 1), 0),
     ("consumer 1 done -> producer has the buffer", ("consumer 1", 4), ("producer", 1), "ring"),
 )
-DENSE_FMA_PER_CYCLE = 1024
+# 989 dense bf16 TFLOP/s over 132 SMs at 1,830 MHz (the rate's clock), per SM and cycle.
+DENSE_FMA_PER_CYCLE = 2048
 
 
 def traced_launch(step: cases.PagedStep, out: torch.Tensor, variant: str = None):
@@ -133,13 +146,16 @@ def _stats(values: torch.Tensor) -> Dict[str, float]:
     }
 
 
-def analyse(trace: torch.Tensor, buffers: int) -> Dict:
+def analyse(
+    trace: torch.Tensor, buffers: int, order: int = decode_gluon.ORDER_VALUES_FIRST
+) -> Dict:
     """Phase and handoff statistics (SM cycles) of one launch's timeline with a ring of
-    ``buffers`` key tiles."""
+    ``buffers`` key tiles in consumer 0's ``order``."""
     steady = {name: _steady(trace, i) for i, name in enumerate(PARTITIONS)}
     phases = {}
     for name, rows in steady.items():
-        for label, a, b in PHASES[name]:
+        named = PHASES.get(name) or CONSUMER0_PHASES.get(order, (("tile period", 0, 8),))
+        for label, a, b in named:
             ok = (rows[..., a] >= 0) & (rows[..., b] >= 0)
             phases[(name, label)] = _stats((rows[..., b] - rows[..., a])[ok])
     handoffs = {}
@@ -172,7 +188,7 @@ def _row(shape: Sequence[int], variant: str) -> Dict:
     trace.fill_(-1)
     traced(step.kv_cache, step.query, out)
     torch.cuda.synchronize()
-    result = analyse(trace.cpu(), ring["BUFFERS"])
+    result = analyse(trace.cpu(), ring["BUFFERS"], ring["ORDER"])
     ideal = 2 * decode_gluon.HEADS_PER_PROGRAM * ring["KEY_TILE"] * (step.latent * 2 + 64)
     result.update(
         shape=list(shape),
@@ -193,11 +209,12 @@ def _print(row: Dict) -> None:
         f"outputs {'the same bits' if row['same_bits_as_untraced'] else 'DIFFER'} traced; "
         f"a tile's MMAs {row['mma_cycles_per_tile']:.0f} cycles at the dense rate"
     )
-    print(f"  {'partition':<11} {'phase':<44} {'median':>8} {'p90':>8} {'n':>7}")
-    for (name, label), s in row["phases"].items():
-        print(f"  {name:<11} {label:<44} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
-    for label, s in row["handoffs"].items():
-        print(f"  {'handoff':<11} {label:<44} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
+    print(f"  {'partition':<11} {'phase':<46} {'median':>8} {'p90':>8} {'n':>7}")
+    rows = [(name, label, s) for (name, label), s in row["phases"].items()]
+    rows += [("handoff", label, s) for label, s in row["handoffs"].items()]
+    for name, label, s in rows:
+        if s["n"]:  # phases a partition does not stamp in this order are left out
+            print(f"  {name:<11} {label:<46} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
 
 
 def main(argv: Sequence[str] = None) -> int:

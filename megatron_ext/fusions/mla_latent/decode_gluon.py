@@ -76,6 +76,7 @@ __all__ = [
     "ORDER_SCORES_AHEAD",
     "ORDER_VALUES_FIRST",
     "ORDER_VALUES_LAG",
+    "ORDER_RELEASE_FIRST",
     "P_BUFFERS",
     "SHARED_BUFFERS",
     "SHARED_KEY_TILE",
@@ -108,7 +109,12 @@ NUM_BUFFERS = 4
 #   registers at 128 a thread, below a 64 x 256 fp32 accumulator's. FlashMLA's seesaw (both
 #   consumers computing the scores of alternate tiles, exchanging row maxima and P) ran within 3%
 #   of the lagged order at 32-128 heads on an H100, so it was not kept (perf notes).
-ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
+# release first: values first, but the previous tile's buffer goes back as soon as its value
+#   product completes, before the wait for this tile's copy. With two 64-key buffers a tile's
+#   copy could otherwise start only once the next tile had landed: the kernel's own timeline
+#   (scripts/trace_gluon_decode.py, H100) put the ring's period at the copy's issue and latency
+#   (about 1,000 and 2,500 cycles) plus that wait, not at the tile's MMAs or softmax.
+ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD, ORDER_RELEASE_FIRST = 0, 1, 2, 3
 ORDER = ORDER_VALUES_LAG
 # Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
 # on the grid's first axis, so they start together and the second reads the tiles from L2 while
@@ -118,14 +124,15 @@ ORDER = ORDER_VALUES_LAG
 # heads in most rows. The plan keeps tokens first past 65,535 tokens (the second axis's limit).
 HEADS_FIRST = True
 # Where a token has more than one head group (more than 64 heads), its programs read the same key
-# tiles, the second mostly from L2, so a shallower ring does: two 64-key tiles, values first,
-# which halve the query's shared-memory reads per key. On an H100, 5-13% faster than the 32-key
-# ring at 128 heads in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under 3.7.1 (the others
-# within 1%); on an H200 (3.7.1) in 4 of 4. At 32 and 64 heads it was 0-4% slower in 9 of 10 rows
-# (one program a token: each tile from memory, where the deeper ring hides more).
+# tiles, the second mostly from L2, so a shallower ring does: two 64-key tiles, which halve the
+# query's shared-memory reads per key. On an H100, 5-13% faster than the 32-key ring at 128 heads
+# in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under 3.7.1 (the others within 1%); on an
+# H200 (3.7.1) in 4 of 4. At 32 and 64 heads it was 0-4% slower in 9 of 10 rows (one program a
+# token: each tile from memory, where the deeper ring hides more). Release first, not values
+# first: the same bits, 2-8% faster in 9 of 9 rows at 96-128 heads on an H100 (Triton 3.7.1).
 SHARED_KEY_TILE = 64
 SHARED_BUFFERS = 2
-SHARED_ORDER = ORDER_VALUES_FIRST
+SHARED_ORDER = ORDER_RELEASE_FIRST
 # Buffers of P and the rescale factors: with two, consumer 0 writes a tile's while consumer 1 still
 # multiplies the previous one (two 32-key P buffers fit beside the ring; two 64-key ones do not).
 P_BUFFERS = 1
@@ -626,7 +633,8 @@ if GLUON_IMPORT_ERROR is None:
         ahead issues the next tile's scores before this tile's softmax and this tile's value
         product after it; values lag issues the previous tile's value product behind this
         tile's scores; values first issues this tile's value product after its softmax and waits
-        for it while the next tile's scores run.
+        for it while the next tile's scores run; release first waits for it before the next
+        tile's copy.
         """
         HALF: gl.constexpr = LATENT_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -759,6 +767,13 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             for j in range(num_tiles):
                 _stamp(trace, j, 0, m_i, TRACE)
+                if ORDER == 3:  # release first
+                    if j > 0:
+                        # Only the previous value product is in flight: its buffer goes back
+                        # before this tile's copy is waited for (the next copy starts a tile's
+                        # landing earlier than in values first).
+                        warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                        mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
                 scores = _issue_scores(
                     q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
                 )
@@ -767,7 +782,7 @@ if GLUON_IMPORT_ERROR is None:
                 _, _, attend = _tile_blocks(
                     table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
                 )
-                if j > 0:
+                if (ORDER == 0) & (j > 0):
                     # Groups complete in order, the previous value product before this tile's
                     # _SCORE_GROUPS: its key tile goes back to the producer while the scores
                     # run, not after them. With two 64-key buffers the next tile's copy

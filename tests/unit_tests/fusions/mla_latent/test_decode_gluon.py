@@ -82,6 +82,7 @@ VARIANTS = [
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, splits=2),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, block_size=37),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_LAG, block_size=37),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_RELEASE_FIRST, splits=2),
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
@@ -102,7 +103,7 @@ SHARED_RING = dict(
 # Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
 # tile's scores and the last tile's value product outside its loop; scores ahead also the first
 # tile's scores and the last tile's softmax and value product.
-_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2)}
+_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (1, 1)}
 
 
 @NEEDS_GLUON
@@ -170,6 +171,30 @@ def test_values_first_releases_a_key_tile_while_the_next_scores_run(compiled, in
     after = ptx[waits[0] :]
     # The buffer's release comes before any other wait for the MMAs.
     assert after.index("mbarrier.arrive") < after.index("wgmma.wait_group", 1)
+
+
+def _releases_after_full_waits(ptx: str) -> int:
+    """Places where a full MMA wait is directly followed by a barrier arrival (a buffer or P
+    released once every product reading it is done)."""
+    ops = re.findall(r"wgmma\.wait_group\.sync\.aligned \d+;|mbarrier\.\w+", ptx)
+    return sum(a.endswith(" 0;") and b == "mbarrier.arrive" for a, b in zip(ops, ops[1:]))
+
+
+@NEEDS_GLUON
+def test_release_first_frees_a_key_tile_after_a_full_wait_not_behind_the_scores(compiled):
+    """Release first against values first, the same ring otherwise: no wait leaves the score
+    product pending (values first frees a tile behind the next tile's scores, so after that tile
+    has landed), and consumer 0's loop has one more release after a full wait (the previous
+    value product alone in flight, before the next tile is waited for)."""
+    same = dict(key_tile=64, buffers=2, splits=2)
+    first = VARIANTS.index(dict(same, order=decode_gluon.ORDER_VALUES_FIRST))
+    release = VARIANTS.index(dict(same, order=decode_gluon.ORDER_RELEASE_FIRST))
+    partial = rf"wgmma\.wait_group\.sync\.aligned {decode_gluon._SCORE_GROUPS.value};"
+    assert re.search(partial, compiled[first]["ptx"])
+    assert not re.search(partial, compiled[release]["ptx"])
+    assert _releases_after_full_waits(compiled[release]["ptx"]) == (
+        _releases_after_full_waits(compiled[first]["ptx"]) + 1
+    )
 
 
 @NEEDS_GLUON
@@ -299,12 +324,12 @@ def test_the_ring_refuses_a_head_count_that_is_not_a_positive_int():
 
 @pytest.mark.parametrize("heads", [32, 40, 64, 65, 128, 256])
 def test_more_than_one_head_group_takes_the_shared_keys_ring(heads):
-    """A token's programs share its key tiles above 64 heads: two 64-key tiles, values first;
+    """A token's programs share its key tiles above 64 heads: two 64-key tiles, release first;
     up to 64 heads the 32-key ring. Both fit a Hopper block at DeepSeek-V3's widths."""
     ring = attention_plan.gluon_ring(heads)
     if heads > decode_gluon.HEADS_PER_PROGRAM:
         assert ring == dict(
-            KEY_TILE=64, BUFFERS=2, ORDER=decode_gluon.ORDER_VALUES_FIRST, P_BUFFERS=1
+            KEY_TILE=64, BUFFERS=2, ORDER=decode_gluon.ORDER_RELEASE_FIRST, P_BUFFERS=1
         )
     else:
         assert ring == dict(

@@ -246,6 +246,11 @@ def test_the_trace_reads_phases_and_handoffs_from_the_steady_tiles():
     ring = handoffs["consumer 1 done -> producer has the buffer"]
     assert ring["median"] == 2000 + 100 + 14 - 400 - 7 and ring["n"] == 2 * 6
     assert result["partition_cycles"].eq(10_000).all()
+    # Consumer 0's phases are named by its order; an order it does not stamp has its period only.
+    release = module.analyse(trace, buffers=2, order=module.decode_gluon.ORDER_RELEASE_FIRST)
+    assert release["phases"][("consumer 0", "key mask's block ids")]["median"] == 100
+    lagged = module.analyse(trace, buffers=2, order=module.decode_gluon.ORDER_VALUES_LAG)
+    assert [k for k in lagged["phases"] if k[0] == "consumer 0"] == [("consumer 0", "tile period")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -276,9 +281,9 @@ def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partitio
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
     stamps = trace.cpu()
     tiles = stamps[:, :, : decode_gluon.TRACE_TILES]
-    written = (
-        {0: 6, 1: 5, 2: 3} if ring["ORDER"] == decode_gluon.ORDER_VALUES_FIRST else {1: 5, 2: 3}
-    )
+    # Consumer 0 stamps its tiles in the orders of the ring above 64 heads.
+    stamped = (decode_gluon.ORDER_VALUES_FIRST, decode_gluon.ORDER_RELEASE_FIRST)
+    written = {0: 6, 1: 5, 2: 3} if ring["ORDER"] in stamped else {1: 5, 2: 3}
     for partition, events in written.items():
         rows = tiles[:, partition, :, :events]
         used = rows[..., 0] >= 0
