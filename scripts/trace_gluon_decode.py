@@ -13,9 +13,10 @@ timeline compiled in (``trace_ptr``; every launch the plan makes compiles it out
 and phase of a key tile it prints the median and 90th percentile over the programs' steady tiles
 (the first two and the last of each program left out), in SM cycles, beside the tile's MMA work
 at the dense bf16 rate of an H100 or H200 SM (2,048 multiply-adds a cycle) and the handoffs
-between partitions. Consumer 0's phases are stamped in the values-first and release-first orders
-(the ring above 64 heads); in the others only its start and end are. The traced launch's GPU time
-beside the untraced one's says what the clock reads cost. Prints one table per shape, last.
+between partitions. Consumer 0's phases are stamped in the orders of the ring above 64 heads
+(values first, release first, scores as they land); in the others only its start and end are.
+The traced launch's GPU time beside the untraced one's says what the clock reads cost. Prints one
+table per shape, last.
 """
 
 import argparse
@@ -61,6 +62,9 @@ CONSUMER0_PHASES = {
         *_CONSUMER0_AFTER_SCORES,
     ),
 }
+CONSUMER0_PHASES[decode_gluon.ORDER_SCORES_AS_THEY_LAND] = CONSUMER0_PHASES[
+    decode_gluon.ORDER_RELEASE_FIRST
+]
 PHASES = {
     "consumer 1": (
         ("key tile ready", 0, 1),

@@ -77,6 +77,7 @@ __all__ = [
     "ORDER_VALUES_FIRST",
     "ORDER_VALUES_LAG",
     "ORDER_RELEASE_FIRST",
+    "ORDER_SCORES_AS_THEY_LAND",
     "P_BUFFERS",
     "SHARED_BUFFERS",
     "SHARED_KEY_TILE",
@@ -114,7 +115,13 @@ NUM_BUFFERS = 4
 #   copy could otherwise start only once the next tile had landed: the kernel's own timeline
 #   (scripts/trace_gluon_decode.py, H100) put the ring's period at the copy's issue and latency
 #   (about 1,000 and 2,500 cycles) plus that wait, not at the tile's MMAs or softmax.
-ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD, ORDER_RELEASE_FIRST = 0, 1, 2, 3
+# scores as they land: release first, with the score product issued 64 columns at a time, each
+#   part once its columns' copies have landed (a barrier per 64 columns and buffer), so the
+#   product starts on the first columns instead of the whole tile (FlashMLA's fine-grained copy
+#   and GEMM pipelining); the same k-steps in the same order. Compiled and checked on the CPU,
+#   not run on a GPU yet.
+ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
+ORDER_RELEASE_FIRST, ORDER_SCORES_AS_THEY_LAND = 3, 4
 ORDER = ORDER_VALUES_LAG
 # Program order: the head groups of a token (128 heads: two programs reading the same key tiles)
 # on the grid's first axis, so they start together and the second reads the tiles from L2 while
@@ -366,6 +373,8 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_N: gl.constexpr,
         BUFFERS: gl.constexpr,
         Q_ROPE_COL: gl.constexpr,
+        chunk_ready,
+        CHUNKED: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -414,12 +423,18 @@ if GLUON_IMPORT_ERROR is None:
                 + in_page.to(gl.int64) * cache_stride_o
             )
             dst = kv_smem.index(buf)
+            chunks: gl.constexpr = (LATENT_DIM + ROPE_DIM) // 64
             for c in gl.static_range(LATENT_DIM // 64):
                 _copy_rows(
                     dst.slice(c * 64, 64, dim=1),
                     rows[:, None] + c * 64 + cols[None, :],
                     mask=ok[:, None],
                 )
+                if CHUNKED:
+                    # Fires once this thread's copies so far, these columns' included, land.
+                    async_copy.mbarrier_arrive(
+                        chunk_ready.index(buf * chunks + c), increment_count=False
+                    )
             dst = rope_smem.index(buf)
             for c in gl.static_range(ROPE_DIM // 64):
                 _copy_rows(
@@ -427,6 +442,11 @@ if GLUON_IMPORT_ERROR is None:
                     rows[:, None] + LATENT_DIM + c * 64 + cols[None, :],
                     mask=ok[:, None],
                 )
+                if CHUNKED:
+                    async_copy.mbarrier_arrive(
+                        chunk_ready.index(buf * chunks + LATENT_DIM // 64 + c),
+                        increment_count=False,
+                    )
             # Each thread's arrival fires when its own copies have landed.
             async_copy.mbarrier_arrive(kv_ready.index(buf), increment_count=False)
             _stamp(trace, j, 2, clock_dep, TRACE)
@@ -539,20 +559,52 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _issue_scores(
-        q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS: gl.constexpr
+        q_smem,
+        q_rope_smem,
+        q_ready,
+        kv_smem,
+        rope_smem,
+        kv_ready,
+        s_zero,
+        j,
+        BUFFERS: gl.constexpr,
+        CHUNKS: gl.constexpr = 1,
     ):
-        """Wait for the query and key tile ``j`` and issue its score product (two MMA groups, in
-        flight). The query's barrier completes once; later waits return at once."""
+        """Wait for the query and key tile ``j`` and issue its score product, in flight: two MMA
+        groups once the tile has landed, or with ``CHUNKS`` barriers a buffer (scores as they
+        land; ``kv_ready`` then holds them) one group of 64 columns at a time, each once its
+        columns have landed, the same k-steps in the same order. The query's barrier completes
+        once; later waits return at once."""
         mbarrier.wait(q_ready, 0)
         buf = j % BUFFERS
-        mbarrier.wait(kv_ready.index(buf), (j // BUFFERS) & 1)
-        # cp.async wrote through the generic proxy; wgmma reads through the async one.
-        fence_async_shared()
-        kv = kv_smem.index(buf)
-        scores = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        return warpgroup_mma(
-            q_rope_smem, rope_smem.index(buf).permute((1, 0)), scores, is_async=True
-        )
+        phase = (j // BUFFERS) & 1
+        if CHUNKS == 1:
+            mbarrier.wait(kv_ready.index(buf), phase)
+            # cp.async wrote through the generic proxy; wgmma reads through the async one.
+            fence_async_shared()
+            kv = kv_smem.index(buf)
+            scores = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            scores = warpgroup_mma(
+                q_rope_smem, rope_smem.index(buf).permute((1, 0)), scores, is_async=True
+            )
+        else:
+            latent: gl.constexpr = q_smem.shape[1] // 64
+            kv = kv_smem.index(buf)
+            rope = rope_smem.index(buf)
+            scores = s_zero
+            for c in gl.static_range(CHUNKS):
+                mbarrier.wait(kv_ready.index(buf * CHUNKS + c), phase)
+                fence_async_shared()
+                if c < latent:
+                    q_part = q_smem.slice(c * 64, 64, dim=1)
+                    k_part = kv.slice(c * 64, 64, dim=1)
+                else:
+                    q_part = q_rope_smem.slice((c - latent) * 64, 64, dim=1)
+                    k_part = rope.slice((c - latent) * 64, 64, dim=1)
+                scores = warpgroup_mma(
+                    q_part, k_part.permute((1, 0)), scores, use_acc=c > 0, is_async=True
+                )
+        return scores
 
     @gluon.jit
     def _tile_softmax(scores, m_i, l_i, attend, scale_log2, LARGE_SCALE: gl.constexpr):
@@ -624,6 +676,8 @@ if GLUON_IMPORT_ERROR is None:
         BUFFERS: gl.constexpr,
         ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
+        chunk_ready,
+        ROPE_DIM: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -645,6 +699,9 @@ if GLUON_IMPORT_ERROR is None:
         )
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # Scores as they land wait for each 64 columns' barrier, the other orders for the tile's.
+        CHUNKS: gl.constexpr = (LATENT_DIM + ROPE_DIM) // 64 if ORDER == 4 else 1
+        ready = chunk_ready if ORDER == 4 else kv_ready
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
@@ -767,7 +824,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             for j in range(num_tiles):
                 _stamp(trace, j, 0, m_i, TRACE)
-                if ORDER == 3:  # release first
+                if ORDER >= 3:  # release first (and scores as they land)
                     if j > 0:
                         # Only the previous value product is in flight: its buffer goes back
                         # before this tile's copy is waited for (the next copy starts a tile's
@@ -775,7 +832,16 @@ if GLUON_IMPORT_ERROR is None:
                         warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                         mbarrier.arrive(kv_free.index((j - 1) % BUFFERS), count=1)
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                    q_smem,
+                    q_rope_smem,
+                    q_ready,
+                    kv_smem,
+                    rope_smem,
+                    ready,
+                    s_zero,
+                    j,
+                    BUFFERS,
+                    CHUNKS,
                 )
                 _stamp(trace, j, 1, m_i, TRACE)
                 # The key mask's block-id load in flight beside the MMAs, not after them.
@@ -972,6 +1038,16 @@ if GLUON_IMPORT_ERROR is None:
         p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _HEADS, BLOCK_N], p_layout)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, _HEADS], vec_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
+        # Scores as they land: a barrier per 64 columns of each buffer (else none is allocated).
+        CHUNKED: gl.constexpr = ORDER == 4
+        if CHUNKED:
+            chunk_ready = gl.allocate_shared_memory(
+                gl.int64, [BUFFERS * ((LATENT_DIM + ROPE_DIM) // 64), 1], mbarrier.MBarrierLayout()
+            )
+            for b in gl.static_range(BUFFERS * ((LATENT_DIM + ROPE_DIM) // 64)):
+                mbarrier.init(chunk_ready.index(b), count=_PWARPS * 32)
+        else:
+            chunk_ready = kv_ready  # not read
         kv_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1042,6 +1118,8 @@ if GLUON_IMPORT_ERROR is None:
                         BUFFERS,
                         ORDER,
                         P_BUFFERS,
+                        chunk_ready,
+                        ROPE_DIM,
                         trace0,
                         TRACE,
                     ),
@@ -1105,6 +1183,8 @@ if GLUON_IMPORT_ERROR is None:
                         BLOCK_N,
                         BUFFERS,
                         Q_ROPE_COL,
+                        chunk_ready,
+                        CHUNKED,
                         trace2,
                         TRACE,
                     ),

@@ -83,6 +83,8 @@ VARIANTS = [
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_FIRST, block_size=37),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_VALUES_LAG, block_size=37),
     dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_RELEASE_FIRST, splits=2),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_SCORES_AS_THEY_LAND, splits=2),
+    dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_SCORES_AS_THEY_LAND, block_size=37),
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
@@ -103,7 +105,17 @@ SHARED_RING = dict(
 # Copies of a tile's MMAs in consumer 0's code, by order: the lagged order issues the first
 # tile's scores and the last tile's value product outside its loop; scores ahead also the first
 # tile's scores and the last tile's softmax and value product.
-_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (1, 1)}
+_MMA_COPIES = {0: (1, 1), 1: (2, 2), 2: (2, 2), 3: (1, 1), 4: (1, 1)}
+
+
+def _of_order(order: int):
+    """Parametrize ``index`` over the VARIANTS compiled with consumer 0's ``order``."""
+    indices = [i for i, v in enumerate(VARIANTS) if v.get("order") == order]
+    return pytest.mark.parametrize(
+        "index",
+        indices,
+        ids=["-".join(f"{k}={VARIANTS[i][k]}" for k in VARIANTS[i]) for i in indices],
+    )
 
 
 @NEEDS_GLUON
@@ -147,11 +159,7 @@ def test_each_score_tile_is_computed_once_and_nothing_spills(compiled, index):
 
 
 @NEEDS_GLUON
-@pytest.mark.parametrize(
-    "index",
-    [i for i, v in enumerate(VARIANTS) if v.get("order") == decode_gluon.ORDER_VALUES_FIRST],
-    ids=lambda i: "-".join(f"{k}={VARIANTS[i][k]}" for k in VARIANTS[i]),
-)
+@_of_order(decode_gluon.ORDER_VALUES_FIRST)
 def test_values_first_releases_a_key_tile_while_the_next_scores_run(compiled, index):
     """In the values-first order consumer 0 waits for the previous value product with the score
     product's groups still pending and then releases that tile's buffer. The wait is right only if
@@ -195,6 +203,32 @@ def test_release_first_frees_a_key_tile_after_a_full_wait_not_behind_the_scores(
     assert _releases_after_full_waits(compiled[release]["ptx"]) == (
         _releases_after_full_waits(compiled[first]["ptx"]) + 1
     )
+
+
+@NEEDS_GLUON
+@_of_order(decode_gluon.ORDER_SCORES_AS_THEY_LAND)
+def test_scores_as_they_land_wait_for_each_64_columns_alone(compiled, index):
+    """The producer arrives on a barrier of each 64 columns right after their copies (cp.async's
+    arrival fires once the thread's copies so far have landed) and on the whole tile's after
+    the last; consumer 0 issues each 64 columns' four k-steps right after waiting for their
+    barrier, 36 score MMAs in nine runs. A run before its wait would read columns still in
+    flight; one wait for all would be release first."""
+    ptx = compiled[index]["ptx"]
+    chunks = (512 + 64) // 64
+    copies = re.findall(r"cp\.async\.cg\.shared\.global|cp\.async\.mbarrier\.arrive\.noinc", ptx)
+    arrivals = [i for i, op in enumerate(copies) if op.endswith("noinc")]
+    # The query's 36 copies and its arrival, then per 64 columns 4 copies and an arrival, and
+    # the whole tile's arrival after the last.
+    assert len(arrivals) == 1 + chunks + 1
+    assert arrivals[0] == 36 and all(b - a == 5 for a, b in zip(arrivals[1:-2], arrivals[2:-1]))
+    assert arrivals[-1] == arrivals[-2] + 1
+    ops = re.findall(r"mbarrier\.try_wait|wgmma\.mma_async\.sync\.aligned\.m64n64k16", ptx)
+    runs = re.findall(r"W(S+)", "".join("W" if op.startswith("mbarrier") else "S" for op in ops))
+    assert [len(r) for r in runs] == [4] * chunks, runs
+    inits = Counter(
+        int(n) for n in re.findall(r"mbarrier\.init\.shared[\w:.]*\s+\[[^]]+\],\s*(\d+)", ptx)
+    )
+    assert inits[decode_gluon.PARTITION_WARPS * 32] == 2 * chunks + 2 + 1  # chunks, tiles, query
 
 
 @NEEDS_GLUON

@@ -282,7 +282,11 @@ def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partitio
     stamps = trace.cpu()
     tiles = stamps[:, :, : decode_gluon.TRACE_TILES]
     # Consumer 0 stamps its tiles in the orders of the ring above 64 heads.
-    stamped = (decode_gluon.ORDER_VALUES_FIRST, decode_gluon.ORDER_RELEASE_FIRST)
+    stamped = (
+        decode_gluon.ORDER_VALUES_FIRST,
+        decode_gluon.ORDER_RELEASE_FIRST,
+        decode_gluon.ORDER_SCORES_AS_THEY_LAND,
+    )
     written = {0: 6, 1: 5, 2: 3} if ring["ORDER"] in stamped else {1: 5, 2: 3}
     for partition, events in written.items():
         rows = tiles[:, partition, :, :events]
