@@ -9,9 +9,10 @@ against stage 1's.
         [--out FILE.json]
 
 A variant is the kernel's key tile, the number of key tiles in its shared-memory ring, consumer
-0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead), the number
-of buffers of P and the rescale factors (``P_BUFFERS``, 1 where not given) and whether a token's
-head groups are next to each other in the grid (``HEADS_FIRST``, 0 where not given). Every
+0's order of a tile's work (``ORDER``: 0 values first, 1 values lag, 2 scores ahead, 3 release
+first, 4 scores as they land; ``decode_gluon.ORDER_*``), the number of buffers of P and the
+rescale factors (``P_BUFFERS``, 1 where not given) and whether a token's head groups are next to
+each other in the grid (``HEADS_FIRST``, 0 where not given). Every
 variant runs with the launcher's plan for the step (its split count, its workspace and combine),
 only those constexprs changed, so a variant found here is one the launcher can take by
 changing the constants in ``decode_gluon``. ``--splits`` replaces the launcher's split count
