@@ -15,8 +15,9 @@
 # and racecheck of the Gluon cases (tests/unit_tests/fusions/sanitize_mla_latent_cache.py
 # --gluon-only), racecheck of the partitions' handoff alone in five forms
 # (scripts/racecheck_mbarrier_handoff.py),
-# the sweep beside stage 1 and FlashInfer where installed (scripts/sweep_gluon_decode.py), and
-# Nsight Compute on one 128-head launch (scripts/profile_gluon_decode.py). The variant is applied
+# the sweep beside stage 1 and FlashInfer where installed (scripts/sweep_gluon_decode.py), the
+# kernel's own timeline at 128 heads (scripts/trace_gluon_decode.py), and Nsight Compute on one
+# 128-head launch (scripts/profile_gluon_decode.py). The variant is applied
 # by setting the launch layer's constants before anything is planned, as the launcher would
 # read them. Each step runs even when an earlier one failed; the exit code is non-zero if any did.
 set -uo pipefail
@@ -90,8 +91,11 @@ done
 if [ -z "$skip_sweep" ]; then
   step "sweep beside stage 1 and FlashInfer" sweep.log \
     python3 scripts/sweep_gluon_decode.py --out "$results/sweep.json" \
-      --variants 32,4,1 32,4,1,1,1 64,2,0,1,1 ${variant:+"$variant"}
+      --variants 32,4,1,1,1 64,2,3,1,1 ${variant:+"$variant"}
 fi
+step "timeline, 32 x 8k and 128 x 2k, 128 heads" trace.log \
+  python3 scripts/trace_gluon_decode.py --shapes 32,8192,128 128,2048,128 \
+    ${variant:+--variant "$variant"} --out "$results/trace.json"
 if [ -z "$skip_profile" ]; then
   step "Nsight Compute, 128 x 2k, 128 heads" profile.log \
     python3 scripts/profile_gluon_decode.py --shape 128 2048 128 \
