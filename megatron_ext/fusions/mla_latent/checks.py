@@ -40,6 +40,7 @@ from megatron_ext.fusions.tensor_checks import (
 
 __all__ = [
     "APPEND_ARGUMENTS",
+    "MHA_MAX_SOFTMAX_SCALE",
     "check_append_cache_disjoint",
     "check_append_call",
     "check_attention_call",
@@ -47,12 +48,11 @@ __all__ = [
     "check_block_table",
     "check_cache_for_query",
     "check_head_offsets",
+    "check_mha_softmax_scale",
     "check_paged_cache",
     "check_pow2",
     "check_query_rope",
-    "check_mha_softmax_scale",
     "check_softmax_scale",
-    "MHA_MAX_SOFTMAX_SCALE",
     "rows_of",
 ]
 

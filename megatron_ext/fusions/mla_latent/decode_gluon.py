@@ -38,6 +38,9 @@ query's, used once:
 * ``q_ready``: the query's copies have landed (one arrival per producer thread, as below);
 * ``kv_ready[b]``: the producer's copies into buffer ``b`` have landed (each producer thread's
   ``cp.async.mbarrier.arrive``, so the count is the producer's threads);
+* ``score_ready[b * CHUNKS + c]``, in scores as they land only: 64 columns ``c`` of buffer ``b``
+  have landed (the same count); consumer 0's score product waits on these, in the other orders
+  on ``kv_ready``;
 * ``kv_free[b]``: both consumers are done reading buffer ``b`` (count 2);
 * ``p_ready[b]`` / ``p_free[b]``: consumer 0 has written P and the rescale factors into buffer
   ``b`` of ``P_BUFFERS`` / consumer 1 is done with them (shared memory holds the query, the key
@@ -373,8 +376,8 @@ if GLUON_IMPORT_ERROR is None:
         BLOCK_N: gl.constexpr,
         BUFFERS: gl.constexpr,
         Q_ROPE_COL: gl.constexpr,
-        chunk_ready,
-        CHUNKED: gl.constexpr,
+        score_ready,
+        CHUNKS: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -423,17 +426,16 @@ if GLUON_IMPORT_ERROR is None:
                 + in_page.to(gl.int64) * cache_stride_o
             )
             dst = kv_smem.index(buf)
-            chunks: gl.constexpr = (LATENT_DIM + ROPE_DIM) // 64
             for c in gl.static_range(LATENT_DIM // 64):
                 _copy_rows(
                     dst.slice(c * 64, 64, dim=1),
                     rows[:, None] + c * 64 + cols[None, :],
                     mask=ok[:, None],
                 )
-                if CHUNKED:
+                if CHUNKS > 1:
                     # Fires once this thread's copies so far, these columns' included, land.
                     async_copy.mbarrier_arrive(
-                        chunk_ready.index(buf * chunks + c), increment_count=False
+                        score_ready.index(buf * CHUNKS + c), increment_count=False
                     )
             dst = rope_smem.index(buf)
             for c in gl.static_range(ROPE_DIM // 64):
@@ -442,9 +444,9 @@ if GLUON_IMPORT_ERROR is None:
                     rows[:, None] + LATENT_DIM + c * 64 + cols[None, :],
                     mask=ok[:, None],
                 )
-                if CHUNKED:
+                if CHUNKS > 1:
                     async_copy.mbarrier_arrive(
-                        chunk_ready.index(buf * chunks + LATENT_DIM // 64 + c),
+                        score_ready.index(buf * CHUNKS + LATENT_DIM // 64 + c),
                         increment_count=False,
                     )
             # Each thread's arrival fires when its own copies have landed.
@@ -647,7 +649,7 @@ if GLUON_IMPORT_ERROR is None:
         rope_smem,
         p_smem,
         alpha_smem,
-        kv_ready,
+        ready,
         kv_free,
         p_ready,
         p_free,
@@ -676,8 +678,7 @@ if GLUON_IMPORT_ERROR is None:
         BUFFERS: gl.constexpr,
         ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
-        chunk_ready,
-        ROPE_DIM: gl.constexpr,
+        CHUNKS: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -699,9 +700,6 @@ if GLUON_IMPORT_ERROR is None:
         )
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        # Scores as they land wait for each 64 columns' barrier, the other orders for the tile's.
-        CHUNKS: gl.constexpr = (LATENT_DIM + ROPE_DIM) // 64 if ORDER == 4 else 1
-        ready = chunk_ready if ORDER == 4 else kv_ready
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
@@ -713,7 +711,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = warpgroup_mma_init(gl.zeros([_HEADS, HALF], gl.float32, o_layout))
             if num_tiles > 0:
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, ready, s_zero, 0, BUFFERS
                 )
                 _, _, attend = _tile_blocks(
                     table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
@@ -726,7 +724,7 @@ if GLUON_IMPORT_ERROR is None:
                         q_ready,
                         kv_smem,
                         rope_smem,
-                        kv_ready,
+                        ready,
                         s_zero,
                         j + 1,
                         BUFFERS,
@@ -779,7 +777,7 @@ if GLUON_IMPORT_ERROR is None:
             acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
             if num_tiles > 0:
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, 0, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, ready, s_zero, 0, BUFFERS
                 )
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
@@ -793,7 +791,7 @@ if GLUON_IMPORT_ERROR is None:
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             for j in range(1, num_tiles):
                 scores = _issue_scores(
-                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, kv_ready, s_zero, j, BUFFERS
+                    q_smem, q_rope_smem, q_ready, kv_smem, rope_smem, ready, s_zero, j, BUFFERS
                 )
                 # The key mask's block-id load in flight beside the MMAs, not after them.
                 _, _, attend = _tile_blocks(
@@ -1038,16 +1036,17 @@ if GLUON_IMPORT_ERROR is None:
         p_smem = gl.allocate_shared_memory(dtype, [P_BUFFERS, _HEADS, BLOCK_N], p_layout)
         alpha_smem = gl.allocate_shared_memory(gl.float32, [P_BUFFERS, _HEADS], vec_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
-        # Scores as they land: a barrier per 64 columns of each buffer (else none is allocated).
-        CHUNKED: gl.constexpr = ORDER == 4
-        if CHUNKED:
-            chunk_ready = gl.allocate_shared_memory(
-                gl.int64, [BUFFERS * ((LATENT_DIM + ROPE_DIM) // 64), 1], mbarrier.MBarrierLayout()
+        # What consumer 0's score product waits for: in scores as they land a barrier per 64
+        # columns of each buffer (CHUNKS a buffer), in the other orders the whole tile's.
+        CHUNKS: gl.constexpr = (LATENT_DIM + ROPE_DIM) // 64 if ORDER == 4 else 1
+        if CHUNKS > 1:
+            score_ready = gl.allocate_shared_memory(
+                gl.int64, [BUFFERS * CHUNKS, 1], mbarrier.MBarrierLayout()
             )
-            for b in gl.static_range(BUFFERS * ((LATENT_DIM + ROPE_DIM) // 64)):
-                mbarrier.init(chunk_ready.index(b), count=_PWARPS * 32)
+            for b in gl.static_range(BUFFERS * CHUNKS):
+                mbarrier.init(score_ready.index(b), count=_PWARPS * 32)
         else:
-            chunk_ready = kv_ready  # not read
+            score_ready = kv_ready
         kv_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [P_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1089,7 +1088,7 @@ if GLUON_IMPORT_ERROR is None:
                         rope_smem,
                         p_smem,
                         alpha_smem,
-                        kv_ready,
+                        score_ready,
                         kv_free,
                         p_ready,
                         p_free,
@@ -1118,8 +1117,7 @@ if GLUON_IMPORT_ERROR is None:
                         BUFFERS,
                         ORDER,
                         P_BUFFERS,
-                        chunk_ready,
-                        ROPE_DIM,
+                        CHUNKS,
                         trace0,
                         TRACE,
                     ),
@@ -1183,8 +1181,8 @@ if GLUON_IMPORT_ERROR is None:
                         BLOCK_N,
                         BUFFERS,
                         Q_ROPE_COL,
-                        chunk_ready,
-                        CHUNKED,
+                        score_ready,
+                        CHUNKS,
                         trace2,
                         TRACE,
                     ),

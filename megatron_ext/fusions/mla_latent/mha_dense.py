@@ -266,9 +266,9 @@ def square_causal_attention(
         and groups[0].rows is not None
         and groups[0].count * groups[0].length == tokens
     )
-    written = int(np.asarray(lengths).sum())
     lse = None
     if not alone:
+        written = int(np.asarray(lengths).sum())
         out, lse = _empty_result(q, v.shape[-1], want_lse, written, out)
     for group in groups:
         length, rows = group.length, group.rows
