@@ -25,7 +25,7 @@ import copy
 import json
 import os
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -119,14 +119,27 @@ def apply_variant(text: str) -> None:
     attention_plan.SHARED_KEYS_RING = False  # the variant at every head count
 
 
-def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: str):
-    """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs, through
-    a copy of the launcher's plan for the step (its grid, splits, workspace and combine); and the
-    plan's split count."""
+def variant_call(
+    step: cases.PagedStep, out: torch.Tensor, variant: Optional[str], **extra: Any
+) -> Tuple[Callable[..., torch.Tensor], int, Dict[str, Any]]:
+    """``call(kv_cache, query, out)`` of the Gluon kernel with the variant's constexprs (the
+    launcher's own where ``variant`` is None) and ``extra`` kernel arguments, through a copy of
+    the launcher's plan for the step (its grid, splits, workspace and combine); the plan's split
+    count; and the launch's arguments.
+
+    Args:
+        step: the decode step.
+        out: an output of the step's layout.
+        variant: the variant's text (:func:`parse_variant`), or None.
+        extra: kernel arguments to set as well (the trace script's ``trace_ptr``).
+
+    Returns:
+        Tuple[Callable, int, Dict[str, Any]]: the call, the split count and the arguments.
+    """
     plan = cases.step_plan(step, out, "gluon")
     launch = plan.stage1
     args = dict(launch.args)
-    args.update(parse_variant(variant))
+    args.update(parse_variant(variant) if variant else {}, **extra)
     grid = launch.grid
     if args["HEADS_FIRST"] != launch.args["HEADS_FIRST"]:
         grid = (grid[1], grid[0], grid[2])  # head groups and tokens trade axes
@@ -140,7 +153,7 @@ def _variant_call(step: cases.PagedStep, out: torch.Tensor, variant: str):
         variant_plan(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)
         return out
 
-    return call, plan.workspace[0][1] if plan.workspace else 1
+    return call, plan.workspace[0][1] if plan.workspace else 1, args
 
 
 def _row(shape: Tuple[int, int, int], variants: Sequence[str]) -> Dict:
@@ -172,7 +185,7 @@ def _row(shape: Tuple[int, int, int], variants: Sequence[str]) -> Dict:
     for variant in variants:
         name = "gluon " + variant
         try:
-            call, splits = _variant_call(step, sets[0][2], variant)
+            call, splits, _ = variant_call(step, sets[0][2], variant)
             out = torch.empty_like(reference)
             call(sets[0][0], sets[0][1], out)
             torch.cuda.synchronize()

@@ -20,7 +20,6 @@ table per shape, last.
 """
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -32,11 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
 from megatron_ext.bench.mla_serving import graph_us  # noqa: E402
-from megatron_ext.fusions.direct_launch import PreparedLaunch  # noqa: E402
 from megatron_ext.fusions.mla_latent import decode_gluon  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_gluon_decode import parse_variant, variant_arg  # noqa: E402
+from sweep_gluon_decode import VARIANT_FIELDS, variant_arg, variant_call  # noqa: E402
 
 DEFAULT_SHAPES = ["32,8192,128", "128,2048,128", "64,4096,64"]
 PARTITIONS = ("consumer 0", "consumer 1", "producer")
@@ -98,35 +96,14 @@ def traced_launch(step: cases.PagedStep, out: torch.Tensor, variant: str = None)
     ``variant``'s) with the timeline on (``traced(kv_cache, query, out)`` fills ``trace``, int64
     ``[programs, 3, TRACE_TILES + 1, TRACE_EVENTS]``), the same launch without it, the timeline,
     and the ring's constexprs."""
-    plan = cases.step_plan(step, out, "gluon")
-    launch = plan.stage1
-    args = dict(launch.args)
-    grid = launch.grid
-    if variant:
-        args.update(parse_variant(variant))
-        if args["HEADS_FIRST"] != launch.args["HEADS_FIRST"]:
-            grid = (grid[1], grid[0], grid[2])
-    programs = grid[0] * grid[1] * grid[2]
+    grid = cases.step_plan(step, out, "gluon").stage1.grid
+    programs = grid[0] * grid[1] * grid[2]  # the same whichever axis holds the head groups
     shape = (programs, 3, decode_gluon.TRACE_TILES + 1, decode_gluon.TRACE_EVENTS)
     trace = torch.full(shape, -1, dtype=torch.int64, device=out.device)
-    names = len(launch.names)
-    traced = PreparedLaunch(
-        launch.launches, grid, dict(args, trace_ptr=trace), launch.options, names
-    )
-    plain = PreparedLaunch(launch.launches, grid, args, launch.options, names)
-
-    def runner(prepared):
-        own = copy.copy(plan)  # the cached plan keeps the launcher's own launch
-        own.stage1 = prepared
-
-        def call(kv_cache, query, out):
-            own(query, kv_cache, step.block_table, step.cu_query_lengths, step.kv_lengths, out)
-            return out
-
-        return call
-
-    ring = {k: args[k] for k in ("KEY_TILE", "BUFFERS", "ORDER", "P_BUFFERS", "HEADS_FIRST")}
-    return runner(traced), runner(plain), trace, ring
+    traced, _, args = variant_call(step, out, variant, trace_ptr=trace)
+    plain, _, _ = variant_call(step, out, variant)
+    ring = {k: args[k] for k in VARIANT_FIELDS}
+    return traced, plain, trace, ring
 
 
 def _steady(trace: torch.Tensor, partition: int) -> torch.Tensor:
