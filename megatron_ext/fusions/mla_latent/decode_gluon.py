@@ -121,8 +121,9 @@ NUM_BUFFERS = 4
 # scores as they land: release first, with the score product issued 64 columns at a time, each
 #   part once its columns' copies have landed (a barrier per 64 columns and buffer), so the
 #   product starts on the first columns instead of the whole tile (FlashMLA's fine-grained copy
-#   and GEMM pipelining); the same k-steps in the same order. Compiled and checked on the CPU,
-#   not run on a GPU yet.
+#   and GEMM pipelining); the same k-steps and bits as release first, but 7-16% slower at 128
+#   heads and up to 1% at 32-64 on an H100 (Triton 3.7.1): the nine waits and fences between the
+#   product's parts cost more than the earlier start gains (perf notes). A sweep variant only.
 ORDER_VALUES_FIRST, ORDER_VALUES_LAG, ORDER_SCORES_AHEAD = 0, 1, 2
 ORDER_RELEASE_FIRST, ORDER_SCORES_AS_THEY_LAND = 3, 4
 ORDER = ORDER_VALUES_LAG
