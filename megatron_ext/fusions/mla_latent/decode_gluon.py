@@ -117,7 +117,11 @@ NUM_BUFFERS = 4
 #   product completes, before the wait for this tile's copy. With two 64-key buffers a tile's
 #   copy could otherwise start only once the next tile had landed: the kernel's own timeline
 #   (scripts/trace_gluon_decode.py, H100) put the ring's period at the copy's issue and latency
-#   (about 1,000 and 2,500 cycles) plus that wait, not at the tile's MMAs or softmax.
+#   (about 1,000 and 2,500 cycles) plus that wait, not at the tile's MMAs or softmax. Running
+#   either consumer's value product beside the softmax instead (the consumers taking turns at
+#   the scores, or consumer 1's product deferred behind the next scores) gave the same bits and
+#   was 11-70% slower on an H100: beside a value product the softmax took about the product's
+#   length longer (perf notes).
 # scores as they land: release first, with the score product issued 64 columns at a time, each
 #   part once its columns' copies have landed (a barrier per 64 columns and buffer), so the
 #   product starts on the first columns instead of the whole tile (FlashMLA's fine-grained copy
