@@ -110,7 +110,11 @@ NUM_BUFFERS = 4
 #   lagged order on an H100 (Triton 3.7.1), 2-7% with two P buffers: the combined wait delays
 #   P's handoff. The tensor pipe was 41% busy in the lagged order at 128 heads (H200, Nsight
 #   Compute). A fourth warpgroup for the softmax alone does not compile: Triton caps 16 warps'
-#   registers at 128 a thread, below a 64 x 256 fp32 accumulator's. FlashMLA's seesaw (both
+#   registers at 128 a thread, below a 64 x 256 fp32 accumulator's (ptxas allocates every
+#   partition within the kernel's cap; a partition's setmaxnreg does not raise it). With the
+#   producer's copies moved into two value warpgroups instead (12 warps), it compiles and gives
+#   the same bits, but was 15-22% slower at 128 heads on an H100: each warpgroup's copies issue
+#   behind its value product, so the next tile lands late (perf notes). FlashMLA's seesaw (both
 #   consumers computing the scores of alternate tiles, exchanging row maxima and P) ran within 3%
 #   of the lagged order at 32-128 heads on an H100, so it was not kept (perf notes).
 # release first: values first, but the previous tile's buffer goes back as soon as its value
