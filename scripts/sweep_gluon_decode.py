@@ -1,8 +1,8 @@
 # Copyright (c) 2026, megatron_ext contributors. All rights reserved.
 
 """Sweep the warp-specialized decode kernel's ring and schedule on a GPU against stage 1 and
-FlashInfer in the same run: GPU time by CUDA-graph replay, TFLOP/s, and each variant's output
-against stage 1's.
+FlashInfer in the same run: GPU time by CUDA-graph replay (the contenders in turns), TFLOP/s, and
+each variant's output against stage 1's.
 
     python scripts/sweep_gluon_decode.py [--shapes B,CTX,HEADS ...]
         [--variants KEY_TILE,BUFFERS,ORDER[,P_BUFFERS[,HEADS_FIRST]] ...] [--splits N]
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext.bench import mla_serving_cases as cases  # noqa: E402
-from megatron_ext.bench.mla_serving import _attention_sets, graph_us  # noqa: E402
+from megatron_ext.bench.mla_serving import _attention_sets, interleaved_graph_us  # noqa: E402
 from megatron_ext.fusions.direct_launch import PreparedLaunch  # noqa: E402
 from megatron_ext.fusions.mla_latent import decode_gluon  # noqa: E402
 
@@ -194,11 +194,11 @@ def _row(shape: Tuple[int, int, int], variants: Sequence[str]) -> Dict:
             contenders[name] = (call, sets)
         except Exception as error:
             row["errors"][name] = f"{type(error).__name__}: {error}"[:300]
-    for name, (call, call_sets) in contenders.items():
-        try:
-            row["times"][name] = graph_us(call, call_sets, quick=True)["gpu_us"]
-        except Exception as error:
-            row["errors"][name] = f"timing: {type(error).__name__}: {error}"[:300]
+    try:
+        timed = interleaved_graph_us(contenders, quick=True)
+        row["times"] = {name: t["gpu_us"] for name, t in timed.items()}
+    except Exception as error:
+        row["errors"]["timing"] = f"{type(error).__name__}: {error}"[:300]
     del sets, contenders
     torch.cuda.empty_cache()
     return row

@@ -74,8 +74,8 @@ PHASES = {
     ),
     "producer": (
         ("buffer free", 0, 1),
-        ("copies issued", 1, 2),
-        ("next", 2, 8),
+        ("copies issued (values lag: after the block ids)", 1, 2),
+        ("next (release first: the next tile's block ids)", 2, 8),
         ("tile period", 0, 8),
     ),
 }

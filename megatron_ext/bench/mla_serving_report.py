@@ -318,8 +318,9 @@ def tables(result: Dict[str, Any]) -> str:
         f"MLA serving kernels on {result['device']}: torch {result['torch']}, triton "
         f"{result['triton']}, megatron-core {result['megatron_core']}; FlashInfer: "
         f"{result['flashinfer']}",
-        "gpu: do_bench median of a CUDA graph of N calls, divided by N (inputs rotated over "
-        "copies larger than the L2 where one call's are smaller); eager: calls issued back to back "
+        "gpu: a CUDA graph of N calls, divided by N: the median of its replays, each behind an "
+        "L2 flush, a row's contenders taking turns (inputs rotated over copies larger than the L2 "
+        "where one call's are smaller); eager: calls issued back to back "
         "with a final sync, per call; host: the same without the sync (launch cost); us",
     ]
     decode = [r for r in rows if r["section"] == "decode"]

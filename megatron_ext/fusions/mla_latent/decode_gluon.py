@@ -147,8 +147,11 @@ HEADS_FIRST = True
 # query's shared-memory reads per key. On an H100, 5-13% faster than the 32-key ring at 128 heads
 # in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under 3.7.1 (the others within 1%); on an
 # H200 (3.7.1) in 4 of 4. At 32 and 64 heads it was 0-4% slower in 9 of 10 rows (one program a
-# token: each tile from memory, where the deeper ring hides more). Release first, not values
-# first: the same bits, 2-8% faster in 9 of 9 rows at 96-128 heads on an H100 (Triton 3.7.1).
+# token: each tile from memory, where the deeper ring hides more), timed one after the other;
+# timed in turns (H100, 3.7.1), release first on it was 0.1-1.6% faster there in 11 of 11 rows,
+# not yet confirmed on an H200 or under 3.9, so those head counts keep the 32-key ring. Release
+# first, not values first: the same bits, 2-8% faster in 9 of 9 rows at 96-128 heads on an H100
+# (Triton 3.7.1).
 SHARED_KEY_TILE = 64
 SHARED_BUFFERS = 2
 SHARED_ORDER = ORDER_RELEASE_FIRST
@@ -389,11 +392,13 @@ if GLUON_IMPORT_ERROR is None:
         CHUNKS: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
+        IDS_AHEAD: gl.constexpr,
     ):
         """Copy the query, then gather key tile after key tile into the ring (latent and RoPE
         columns in buffers of their own: shared memory shapes are powers of two), 64 columns per
         copy. The query's copies are in flight beside the first tiles', where loading it before
-        the partitions started left the ring empty until it landed."""
+        the partitions started left the ring empty until it landed. With ``IDS_AHEAD`` each
+        tile's block ids are loaded a tile ahead."""
         _copy_query(
             q_smem,
             q_rope_smem,
@@ -417,6 +422,15 @@ if GLUON_IMPORT_ERROR is None:
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         clock_dep = tile_keys.to(gl.float32)
         _stamp(trace, _TRACE_TILES, 0, clock_dep, TRACE)
+        # Release first's producer loads each tile's block ids a tile ahead, in flight while it
+        # waits for the buffer, so their latency is not between the buffer's release and its
+        # copies (1-4% off the 128-head rows on an H100, the same bits). Under values lag on the
+        # 32-key ring it cost 0.2-0.8% at 32 and 64 heads and 6% at 128 (ids held across the
+        # wait), so that ring keeps loading them after the wait.
+        if IDS_AHEAD:
+            block, in_page, ok = _tile_blocks(
+                table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+            )
         for j in range(num_tiles):
             buf = j % BUFFERS
             _stamp(trace, j, 0, clock_dep, TRACE)
@@ -424,11 +438,12 @@ if GLUON_IMPORT_ERROR is None:
             # counts as complete).
             mbarrier.wait(kv_free.index(buf), ((j // BUFFERS) & 1) ^ 1)
             _stamp(trace, j, 1, clock_dep, TRACE)
+            if not IDS_AHEAD:
+                block, in_page, ok = _tile_blocks(
+                    table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
             # A block id outside the cache is skipped, never read (stage 1's rule); the copies
             # of masked rows write zeros.
-            block, in_page, ok = _tile_blocks(
-                table_row, lo + j * BLOCK_N, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
-            )
             rows = (
                 cache_ptr
                 + gl.where(ok, block, 0) * cache_stride_b
@@ -461,6 +476,11 @@ if GLUON_IMPORT_ERROR is None:
             # Each thread's arrival fires when its own copies have landed.
             async_copy.mbarrier_arrive(kv_ready.index(buf), increment_count=False)
             _stamp(trace, j, 2, clock_dep, TRACE)
+            if IDS_AHEAD:
+                first = lo + (j + 1) * BLOCK_N
+                block, in_page, ok = _tile_blocks(
+                    table_row, first, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+                )
         _stamp(trace, _TRACE_TILES, 1, clock_dep, TRACE)
 
     @gluon.jit
@@ -1194,6 +1214,7 @@ if GLUON_IMPORT_ERROR is None:
                         CHUNKS,
                         trace2,
                         TRACE,
+                        ORDER >= 3,  # the block ids a tile ahead under release first
                     ),
                 ),
             ],

@@ -170,7 +170,14 @@ def fake_gpu(monkeypatch):
     def fake_host_us(fns, rounds, sync):
         return {name: {"host_us": 2.0, "eager_us": 3.0 + i} for i, name in enumerate(fns)}
 
+    def fake_interleaved_graph_us(contenders, quick, eager_only=()):
+        return {
+            name: fake_graph_us(call, sets, quick, graph=name not in eager_only)
+            for name, (call, sets) in contenders.items()
+        }
+
     monkeypatch.setattr(mla_serving, "graph_us", fake_graph_us)
+    monkeypatch.setattr(mla_serving, "interleaved_graph_us", fake_interleaved_graph_us)
     monkeypatch.setattr(mla_serving, "interleaved_host_us", fake_host_us)
     monkeypatch.setattr(mla_serving, "_copy_ceiling", lambda quick: {"tb_per_s": 4.0})
     monkeypatch.setattr(mla_serving, "matmul_peak", lambda quick: {"tflops": 800.0})
@@ -345,6 +352,42 @@ def test_gpu_queued_timing_is_the_gpu_time_of_calls_the_host_is_slow_to_issue():
     graphed = mla_serving.graph_us(lambda: torch.mm(a, a, out=out), [()], quick=True)["gpu_us"]
     assert queued < 1000, f"queued {queued:.1f} us: the host's 2 ms per call leaked in"
     assert 0.7 * graphed < queued < 1.5 * graphed + 5, (queued, graphed)
+
+
+@pytest.mark.gpu
+def test_gpu_contenders_in_turns_each_get_their_own_time():
+    """Two contenders timed in turns, one twice the other's matmuls on its own tensors, and one
+    that cannot be captured: each time is its own (the double about twice the single, the
+    capture's failure timed eagerly and said so), in the contenders' order."""
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    b, out_a, out_b = a.clone(), torch.empty_like(a), torch.empty_like(a)
+
+    def single(x, out):
+        torch.mm(x, x, out=out)
+
+    def double(x, out):
+        torch.mm(x, x, out=out)
+        torch.mm(out, x, out=out)
+
+    def syncs(x, out):
+        torch.mm(x, x, out=out)
+        torch.cuda.synchronize()  # not allowed while capturing
+
+    contenders = {
+        "double": (double, [(b, out_b)]),
+        "single": (single, [(a, out_a)]),
+        "syncs": (syncs, [(a, out_a)]),
+    }
+    for call, sets in contenders.values():
+        call(*sets[0])
+    times = mla_serving.interleaved_graph_us(contenders, quick=True)
+    alone = mla_serving.graph_us(single, [(a, out_a)], quick=True)["gpu_us"]
+    assert list(times) == ["double", "single", "syncs"]
+    assert times["single"]["gpu_method"] == times["double"]["gpu_method"] == "graph"
+    assert "capture failed" in times["syncs"]["gpu_method"], times["syncs"]
+    ratio = times["double"]["gpu_us"] / times["single"]["gpu_us"]
+    assert 1.6 < ratio < 2.4, (times, ratio)
+    assert 0.7 * alone < times["single"]["gpu_us"] < 1.4 * alone, (times, alone)
 
 
 @pytest.mark.gpu

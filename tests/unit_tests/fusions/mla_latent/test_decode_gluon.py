@@ -205,6 +205,51 @@ def test_release_first_frees_a_key_tile_after_a_full_wait_not_behind_the_scores(
     )
 
 
+def _producer_code(ptx: str) -> str:
+    """The producer partition's PTX: from its register share (``setmaxnreg.dec``) to the next
+    ``setmaxnreg``."""
+    share = re.search(
+        rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{int(decode_gluon.PRODUCER_REGS)};", ptx
+    )
+    end = ptx.find("setmaxnreg", share.end())
+    return ptx[share.end() : end if end >= 0 else len(ptx)]
+
+
+_LATE_IDS = [VARIANTS.index(dict()), VARIANTS.index(dict(block_size=37))]
+_EARLY_IDS = [
+    VARIANTS.index(dict(SHARED_RING, splits=2)),
+    VARIANTS.index(
+        dict(key_tile=64, buffers=2, order=decode_gluon.ORDER_SCORES_AS_THEY_LAND, block_size=37)
+    ),
+]
+
+
+@NEEDS_GLUON
+@pytest.mark.parametrize(
+    "index",
+    _LATE_IDS + _EARLY_IDS,
+    ids=["values_lag", "values_lag-block_size=37", "release_first", "as_they_land-block_size=37"],
+)
+def test_release_first_loads_a_tiles_block_ids_before_waiting_for_its_buffer(compiled, index):
+    """Under release first (and scores as they land) each tile's block ids are loaded a tile
+    ahead: the producer's wait for a free buffer is followed by the tile's copies with no load
+    between them, and the next tile's ids are loaded after its copies are issued, so their
+    latency passes while the producer waits. The other orders load them after the wait."""
+    ops = re.findall(
+        r"mbarrier\.try_wait|ld\.global|cp\.async\.cg|cp\.async\.mbarrier\.arrive",
+        _producer_code(compiled[index]["ptx"]),
+    )
+    letter = {"mbarrier.try_wait": "W", "ld.global": "l", "cp.async.cg": "c"}
+    text = "".join(letter.get(op, "a") for op in ops)
+    # The query's copies and arrival, then the loop: ahead, the first tile's ids before it and
+    # in it the wait, the tile's copies and arrivals (as they land: one per 64 columns and the
+    # tile's) and the next tile's ids; otherwise the wait, the tile's ids, its copies and arrival.
+    if index in _EARLY_IDS:
+        assert re.fullmatch(r"c+al+W(?:c+a)+a?l+", text), text
+    else:
+        assert re.fullmatch(r"c+aWl+c+a", text), text
+
+
 @NEEDS_GLUON
 @_of_order(decode_gluon.ORDER_SCORES_AS_THEY_LAND)
 def test_scores_as_they_land_wait_for_each_64_columns_alone(compiled, index):

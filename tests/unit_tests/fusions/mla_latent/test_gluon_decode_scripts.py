@@ -238,7 +238,10 @@ def test_the_trace_reads_phases_and_handoffs_from_the_steady_tiles():
     assert phases[("consumer 0", "softmax")]["n"] == 2 * 8  # tiles 2..9 of two programs
     assert phases[("consumer 0", "rescale, values issued, next")]["median"] == 1000 - 500
     assert phases[("consumer 0", "tile period")]["n"] == 2 * 7  # tile 9 has no next
-    assert phases[("producer", "next")]["median"] == 1000 - 200
+    assert (
+        phases[("producer", "next (release first: the next tile's block ids)")]["median"]
+        == 1000 - 200
+    )
     handoffs = result["handoffs"]
     # Consumer 1's event 2 (7 cycles later) against consumer 0's event 5 of the same tile.
     assert handoffs["P handed over -> consumer 1 has it"]["median"] == 200 + 7 - 500
