@@ -216,12 +216,7 @@ def graph_us(
     Returns:
         Dict[str, Any]: ``gpu_us``, ``gpu_method`` ("graph", or the eager method and why).
     """
-    calls = max(MIN_GRAPH_CALLS, len(sets))
-
-    def run_all() -> None:
-        for i in range(calls):
-            call(*sets[i % len(sets)])
-
+    run_all, calls = _calls_of(call, sets)
     torch.cuda.synchronize()
     if not graph:
         try:
@@ -229,15 +224,31 @@ def graph_us(
             return {"gpu_us": us, "gpu_method": QUEUED_METHOD}
         except RuntimeError as error:  # the host could not get ahead: time eagerly, say so
             torch.cuda.synchronize()
-            method = f"eager do_bench ({error})"
-            return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method}
+            return _eager_us(run_all, calls, quick, str(error))
     cuda_graph, failed = _capture(run_all)
     if cuda_graph is None:  # a capture that failed: time eagerly instead, say so
-        method = f"eager do_bench (CUDA-graph capture failed: {failed})"
-        return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method[:300]}
+        return _eager_us(run_all, calls, quick, f"CUDA-graph capture failed: {failed}")
     us = _do_bench_us(cuda_graph.replay, quick) / calls
     del cuda_graph
     return {"gpu_us": us, "gpu_method": "graph"}
+
+
+def _calls_of(call: Callable[..., Any], sets: Sequence[tuple]) -> Tuple[Callable[[], None], int]:
+    """(a function making ``max(MIN_GRAPH_CALLS, len(sets))`` calls, call ``i`` on
+    ``sets[i % len(sets)]``; that number of calls)."""
+    calls = max(MIN_GRAPH_CALLS, len(sets))
+
+    def run_all() -> None:
+        for i in range(calls):
+            call(*sets[i % len(sets)])
+
+    return run_all, calls
+
+
+def _eager_us(run_all: Callable[[], None], calls: int, quick: bool, why: str) -> Dict[str, Any]:
+    """``run_all``'s calls timed eagerly by do_bench, per call, and why they were."""
+    method = f"eager do_bench ({why})"
+    return {"gpu_us": _do_bench_us(run_all, quick) / calls, "gpu_method": method[:300]}
 
 
 def _capture(run_all: Callable[[], None]) -> Tuple[Optional[Any], str]:
@@ -270,8 +281,8 @@ def interleaved_graph_us(
     H100 than timed last, which is as large as the gaps being measured. So each contender's graph
     (as :func:`graph_us` captures it) is replayed in rounds in which the contenders take turns,
     the first rotating, each replay behind an L2 flush as ``do_bench``'s are, and its time is the
-    median of its replays. Contenders in ``eager_only``, and any whose capture fails, are timed
-    alone by :func:`graph_us`, which says how.
+    median of its replays. Contenders in ``eager_only`` are timed alone by :func:`graph_us`, and
+    any whose capture fails eagerly, as it would; the method says which.
 
     Args:
         contenders: name -> (the call, its input sets, already warmed up).
@@ -285,15 +296,13 @@ def interleaved_graph_us(
     graphs: Dict[str, Tuple[Any, int]] = {}
     torch.cuda.synchronize()
     for name, (call, sets) in contenders.items():
-        calls = max(MIN_GRAPH_CALLS, len(sets))
-
-        def run_all(call=call, sets=sets, calls=calls) -> None:
-            for i in range(calls):
-                call(*sets[i % len(sets)])
-
-        cuda_graph = None if name in eager_only else _capture(run_all)[0]
+        if name in eager_only:
+            out[name] = graph_us(call, sets, quick, graph=False)
+            continue
+        run_all, calls = _calls_of(call, sets)
+        cuda_graph, failed = _capture(run_all)
         if cuda_graph is None:
-            out[name] = graph_us(call, sets, quick, graph=name not in eager_only)
+            out[name] = _eager_us(run_all, calls, quick, f"CUDA-graph capture failed: {failed}")
         else:
             graphs[name] = (cuda_graph, calls)
     if graphs:
@@ -303,7 +312,6 @@ def interleaved_graph_us(
         )
         for name, (_, calls) in graphs.items():
             out[name] = {"gpu_us": replays[name] / calls, "gpu_method": "graph"}
-    del graphs
     return {name: out[name] for name in contenders}
 
 

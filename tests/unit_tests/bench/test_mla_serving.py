@@ -354,6 +354,55 @@ def test_gpu_queued_timing_is_the_gpu_time_of_calls_the_host_is_slow_to_issue():
     assert 0.7 * graphed < queued < 1.5 * graphed + 5, (queued, graphed)
 
 
+def test_contenders_in_turns_route_each_to_its_own_timing(monkeypatch):
+    """Without a GPU, the timer's routing with its device parts faked: the captured contenders
+    are replayed in turns and divided by their calls; an eager-only one goes to graph_us's queued
+    path; one whose capture fails is timed eagerly once, not captured again, and says why."""
+    captures, eager = [], []
+
+    class FakeGraph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            return self.name
+
+    def fake_capture(run_all):
+        run_all()
+        name = captures[-1]
+        return (None, "RuntimeError: synced") if name == "syncs" else (FakeGraph(name), "")
+
+    def fake_turns(replays, rounds):
+        assert rounds == mla_serving.QUICK_TURN_ROUNDS
+        return {name: 100.0 * (i + 1) for i, name in enumerate(replays)}
+
+    def fake_do_bench(fn, quick):
+        eager.append(fn)
+        fn()
+        return 50.0
+
+    monkeypatch.setattr(mla_serving.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(mla_serving, "_capture", fake_capture)
+    monkeypatch.setattr(mla_serving, "_replays_in_turns", fake_turns)
+    monkeypatch.setattr(mla_serving, "_do_bench_us", fake_do_bench)
+    monkeypatch.setattr(mla_serving, "queued_us", lambda call, calls, quick: 7.0)
+    contenders = {
+        name: (lambda *args, name=name: captures.append(name), [()] * n)
+        for name, n in (("one", 1), ("many", 20), ("syncs", 1), ("eager", 1))
+    }
+    times = mla_serving.interleaved_graph_us(contenders, quick=True, eager_only=("eager",))
+    assert list(times) == ["one", "many", "syncs", "eager"]
+    calls = mla_serving.MIN_GRAPH_CALLS
+    assert times["one"] == {"gpu_us": 100.0 / calls, "gpu_method": "graph"}
+    assert times["many"] == {"gpu_us": 200.0 / 20, "gpu_method": "graph"}
+    assert times["syncs"]["gpu_us"] == 50.0 / calls
+    assert "capture failed: RuntimeError: synced" in times["syncs"]["gpu_method"]
+    assert times["eager"] == {"gpu_us": 7.0, "gpu_method": mla_serving.QUEUED_METHOD}
+    # Captured once each (the eager-only one never), the failed one run eagerly by do_bench.
+    assert captures.count("syncs") == 2 * calls and captures.count("eager") == 0
+    assert len(eager) == 1
+
+
 @pytest.mark.gpu
 def test_gpu_contenders_in_turns_each_get_their_own_time():
     """Two contenders timed in turns, one twice the other's matmuls on its own tensors, and one
