@@ -11,9 +11,10 @@ Each shape's step is built as ``bench mla-serving`` builds it (bf16, page 64, sh
 launched through the launcher's plan (its ring for the head count, its splits), once with the
 timeline compiled in (``trace_ptr``; every launch the plan makes compiles it out). Per partition
 and phase of a key tile it prints the median and 90th percentile over the programs' steady tiles
-(the first two of each program left out), in SM cycles, beside the tile's MMA work
-at the dense bf16 rate of an H100 or H200 SM (2,048 multiply-adds a cycle) and the handoffs
-between partitions. Consumer 0's phases are stamped in the orders of the ring above 64 heads
+(the first two of each program left out), in SM cycles, beside the tile's MMA work at the dense
+bf16 rate of an H100 or H200 SM (2,048 multiply-adds a cycle) and the handoffs between
+partitions; then what a program costs besides its steady tiles (its fill and drain, and the gaps
+between programs on an SM). Consumer 0's phases are stamped in the 64-key ring's orders
 (values first, release first, scores as they land); in the others only its start and end are.
 The traced launch's GPU time beside the untraced one's says what the clock reads cost. Prints one
 table per shape, last.
@@ -39,7 +40,7 @@ from sweep_gluon_decode import VARIANT_FIELDS, variant_arg, variant_call  # noqa
 DEFAULT_SHAPES = ["32,8192,128", "128,2048,128", "64,4096,64"]
 PARTITIONS = ("consumer 0", "consumer 1", "producer")
 # Each partition's phases: (label, from event, to event); event 8 is the next tile's event 0.
-# Consumer 0's stamps are in the orders of the ring above 64 heads (decode_gluon's values first
+# Consumer 0's stamps are in the 64-key ring's orders (decode_gluon's values first
 # and release first); in the others only its own row is.
 _CONSUMER0_AFTER_SCORES = (
     ("scores done", 2, 3),
@@ -152,6 +153,56 @@ def analyse(
     return {"phases": phases, "handoffs": handoffs, "partition_cycles": spans}
 
 
+def program_ends(trace: torch.Tensor) -> Dict[str, Dict[str, float]]:
+    """What a program costs besides its steady tiles, from a launch's timeline: per partition, its
+    span beyond whole steady periods (its tiles times its median steady period: the fill before
+    the steady tiles and the drain after them), and per SM the gaps between one program's last
+    partition ending and the next program's first starting (a program's launch and exit, and
+    its code before and after the partitions). Only programs whose tiles all fit the timeline
+    are counted.
+
+    Args:
+        trace: a launch's timeline (``traced_launch``'s).
+
+    Returns:
+        Dict[str, Dict[str, float]]: statistics (median, p90, n) of "<partition>: beyond its
+        tiles (cycles)", "gap between programs on an SM (ns)", "clock (GHz)", and the launch's
+        first start to last end in "launch span (us)" (median: the span).
+    """
+    tiles = decode_gluon.TRACE_TILES
+    own = trace[:, :, tiles]
+    counts = (trace[:, :, :tiles, 0] >= 0).sum(-1)  # [programs, partitions]
+    stamped = (own[..., :5] >= 0).flatten(1).all(-1)
+    whole = (counts < tiles).all(-1) & (counts > 2).all(-1) & stamped
+    result = {}
+    for i, name in enumerate(PARTITIONS):
+        rows = _steady(trace, i)
+        period = (rows[..., 8] - rows[..., 0])[(rows[..., 0] >= 0) & (rows[..., 8] >= 0)]
+        if period.numel() == 0 or not whole.any():
+            continue
+        steady = period.double().median()
+        span = (own[whole, i, 1] - own[whole, i, 0]).double()
+        result[f"{name}: beyond its tiles (cycles)"] = _stats(span - counts[whole, i] * steady)
+    if whole.any():
+        ns = own[whole][..., 3:5]  # [programs, partitions, start / end]
+        clock = own[whole][..., :2]
+        result["clock (GHz)"] = _stats(
+            ((clock[..., 1] - clock[..., 0]).double() / (ns[..., 1] - ns[..., 0]).double())
+        )
+        first, last = ns[..., 0].min(-1).values, ns[..., 1].max(-1).values
+        sm = own[whole][:, 0, 2]
+        gaps = []
+        for s in sm.unique():
+            on = sm == s
+            order = first[on].argsort()
+            starts, ends = first[on][order], last[on][order]
+            gaps.append(starts[1:] - ends[:-1])
+        result["gap between programs on an SM (ns)"] = _stats(torch.cat(gaps))
+        span_us = (last.max() - first.min()).double() / 1000
+        result["launch span (us)"] = {"median": span_us.item(), "p90": span_us.item(), "n": 1}
+    return result
+
+
 def _row(shape: Sequence[int], variant: str) -> Dict:
     batch, context, heads = shape
     step = cases.build_step(cases.decode_requests(batch, context), heads, device="cuda")
@@ -171,6 +222,7 @@ def _row(shape: Sequence[int], variant: str) -> Dict:
     traced(step.kv_cache, step.query, out)
     torch.cuda.synchronize()
     result = analyse(trace.cpu(), ring["BUFFERS"], ring["ORDER"])
+    result["ends"] = program_ends(trace.cpu())
     # A tile's FLOPs: scores over latent + rope columns, values over the latent ones.
     ideal = 2 * decode_gluon.HEADS_PER_PROGRAM * ring["KEY_TILE"] * (2 * step.latent + step.rope)
     result.update(
@@ -198,6 +250,9 @@ def _print(row: Dict) -> None:
     for name, label, s in rows:
         if s["n"]:  # phases a partition does not stamp in this order are left out
             print(f"  {name:<11} {label:<46} {s['median']:>8.0f} {s['p90']:>8.0f} {s['n']:>7}")
+    for label, s in row["ends"].items():
+        if s["n"]:
+            print(f"  {'program':<11} {label:<46} {s['median']:>8.2f} {s['p90']:>8.2f} {s['n']:>7}")
 
 
 def main(argv: Sequence[str] = None) -> int:

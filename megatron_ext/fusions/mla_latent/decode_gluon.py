@@ -142,16 +142,14 @@ ORDER = ORDER_VALUES_LAG
 # and 2-4% slower or faster at 128 heads in one wave of splits; on an H200 3-10% faster at 128
 # heads in most rows. The plan keeps tokens first past 65,535 tokens (the second axis's limit).
 HEADS_FIRST = True
-# Where a token has more than one head group (more than 64 heads), its programs read the same key
-# tiles, the second mostly from L2, so a shallower ring does: two 64-key tiles, which halve the
-# query's shared-memory reads per key. On an H100, 5-13% faster than the 32-key ring at 128 heads
-# in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under 3.7.1 (the others within 1%); on an
-# H200 (3.7.1) in 4 of 4. At 32 and 64 heads it was 0-4% slower in 9 of 10 rows (one program a
-# token: each tile from memory, where the deeper ring hides more), timed one after the other;
-# timed in turns (H100, 3.7.1), release first on it was 0.1-1.6% faster there in 11 of 11 rows,
-# not yet confirmed on an H200 or under 3.9, so those head counts keep the 32-key ring. Release
-# first, not values first: the same bits, 2-8% faster in 9 of 9 rows at 96-128 heads on an H100
-# (Triton 3.7.1).
+# The launcher's ring at every head count (attention_plan.gluon_ring): two 64-key tiles, which
+# halve the query's shared-memory reads per key; first chosen where a token's head groups (more
+# than 64 heads) read the same key tiles, the second mostly from L2. At 128 heads, on an H100,
+# 5-13% faster than the 32-key ring in 6 of 6 rows under Triton 3.9 and 3-6% in 4 of 6 under
+# 3.7.1 (the others within 1%); on an H200 (3.7.1) 17-25% in 9 of 9. At 32 and 64 heads, timed
+# in turns, 1-18% faster on an H200 (3.7.1) in 7 of 7 rows and 0.1-1.6% on an H100 in 11 of 11
+# (timed one after the other it had been 0-4% slower). Release first, not values first: the same
+# bits, 2-8% faster in 9 of 9 rows at 96-128 heads on an H100 (Triton 3.7.1).
 SHARED_KEY_TILE = 64
 SHARED_BUFFERS = 2
 SHARED_ORDER = ORDER_RELEASE_FIRST
@@ -162,7 +160,8 @@ P_BUFFERS = 1
 PARTITION_WARPS = 4
 # The timeline (off in every launch the plan makes; scripts/trace_gluon_decode.py turns it on):
 # per program and partition, the SM clock at up to TRACE_EVENTS points of each of the first
-# TRACE_TILES key tiles, and a last row with the partition's start and end.
+# TRACE_TILES key tiles, and a last row with the partition's start and end (the SM clock, the SM's
+# id and the global timer).
 TRACE_TILES = 64
 TRACE_EVENTS = 8
 GLUON_WARPS = 3 * PARTITION_WARPS
@@ -224,13 +223,13 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _stamp(trace, j, EVENT: gl.constexpr, dep, TRACE: gl.constexpr):
-        """Write the SM clock into slot ``EVENT`` of tile ``j``'s row of a partition's timeline
-        (``j = _TRACE_TILES``: the partition's own row), once ``dep`` is computed. Compiled out
-        without ``TRACE`` (every launch of the plan).
+        """Write the SM clock into slot ``EVENT`` of tile ``j``'s row of a partition's timeline,
+        once ``dep`` is computed. Compiled out without ``TRACE`` (every launch of the plan).
 
         Args:
             trace: the partition's timeline (int64; any pointer without ``TRACE``).
-            j: the key tile (rows past the timeline's are not written).
+            j: the key tile (tiles past the timeline's rows are not written, so a long program
+                leaves the partition's own row alone).
             EVENT: the slot.
             dep: a 1-D fp32 tensor the clock read waits for (the asm's operand), so the read
                 lands after the work that computes it.
@@ -241,8 +240,41 @@ if GLUON_IMPORT_ERROR is None:
                 "mov.u64 $0, %clock64;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
             )
             one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
-            slot = trace + gl.minimum(j, _TRACE_TILES) * _TRACE_EVENTS + EVENT
-            gl.store(slot + one.to(gl.int32) * 0, now, mask=one & (j <= _TRACE_TILES))
+            slot = trace + gl.minimum(j, _TRACE_TILES - 1) * _TRACE_EVENTS + EVENT
+            gl.store(slot + one.to(gl.int32) * 0, now, mask=one & (j < _TRACE_TILES))
+
+    @gluon.jit
+    def _stamp_span(trace, AT_END: gl.constexpr, dep, TRACE: gl.constexpr):
+        """Write a partition's start (``AT_END`` false) or end into its own row of the timeline:
+        the SM clock (slot 0 or 1) and the global timer in ns (slot 3 or 4), and at the start the
+        SM's id (slot 2), so the trace can line up programs that ran one after another on an SM.
+        Compiled out without ``TRACE``.
+
+        Args:
+            trace: the partition's timeline (int64; any pointer without ``TRACE``).
+            AT_END: the end's stamps, not the start's.
+            dep: a 1-D fp32 tensor the reads wait for.
+            TRACE: whether the timeline is on.
+        """
+        if TRACE:
+            one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
+            own = trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0
+            clock = gl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
+            )
+            ns = gl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
+            )
+            if AT_END:
+                gl.store(own + 1, clock, mask=one)
+                gl.store(own + 4, ns, mask=one)
+            else:
+                sm = gl.inline_asm_elementwise(
+                    "mov.u32 $0, %smid;", "=r,f", [dep], dtype=gl.int32, is_pure=False, pack=1
+                )
+                gl.store(own, clock, mask=one)
+                gl.store(own + 2, sm.to(gl.int64), mask=one)
+                gl.store(own + 3, ns, mask=one)
 
     @gluon.jit
     def _load_cu(cu_q_ptr, idx, mask, num_tokens):
@@ -421,7 +453,7 @@ if GLUON_IMPORT_ERROR is None:
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
         tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         clock_dep = tile_keys.to(gl.float32)
-        _stamp(trace, _TRACE_TILES, 0, clock_dep, TRACE)
+        _stamp_span(trace, False, clock_dep, TRACE)
         # Release first's producer loads each tile's block ids a tile ahead, in flight while it
         # waits for the buffer, so their latency is not between the buffer's release and its
         # copies (1-4% off the 128-head rows on an H100, the same bits). Under values lag on the
@@ -481,7 +513,7 @@ if GLUON_IMPORT_ERROR is None:
                 block, in_page, ok = _tile_blocks(
                     table_row, first, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
                 )
-        _stamp(trace, _TRACE_TILES, 1, clock_dep, TRACE)
+        _stamp_span(trace, True, clock_dep, TRACE)
 
     @gluon.jit
     def _consumer_values(
@@ -515,7 +547,7 @@ if GLUON_IMPORT_ERROR is None:
         row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
         acc = gl.zeros([_HEADS, HALF], gl.float32, o_layout)
         clock_dep = gl.zeros([_HEADS], gl.float32, row_layout)
-        _stamp(trace, _TRACE_TILES, 0, clock_dep, TRACE)
+        _stamp_span(trace, False, clock_dep, TRACE)
         for j in range(num_tiles):
             buf = j % BUFFERS
             _stamp(trace, j, 0, clock_dep, TRACE)
@@ -555,7 +587,7 @@ if GLUON_IMPORT_ERROR is None:
             HALF,
             HALF,
         )
-        _stamp(trace, _TRACE_TILES, 1, l_i, TRACE)
+        _stamp_span(trace, True, l_i, TRACE)
 
     @gluon.jit
     def _store_half(
@@ -733,7 +765,7 @@ if GLUON_IMPORT_ERROR is None:
         m_i = gl.full([_HEADS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([_HEADS], gl.float32, s_rows)
         s_zero = gl.zeros([_HEADS, BLOCK_N], gl.float32, s_layout)
-        _stamp(trace, _TRACE_TILES, 0, m_i, TRACE)
+        _stamp_span(trace, False, m_i, TRACE)
         if ORDER == 2:
             # At the top of iteration j: tile j's scores done, its value product not issued,
             # tile j - 1's in flight (an accumulator handle from the start).
@@ -934,7 +966,7 @@ if GLUON_IMPORT_ERROR is None:
                 lse,
                 mask=heads < num_heads,
             )
-        _stamp(trace, _TRACE_TILES, 1, l_i, TRACE)
+        _stamp_span(trace, True, l_i, TRACE)
 
     @gluon.jit(do_not_specialize=_RUNTIME_SIZES)
     def _gluon_decode_kernel(

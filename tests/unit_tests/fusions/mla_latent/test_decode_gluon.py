@@ -88,7 +88,7 @@ VARIANTS = [
     dict(order=decode_gluon.ORDER_SCORES_AHEAD, buffers=3, p_buffers=2),
     dict(p_buffers=3 - decode_gluon.P_BUFFERS, splits=2),
     dict(heads_first=not decode_gluon.HEADS_FIRST),
-    # The timeline (scripts/trace_gluon_decode.py) on the ring above 64 heads.
+    # The timeline (scripts/trace_gluon_decode.py) on the launcher's ring.
     dict(
         key_tile=decode_gluon.SHARED_KEY_TILE,
         buffers=decode_gluon.SHARED_BUFFERS,
@@ -96,7 +96,7 @@ VARIANTS = [
         trace=True,
     ),
 ]
-# The ring the launcher takes above 64 heads (attention_plan.gluon_ring), as VARIANTS name it.
+# The ring the launcher takes (attention_plan.gluon_ring), as VARIANTS name it.
 SHARED_RING = dict(
     key_tile=decode_gluon.SHARED_KEY_TILE,
     buffers=decode_gluon.SHARED_BUFFERS,
@@ -402,25 +402,24 @@ def test_the_ring_refuses_a_head_count_that_is_not_a_positive_int():
 
 
 @pytest.mark.parametrize("heads", [32, 40, 64, 65, 128, 256])
-def test_more_than_one_head_group_takes_the_shared_keys_ring(heads):
-    """A token's programs share its key tiles above 64 heads: two 64-key tiles, release first;
-    up to 64 heads the 32-key ring. Both fit a Hopper block at DeepSeek-V3's widths."""
+def test_every_head_count_takes_the_ring_of_two_64_key_tiles(heads, monkeypatch):
+    """The launcher's ring at every head count: two 64-key tiles, release first (the 32-key ring
+    only where a tool turns it off). Both fit a Hopper block at DeepSeek-V3's widths."""
     ring = attention_plan.gluon_ring(heads)
-    if heads > decode_gluon.HEADS_PER_PROGRAM:
-        assert ring == dict(
-            KEY_TILE=64, BUFFERS=2, ORDER=decode_gluon.ORDER_RELEASE_FIRST, P_BUFFERS=1
-        )
-    else:
-        assert ring == dict(
-            KEY_TILE=decode_gluon.KEY_TILE,
-            BUFFERS=decode_gluon.NUM_BUFFERS,
-            ORDER=decode_gluon.ORDER,
-            P_BUFFERS=decode_gluon.P_BUFFERS,
-        )
-    memory = decode_gluon.gluon_shared_memory(
-        512, 64, ring["KEY_TILE"], ring["BUFFERS"], ring["P_BUFFERS"]
+    assert ring == dict(KEY_TILE=64, BUFFERS=2, ORDER=decode_gluon.ORDER_RELEASE_FIRST, P_BUFFERS=1)
+    monkeypatch.setattr(attention_plan, "SHARED_KEYS_RING", False)
+    small = attention_plan.gluon_ring(heads)
+    assert small == dict(
+        KEY_TILE=decode_gluon.KEY_TILE,
+        BUFFERS=decode_gluon.NUM_BUFFERS,
+        ORDER=decode_gluon.ORDER,
+        P_BUFFERS=decode_gluon.P_BUFFERS,
     )
-    assert memory <= HOPPER_SHARED_MEMORY
+    for r in (ring, small):
+        memory = decode_gluon.gluon_shared_memory(
+            512, 64, r["KEY_TILE"], r["BUFFERS"], r["P_BUFFERS"]
+        )
+        assert memory <= HOPPER_SHARED_MEMORY
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,37 @@ def test_the_trace_reads_phases_and_handoffs_from_the_steady_tiles():
     assert [k for k in lagged["phases"] if k[0] == "consumer 0"] == [("consumer 0", "tile period")]
 
 
+def test_the_trace_reads_a_programs_fill_drain_and_the_gaps_between_programs_on_an_sm():
+    """A program's cost beyond its tiles is its span less its tiles times the steady period; the
+    gaps are between programs that ran one after another on one SM (not across SMs), from the
+    global timer; programs whose tiles overflow the timeline are left out."""
+    from megatron_ext.fusions.mla_latent import decode_gluon
+
+    module = _script("trace_gluon_decode")
+    tiles = 10
+    trace = _synthetic_trace(programs=4, tiles=tiles, step=100, lag=0)
+    own = decode_gluon.TRACE_TILES
+    # Spans of 10,000 cycles at 2 GHz (5,000 ns); programs 0 and 2 on SM 3, 1 and 3 on SM 5.
+    starts = torch.tensor([0, 100, 5_300, 5_900])
+    trace[:, :, own, 2] = torch.tensor([3, 5, 3, 5])[:, None]
+    trace[:, :, own, 3] = starts[:, None]
+    trace[:, :, own, 4] = starts[:, None] + 5_000
+    ends = module.program_ends(trace)
+    # 10 tiles of a 1,000-cycle period in a 10,000-cycle span: nothing beyond the tiles.
+    assert ends["consumer 0: beyond its tiles (cycles)"]["median"] == 0
+    assert ends["clock (GHz)"]["median"] == 2
+    gaps = ends["gap between programs on an SM (ns)"]
+    # 300 ns on SM 3 and 800 on SM 5 (torch's median takes the lower of two).
+    assert gaps["n"] == 2 and gaps["median"] == 300 and gaps["p90"] == 750
+    assert ends["launch span (us)"]["median"] == (5_900 + 5_000) / 1000
+    # A longer span is what the program costs beyond its tiles.
+    trace[:, 1, own, 1] += 2_500
+    assert module.program_ends(trace)["consumer 1: beyond its tiles (cycles)"]["median"] == 2_500
+    # A program that filled the timeline may have had more tiles: it is not counted.
+    trace[0, :, :own, 0] = 1
+    assert module.program_ends(trace)["clock (GHz)"]["n"] == 3 * 3  # programs x partitions
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_the_trace_refuses_without_a_gpu(capsys):
     assert _script("trace_gluon_decode").main(["--shapes", "2,64,128"]) == 2
@@ -284,7 +315,7 @@ def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partitio
     assert torch.equal(out.view(torch.int16), reference.view(torch.int16))
     stamps = trace.cpu()
     tiles = stamps[:, :, : decode_gluon.TRACE_TILES]
-    # Consumer 0 stamps its tiles in the orders of the ring above 64 heads.
+    # Consumer 0 stamps its tiles in the orders of the launcher's ring.
     stamped = (
         decode_gluon.ORDER_VALUES_FIRST,
         decode_gluon.ORDER_RELEASE_FIRST,
@@ -297,8 +328,12 @@ def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partitio
         assert used.any(), f"partition {partition} stamped no tile"
         assert (rows[used] >= 0).all(), f"partition {partition} left a stamp of a tile unwritten"
         assert (rows[used].diff(dim=-1) >= 0).all(), f"partition {partition}'s clock went back"
-    own = stamps[:, :, decode_gluon.TRACE_TILES, :2]
+    own = stamps[:, :, decode_gluon.TRACE_TILES, :5]
     assert (own[..., 1] >= own[..., 0]).all() and (own[..., 0] >= 0).all()
+    # The SM's id, and the global timer at the start and end, for the gaps between programs.
+    assert (own[..., 2] >= 0).all() and (own[..., 2] < 1024).all()
+    assert (own[..., 4] >= own[..., 3]).all() and (own[..., 3] > 0).all()
+    assert module.program_ends(stamps)["gap between programs on an SM (ns)"]["n"] >= 0
 
 
 @pytest.mark.parametrize("name", ["trace_gluon_decode", "profile_gluon_decode"])
