@@ -174,32 +174,29 @@ def program_ends(trace: torch.Tensor) -> Dict[str, Dict[str, float]]:
     counts = (trace[:, :, :tiles, 0] >= 0).sum(-1)  # [programs, partitions]
     stamped = (own[..., :5] >= 0).flatten(1).all(-1)
     whole = (counts < tiles).all(-1) & (counts > 2).all(-1) & stamped
+    if not whole.any():
+        return {}
     result = {}
     for i, name in enumerate(PARTITIONS):
         rows = _steady(trace, i)
         period = (rows[..., 8] - rows[..., 0])[(rows[..., 0] >= 0) & (rows[..., 8] >= 0)]
-        if period.numel() == 0 or not whole.any():
-            continue
-        steady = period.double().median()
-        span = (own[whole, i, 1] - own[whole, i, 0]).double()
-        result[f"{name}: beyond its tiles (cycles)"] = _stats(span - counts[whole, i] * steady)
-    if whole.any():
-        ns = own[whole][..., 3:5]  # [programs, partitions, start / end]
-        clock = own[whole][..., :2]
-        result["clock (GHz)"] = _stats(
-            ((clock[..., 1] - clock[..., 0]).double() / (ns[..., 1] - ns[..., 0]).double())
-        )
-        first, last = ns[..., 0].min(-1).values, ns[..., 1].max(-1).values
-        sm = own[whole][:, 0, 2]
-        gaps = []
-        for s in sm.unique():
-            on = sm == s
-            order = first[on].argsort()
-            starts, ends = first[on][order], last[on][order]
-            gaps.append(starts[1:] - ends[:-1])
-        result["gap between programs on an SM (ns)"] = _stats(torch.cat(gaps))
-        span_us = (last.max() - first.min()).double() / 1000
-        result["launch span (us)"] = {"median": span_us.item(), "p90": span_us.item(), "n": 1}
+        if period.numel():
+            span = (own[whole, i, 1] - own[whole, i, 0]).double()
+            excess = span - counts[whole, i] * period.double().median()
+            result[f"{name}: beyond its tiles (cycles)"] = _stats(excess)
+    clock, ns = own[whole][..., :2], own[whole][..., 3:5]  # [programs, partitions, start / end]
+    result["clock (GHz)"] = _stats(
+        (clock[..., 1] - clock[..., 0]).double() / (ns[..., 1] - ns[..., 0]).double()
+    )
+    first, last = ns[..., 0].min(-1).values, ns[..., 1].max(-1).values
+    sm = own[whole][:, 0, 2]
+    gaps = []
+    for s in sm.unique():
+        order = first[sm == s].argsort()
+        gaps.append(first[sm == s][order][1:] - last[sm == s][order][:-1])
+    result["gap between programs on an SM (ns)"] = _stats(torch.cat(gaps))
+    span_us = (last.max() - first.min()).double().item() / 1000
+    result["launch span (us)"] = {"median": span_us, "p90": span_us, "n": 1}
     return result
 
 

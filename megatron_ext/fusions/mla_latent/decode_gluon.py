@@ -222,6 +222,16 @@ if GLUON_IMPORT_ERROR is None:
     _TRACE_ROW = gl.constexpr((TRACE_TILES + 1) * TRACE_EVENTS)
 
     @gluon.jit
+    def _clock(dep, GLOBAL: gl.constexpr = False):
+        """The SM clock (cycles), or with ``GLOBAL`` the global timer (ns), read once ``dep`` (a
+        1-D fp32 tensor, the asm's operand) is computed."""
+        if GLOBAL:
+            asm: gl.constexpr = "mov.u64 $0, %globaltimer;"
+        else:
+            asm: gl.constexpr = "mov.u64 $0, %clock64;"
+        return gl.inline_asm_elementwise(asm, "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
     def _stamp(trace, j, EVENT: gl.constexpr, dep, TRACE: gl.constexpr):
         """Write the SM clock into slot ``EVENT`` of tile ``j``'s row of a partition's timeline,
         once ``dep`` is computed. Compiled out without ``TRACE`` (every launch of the plan).
@@ -236,9 +246,7 @@ if GLUON_IMPORT_ERROR is None:
             TRACE: whether the timeline is on.
         """
         if TRACE:
-            now = gl.inline_asm_elementwise(
-                "mov.u64 $0, %clock64;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
-            )
+            now = _clock(dep)
             one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
             slot = trace + gl.minimum(j, _TRACE_TILES - 1) * _TRACE_EVENTS + EVENT
             gl.store(slot + one.to(gl.int32) * 0, now, mask=one & (j < _TRACE_TILES))
@@ -259,12 +267,8 @@ if GLUON_IMPORT_ERROR is None:
         if TRACE:
             one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
             own = trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0
-            clock = gl.inline_asm_elementwise(
-                "mov.u64 $0, %clock64;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
-            )
-            ns = gl.inline_asm_elementwise(
-                "mov.u64 $0, %globaltimer;", "=l,f", [dep], dtype=gl.int64, is_pure=False, pack=1
-            )
+            clock = _clock(dep)
+            ns = _clock(dep, GLOBAL=True)
             if AT_END:
                 gl.store(own + 1, clock, mask=one)
                 gl.store(own + 4, ns, mask=one)
