@@ -166,8 +166,11 @@ def program_ends(trace: torch.Tensor) -> Dict[str, Dict[str, float]]:
 
     Returns:
         Dict[str, Dict[str, float]]: statistics (median, p90, n) of "<partition>: beyond its
-        tiles (cycles)", "gap between programs on an SM (ns)", "clock (GHz)", and the launch's
-        first start to last end in "launch span (us)" (median: the span).
+        tiles (cycles)", "gap between programs on an SM (ns)", "clock (GHz)", the launch's
+        first start to last end in "launch span (us)" (median: the span), and where the
+        timeline has a program's entry and fork, the gap's parts: "previous program's end to
+        entry (ns)", "entry to fork (ns)" (the metadata before the partitions) and "fork to the
+        partitions' start (ns)".
     """
     tiles = decode_gluon.TRACE_TILES
     own = trace[:, :, tiles]
@@ -195,6 +198,16 @@ def program_ends(trace: torch.Tensor) -> Dict[str, Dict[str, float]]:
         order = first[sm == s].argsort()
         gaps.append(first[sm == s][order][1:] - last[sm == s][order][:-1])
     result["gap between programs on an SM (ns)"] = _stats(torch.cat(gaps))
+    # Consumer 0's own row also holds the program's entry and fork (global timer, slots 5, 6).
+    entry, fork = own[whole][:, 0, 5].double(), own[whole][:, 0, 6].double()
+    if (entry >= 0).all() and (fork >= 0).all():
+        launch = []
+        for s in sm.unique():
+            order = first[sm == s].argsort()
+            launch.append(entry[sm == s][order][1:] - last[sm == s][order][:-1].double())
+        result["previous program's end to entry (ns)"] = _stats(torch.cat(launch))
+        result["entry to fork (ns)"] = _stats(fork - entry)
+        result["fork to the partitions' start (ns)"] = _stats(first.double() - fork)
     span_us = (last.max() - first.min()).double().item() / 1000
     result["launch span (us)"] = {"median": span_us, "p90": span_us, "n": 1}
     return result

@@ -161,7 +161,7 @@ PARTITION_WARPS = 4
 # The timeline (off in every launch the plan makes; scripts/trace_gluon_decode.py turns it on):
 # per program and partition, the SM clock at up to TRACE_EVENTS points of each of the first
 # TRACE_TILES key tiles, and a last row with the partition's start and end (the SM clock, the SM's
-# id and the global timer).
+# id and the global timer; consumer 0's also the global timer at the program's entry and fork).
 TRACE_TILES = 64
 TRACE_EVENTS = 8
 GLUON_WARPS = 3 * PARTITION_WARPS
@@ -220,6 +220,10 @@ if GLUON_IMPORT_ERROR is None:
     _TRACE_TILES = gl.constexpr(TRACE_TILES)
     _TRACE_EVENTS = gl.constexpr(TRACE_EVENTS)
     _TRACE_ROW = gl.constexpr((TRACE_TILES + 1) * TRACE_EVENTS)
+    # Consumer 0's own row past its span's stamps: the global timer at the program's entry and
+    # at its fork into the partitions.
+    _ENTRY = gl.constexpr(5)
+    _FORK = gl.constexpr(6)
 
     @gluon.jit
     def _clock(dep, GLOBAL: gl.constexpr = False):
@@ -279,6 +283,24 @@ if GLUON_IMPORT_ERROR is None:
                 gl.store(own, clock, mask=one)
                 gl.store(own + 2, sm.to(gl.int64), mask=one)
                 gl.store(own + 3, ns, mask=one)
+
+    @gluon.jit
+    def _stamp_entry(trace, SLOT: gl.constexpr, dep, TRACE: gl.constexpr):
+        """Write the global timer (ns) into slot ``SLOT`` of consumer 0's own row, from the code
+        before the partitions (a program's entry, or its fork), so the trace can split the gap
+        between programs into launch, the metadata before the fork, and the fork itself.
+        Compiled out without ``TRACE``.
+
+        Args:
+            trace: consumer 0's timeline (int64; any pointer without ``TRACE``).
+            SLOT: the slot (``_ENTRY`` or ``_FORK``).
+            dep: a 1-D fp32 tensor the read waits for.
+            TRACE: whether the timeline is on.
+        """
+        if TRACE:
+            one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
+            own = trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0
+            gl.store(own + SLOT, _clock(dep, GLOBAL=True), mask=one)
 
     @gluon.jit
     def _load_cu(cu_q_ptr, idx, mask, num_tokens):
@@ -435,6 +457,23 @@ if GLUON_IMPORT_ERROR is None:
         copy. The query's copies are in flight beside the first tiles', where loading it before
         the partitions started left the ring empty until it landed. With ``IDS_AHEAD`` each
         tile's block ids are loaded a tile ahead."""
+        # 16-byte copies: a warp covers 4 rows of 64 columns.
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        clock_dep = tile_keys.to(gl.float32)
+        # Release first's producer loads each tile's block ids a tile ahead, in flight while it
+        # waits for the buffer, so their latency is not between the buffer's release and its
+        # copies (1-4% off the 128-head rows on an H100, the same bits). Under values lag on the
+        # 32-key ring it cost 0.2-0.8% at 32 and 64 heads and 6% at 128 (ids held across the
+        # wait), so that ring keeps loading them after the wait. The first tile's are loaded
+        # before the query's copies: behind them, their load returned only once the query had
+        # landed, and the first tile's copies started about 3,900 cycles into the program (an
+        # H200's timeline).
+        if IDS_AHEAD:
+            block, in_page, ok = _tile_blocks(
+                table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
+            )
         _copy_query(
             q_smem,
             q_rope_smem,
@@ -452,21 +491,7 @@ if GLUON_IMPORT_ERROR is None:
             ROPE_DIM,
             Q_ROPE_COL,
         )
-        # 16-byte copies: a warp covers 4 rows of 64 columns.
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_PWARPS, 1], [1, 0])
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        tile_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        clock_dep = tile_keys.to(gl.float32)
         _stamp_span(trace, False, clock_dep, TRACE)
-        # Release first's producer loads each tile's block ids a tile ahead, in flight while it
-        # waits for the buffer, so their latency is not between the buffer's release and its
-        # copies (1-4% off the 128-head rows on an H100, the same bits). Under values lag on the
-        # 32-key ring it cost 0.2-0.8% at 32 and 64 heads and 6% at 128 (ids held across the
-        # wait), so that ring keeps loading them after the wait.
-        if IDS_AHEAD:
-            block, in_page, ok = _tile_blocks(
-                table_row, lo, hi, tile_keys, num_blocks, BLOCK_SIZE, BLOCK_N
-            )
         for j in range(num_tiles):
             buf = j % BUFFERS
             _stamp(trace, j, 0, clock_dep, TRACE)
@@ -540,6 +565,7 @@ if GLUON_IMPORT_ERROR is None:
         LATENT_DIM: gl.constexpr,
         BUFFERS: gl.constexpr,
         P_BUFFERS: gl.constexpr,
+        STAGED: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -577,6 +603,8 @@ if GLUON_IMPORT_ERROR is None:
         pb = num_tiles % P_BUFFERS
         mbarrier.wait(p_ready.index(pb), (num_tiles // P_BUFFERS) & 1)
         l_i = gl.convert_layout(alpha_smem.index(pb).load(_HANDOFF), row_layout)
+        # Every MMA is done (consumer 0 waited for its last before handing over the sums).
+        stage = kv_smem.index(_stage_buffer(num_tiles, BUFFERS, P_BUFFERS)).slice(HALF, HALF, 1)
         _store_half(
             acc,
             l_i,
@@ -590,8 +618,18 @@ if GLUON_IMPORT_ERROR is None:
             out_stride_h,
             HALF,
             HALF,
+            stage,
+            STAGED,
         )
         _stamp_span(trace, True, l_i, TRACE)
+
+    @gluon.jit
+    def _stage_buffer(num_tiles, BUFFERS: gl.constexpr, P_BUFFERS: gl.constexpr):
+        """The key buffer the consumers stage their output in: the one the value product of
+        tile ``num_tiles - P_BUFFERS`` read, which consumer 0's last wait for a free P buffer
+        says consumer 1 is done with (with one P buffer: the last tile's, so every buffer);
+        a buffer no tile used where there are fewer tiles."""
+        return (num_tiles + BUFFERS - P_BUFFERS) % BUFFERS
 
     @gluon.jit
     def _store_half(
@@ -607,19 +645,52 @@ if GLUON_IMPORT_ERROR is None:
         out_stride_h,
         COL0: gl.constexpr,
         HALF: gl.constexpr,
+        stage,
+        STAGED: gl.constexpr,
     ):
-        """Normalise a consumer's accumulator by the row sums and store its columns."""
-        layout: gl.constexpr = acc.type.layout
-        heads = head0 + gl.arange(0, _HEADS, layout=gl.SliceLayout(1, layout))
-        cols = COL0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        """Normalise a consumer's accumulator by the row sums and store its columns.
+
+        Args:
+            stage: a ``[_HEADS, HALF]`` view of a key buffer that no MMA reads any more.
+            STAGED: store through ``stage`` (the output's dtype is the buffer's): the rows go out
+                as whole-row 16-byte stores, not as the accumulator's layout gives them (a quad's
+                16 bytes of a row, half a sector each: at the end of a wave, with every SM
+                storing, a program's two halves took about 10,000 cycles on an H200).
+        """
         # Nothing attended (l = 0) gives zeros; a NaN l (a non-finite attended row) stays NaN.
-        o = acc / gl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        rows = out_ptr + split * out_stride_s + token * out_stride_t + heads * out_stride_h
-        gl.store(
-            rows[:, None] + cols[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=(heads < num_heads)[:, None],
-        )
+        o = (acc / gl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(out_ptr.dtype.element_ty)
+        if STAGED:
+            stage.store(o)
+            gl.barrier()  # the partition's warps read rows the others wrote
+            rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_PWARPS, 1], [1, 0])
+            _store_rows(
+                stage.load(rows_layout),
+                out_ptr + split * out_stride_s + token * out_stride_t,
+                head0,
+                num_heads,
+                out_stride_h,
+                COL0,
+            )
+        else:
+            _store_rows(
+                o,
+                out_ptr + split * out_stride_s + token * out_stride_t,
+                head0,
+                num_heads,
+                out_stride_h,
+                COL0,
+            )
+
+    @gluon.jit
+    def _store_rows(o, out_row, head0, num_heads, out_stride_h, COL0: gl.constexpr):
+        """Store ``o`` (``[_HEADS, columns]``, any layout) at column ``COL0`` of heads
+        ``head0 ...`` of one token's output row ``out_row``, the heads past ``num_heads`` left
+        out."""
+        layout: gl.constexpr = o.type.layout
+        heads = head0 + gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = COL0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, layout))
+        rows = out_row + heads * out_stride_h
+        gl.store(rows[:, None] + cols[None, :], o, mask=(heads < num_heads)[:, None])
 
     # MMA groups of a score product (_issue_scores): the latent and the RoPE columns.
     _SCORE_GROUPS = gl.constexpr(2)
@@ -744,6 +815,7 @@ if GLUON_IMPORT_ERROR is None:
         ORDER: gl.constexpr,
         P_BUFFERS: gl.constexpr,
         CHUNKS: gl.constexpr,
+        STAGED: gl.constexpr,
         trace,
         TRACE: gl.constexpr,
     ):
@@ -942,6 +1014,7 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.wait(p_free.index(pb), ((num_tiles // P_BUFFERS) & 1) ^ 1)
         alpha_smem.index(pb).store(gl.convert_layout(l_i, _HANDOFF))
         mbarrier.arrive(p_ready.index(pb), count=1)
+        stage = kv_smem.index(_stage_buffer(num_tiles, BUFFERS, P_BUFFERS)).slice(0, HALF, 1)
         _store_half(
             acc,
             gl.convert_layout(l_i, o_rows),
@@ -955,6 +1028,8 @@ if GLUON_IMPORT_ERROR is None:
             out_stride_h,
             0,
             HALF,
+            stage,
+            STAGED,
         )
         if NUM_SPLITS > 1:
             nothing = l_i == 0.0
@@ -1031,6 +1106,21 @@ if GLUON_IMPORT_ERROR is None:
         fill_rows: gl.constexpr = gl.SliceLayout(1, fill_layout)
         heads = head0 + gl.arange(0, _HEADS, layout=fill_rows)
         head_ok = heads < num_heads
+
+        # Each partition's timeline: consumer 0's, consumer 1's, the producer's rows in turn.
+        TRACE: gl.constexpr = trace_ptr is not None
+        if TRACE:
+            program = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+            program = program.to(gl.int64) * gl.num_programs(2) + gl.program_id(2)
+            trace0 = trace_ptr + program * (3 * _TRACE_ROW)
+            trace1 = trace0 + _TRACE_ROW
+            trace2 = trace0 + 2 * _TRACE_ROW
+        else:
+            # A partition's arguments are values (not None): a pointer the stamps compile out.
+            trace0 = out_ptr
+            trace1 = out_ptr
+            trace2 = out_ptr
+        _stamp_entry(trace0, _ENTRY, heads.to(gl.float32), TRACE)
 
         # Which request the token is, and the padding and malformed-metadata cases, as stage 1
         # decides them for a one-token tile.
@@ -1127,19 +1217,13 @@ if GLUON_IMPORT_ERROR is None:
         # The barriers' initialisation before any partition's copies arrive on them.
         fence_async_shared()
 
-        # Each partition's timeline: consumer 0's, consumer 1's, the producer's rows in turn.
-        TRACE: gl.constexpr = trace_ptr is not None
-        if TRACE:
-            program = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-            program = program.to(gl.int64) * gl.num_programs(2) + gl.program_id(2)
-            trace0 = trace_ptr + program * (3 * _TRACE_ROW)
-            trace1 = trace0 + _TRACE_ROW
-            trace2 = trace0 + 2 * _TRACE_ROW
-        else:
-            # A partition's arguments are values (not None): a pointer the stamps compile out.
-            trace0 = out_ptr
-            trace1 = out_ptr
-            trace2 = out_ptr
+        # The output goes out through a key buffer where it is the buffer's dtype (not a split's
+        # fp32 partials, whose quads already store whole sectors) and has its rows.
+        STAGED: gl.constexpr = (
+            (NUM_SPLITS == 1) & (BLOCK_N == _HEADS) & (out_ptr.dtype.element_ty == dtype)
+        )
+
+        _stamp_entry(trace0, _FORK, heads.to(gl.float32), TRACE)
 
         gl.warp_specialize(
             [
@@ -1183,6 +1267,7 @@ if GLUON_IMPORT_ERROR is None:
                         ORDER,
                         P_BUFFERS,
                         CHUNKS,
+                        STAGED,
                         trace0,
                         TRACE,
                     ),
@@ -1209,6 +1294,7 @@ if GLUON_IMPORT_ERROR is None:
                         LATENT_DIM,
                         BUFFERS,
                         P_BUFFERS,
+                        STAGED,
                         trace1,
                         TRACE,
                     ),

@@ -279,6 +279,17 @@ def test_the_trace_reads_a_programs_fill_drain_and_the_gaps_between_programs_on_
     # 300 ns on SM 3 and 800 on SM 5 (torch's median takes the lower of two).
     assert gaps["n"] == 2 and gaps["median"] == 300 and gaps["p90"] == 750
     assert ends["launch span (us)"]["median"] == (5_900 + 5_000) / 1000
+    assert "entry to fork (ns)" not in ends  # a timeline without them
+    # Each program entered 200 ns and forked 50 ns before its partitions started (a timer that
+    # starts later, so no stamp is negative).
+    trace[:, :, own, 3:5] += 1_000
+    trace[:, 0, own, 5] = starts + 1_000 - 200
+    trace[:, 0, own, 6] = starts + 1_000 - 50
+    ends = module.program_ends(trace)
+    launch = ends["previous program's end to entry (ns)"]
+    assert launch["n"] == 2 and sorted([launch["median"], launch["p90"]])[0] == 100
+    assert ends["entry to fork (ns)"]["median"] == 150
+    assert ends["fork to the partitions' start (ns)"]["median"] == 50
     # A longer span is what the program costs beyond its tiles.
     trace[:, 1, own, 1] += 2_500
     assert module.program_ends(trace)["consumer 1: beyond its tiles (cycles)"]["median"] == 2_500
@@ -333,6 +344,14 @@ def test_the_timeline_leaves_the_outputs_alone_and_runs_forward_in_each_partitio
     # The SM's id, and the global timer at the start and end, for the gaps between programs.
     assert (own[..., 2] >= 0).all() and (own[..., 2] < 1024).all()
     assert (own[..., 4] >= own[..., 3]).all() and (own[..., 3] > 0).all()
+    # Consumer 0's row: the program's entry, then its fork, then the partitions' starts.
+    entry, fork = (
+        stamps[:, 0, decode_gluon.TRACE_TILES, 5],
+        stamps[:, 0, decode_gluon.TRACE_TILES, 6],
+    )
+    assert (
+        (entry > 0).all() and (fork >= entry).all() and (own[..., 3].min(-1).values >= fork).all()
+    )
     assert module.program_ends(stamps)["gap between programs on an SM (ns)"]["n"] >= 0
 
 
