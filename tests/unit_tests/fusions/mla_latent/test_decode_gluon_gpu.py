@@ -232,6 +232,32 @@ def test_any_cu_query_lengths_give_the_documented_output(case, splits):
     run_and_check(step, splits=splits, poison=GUARD)
 
 
+def _many_requests_cu(case, requests):
+    """cu_query_lengths of a decode step of ``requests`` tokens with ``case`` applied past the
+    first rounds of the kernel's request search (``tile_rules.SEQ_BLOCK`` requests a round)."""
+    cu = torch.arange(requests + 1, dtype=torch.int32)
+    if case == "two tokens in a request":  # request 538 empty, 539 holds tokens 538 and 539
+        cu[539] = 538
+    elif case == "decreasing":
+        cu[550], cu[551] = cu[551].item(), cu[550].item()
+    elif case == "padded tail":
+        cu[580:] = 580
+    return cu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", ["decode", "two tokens in a request", "decreasing", "padded tail"])
+def test_steps_of_more_requests_than_a_round_of_the_search(case, splits):
+    """600 requests: a token's request (also one that is not the token's index), its bounds and
+    the lengths' order are found past the search's first rounds of loads."""
+    requests = 600
+    assert requests > 4 * tile_rules.SEQ_BLOCK, "the search must take several rounds"
+    step = decode_step([1 + (7 * r) % 90 for r in range(requests)], 32, block_size=16, seed=5)
+    step.cu_query_lengths.copy_(_many_requests_cu(case, requests))
+    run_and_check(step, splits=splits, poison=GUARD)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("first", [0, 3])
