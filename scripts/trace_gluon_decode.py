@@ -192,22 +192,20 @@ def program_ends(trace: torch.Tensor) -> Dict[str, Dict[str, float]]:
         (clock[..., 1] - clock[..., 0]).double() / (ns[..., 1] - ns[..., 0]).double()
     )
     first, last = ns[..., 0].min(-1).values, ns[..., 1].max(-1).values
+    # Consumer 0's own row also holds the program's entry and fork (global timer, slots 5, 6).
+    entry, fork = own[whole][:, 0, 5], own[whole][:, 0, 6]
     sm = own[whole][:, 0, 2]
-    gaps = []
+    gaps, launch = [], []
     for s in sm.unique():
         order = first[sm == s].argsort()
-        gaps.append(first[sm == s][order][1:] - last[sm == s][order][:-1])
+        before = last[sm == s][order][:-1]  # the previous program's end on the SM
+        gaps.append(first[sm == s][order][1:] - before)
+        launch.append(entry[sm == s][order][1:] - before)
     result["gap between programs on an SM (ns)"] = _stats(torch.cat(gaps))
-    # Consumer 0's own row also holds the program's entry and fork (global timer, slots 5, 6).
-    entry, fork = own[whole][:, 0, 5].double(), own[whole][:, 0, 6].double()
     if (entry >= 0).all() and (fork >= 0).all():
-        launch = []
-        for s in sm.unique():
-            order = first[sm == s].argsort()
-            launch.append(entry[sm == s][order][1:] - last[sm == s][order][:-1].double())
         result["previous program's end to entry (ns)"] = _stats(torch.cat(launch))
         result["entry to fork (ns)"] = _stats(fork - entry)
-        result["fork to the partitions' start (ns)"] = _stats(first.double() - fork)
+        result["fork to the partitions' start (ns)"] = _stats(first - fork)
     span_us = (last.max() - first.min()).double().item() / 1000
     result["launch span (us)"] = {"median": span_us, "p90": span_us, "n": 1}
     return result
@@ -231,8 +229,9 @@ def _row(shape: Sequence[int], variant: str) -> Dict:
     trace.fill_(-1)
     traced(step.kv_cache, step.query, out)
     torch.cuda.synchronize()
-    result = analyse(trace.cpu(), ring["BUFFERS"], ring["ORDER"])
-    result["ends"] = program_ends(trace.cpu())
+    host = trace.cpu()
+    result = analyse(host, ring["BUFFERS"], ring["ORDER"])
+    result["ends"] = program_ends(host)
     # A tile's FLOPs: scores over latent + rope columns, values over the latent ones.
     ideal = 2 * decode_gluon.HEADS_PER_PROGRAM * ring["KEY_TILE"] * (2 * step.latent + step.rope)
     result.update(

@@ -256,6 +256,13 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(slot + one.to(gl.int32) * 0, now, mask=one & (j < _TRACE_TILES))
 
     @gluon.jit
+    def _own_row(trace, dep):
+        """A partition's own row of the timeline as a pointer in ``dep``'s layout, and the mask
+        of the one element that writes it."""
+        one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
+        return trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0, one
+
+    @gluon.jit
     def _stamp_span(trace, AT_END: gl.constexpr, dep, TRACE: gl.constexpr):
         """Write a partition's start (``AT_END`` false) or end into its own row of the timeline:
         the SM clock (slot 0 or 1) and the global timer in ns (slot 3 or 4), and at the start the
@@ -269,8 +276,7 @@ if GLUON_IMPORT_ERROR is None:
             TRACE: whether the timeline is on.
         """
         if TRACE:
-            one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
-            own = trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0
+            own, one = _own_row(trace, dep)
             clock = _clock(dep)
             ns = _clock(dep, GLOBAL=True)
             if AT_END:
@@ -298,8 +304,7 @@ if GLUON_IMPORT_ERROR is None:
             TRACE: whether the timeline is on.
         """
         if TRACE:
-            one = gl.arange(0, dep.shape[0], layout=dep.type.layout) == 0
-            own = trace + _TRACE_TILES * _TRACE_EVENTS + one.to(gl.int32) * 0
+            own, one = _own_row(trace, dep)
             gl.store(own + SLOT, _clock(dep, GLOBAL=True), mask=one)
 
     @gluon.jit
@@ -663,23 +668,15 @@ if GLUON_IMPORT_ERROR is None:
             stage.store(o)
             gl.barrier()  # the partition's warps read rows the others wrote
             rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [_PWARPS, 1], [1, 0])
-            _store_rows(
-                stage.load(rows_layout),
-                out_ptr + split * out_stride_s + token * out_stride_t,
-                head0,
-                num_heads,
-                out_stride_h,
-                COL0,
-            )
-        else:
-            _store_rows(
-                o,
-                out_ptr + split * out_stride_s + token * out_stride_t,
-                head0,
-                num_heads,
-                out_stride_h,
-                COL0,
-            )
+            o = stage.load(rows_layout)
+        _store_rows(
+            o,
+            out_ptr + split * out_stride_s + token * out_stride_t,
+            head0,
+            num_heads,
+            out_stride_h,
+            COL0,
+        )
 
     @gluon.jit
     def _store_rows(o, out_row, head0, num_heads, out_stride_h, COL0: gl.constexpr):
